@@ -1,0 +1,23 @@
+//! kvroute-shared: the contract between the kvroute router and its sidecars.
+//!
+//! - [`keys`]: router block keys (DESIGN.md §1), computed identically from request
+//!   tokens (router) and from engine `BlockStored` events (sidecar);
+//! - [`wire`]: the `/internal/eviction` and `/internal/sync` bodies and the
+//!   OpenAI-shaped error body;
+//! - [`openai`]: the prompt-deciding parts of OpenAI request bodies;
+//! - [`tokenize`]: token ids exactly as vLLM computes them (HF tokenizer + chat
+//!   template).
+//!
+//! No async runtime or HTTP stack here: the simulator, the router, the sidecar
+//! and the benchmarks all depend on it.
+
+pub mod ids;
+pub mod keys;
+pub mod openai;
+#[cfg(feature = "testdata")]
+pub mod testdata;
+pub mod tokenize;
+pub mod wire;
+
+pub use ids::{ModelName, WorkerId};
+pub use keys::{BlockKey, BlockSize, KeyRoot, block_keys};

@@ -1,0 +1,220 @@
+//! The parts of OpenAI completions / chat-completions requests that decide the
+//! prompt's tokens, parsed as vLLM's OpenAI server parses them.
+//!
+//! The router forwards the client's body untouched; this view only tells it
+//! which tokens the engine will see. Unknown fields are ignored (clients send
+//! many), but the fields read here are type-checked and named on error.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::wire::{DecodeError, decode};
+
+/// A completions `prompt`: vLLM accepts text, token ids, or a batch of either.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+    TextBatch(Vec<String>),
+    TokenBatch(Vec<Vec<u32>>),
+}
+
+/// `POST /v1/completions`, as far as the prompt goes.
+#[derive(Clone, Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub model: String,
+    pub prompt: Prompt,
+    #[serde(default)]
+    pub stream: bool,
+    /// vLLM's per-request cache isolation; folded into the key root.
+    #[serde(default)]
+    pub cache_salt: Option<String>,
+    /// vLLM's extension; completions default to `true`.
+    #[serde(default)]
+    pub add_special_tokens: Option<bool>,
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    /// The paper's hint: how many leading tokens form the shared prefix.
+    #[serde(default)]
+    pub prefix_len: Option<u32>,
+}
+
+/// `POST /v1/chat/completions`, as far as the prompt goes.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ChatRequest {
+    pub model: String,
+    pub messages: Vec<Map<String, Value>>,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default)]
+    pub cache_salt: Option<String>,
+    #[serde(default)]
+    pub tools: Option<Vec<Value>>,
+    #[serde(default)]
+    pub documents: Option<Vec<Value>>,
+    /// vLLM's extensions, with vLLM's defaults.
+    #[serde(default)]
+    pub add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    pub continue_final_message: bool,
+    #[serde(default)]
+    pub add_special_tokens: Option<bool>,
+    #[serde(default)]
+    pub chat_template_kwargs: Option<Map<String, Value>>,
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    #[serde(default)]
+    pub max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    pub prefix_len: Option<u32>,
+}
+
+/// Either kind of request, told apart by the endpoint it came to.
+#[derive(Clone, Debug)]
+pub enum PromptRequest {
+    Completion(CompletionRequest),
+    Chat(ChatRequest),
+}
+
+/// Which OpenAI endpoint a body was sent to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    ChatCompletions,
+}
+
+impl Endpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::ChatCompletions => "/v1/chat/completions",
+        }
+    }
+}
+
+impl PromptRequest {
+    /// Parses a body sent to `endpoint`, naming the field at fault.
+    pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Self, DecodeError> {
+        let req = match endpoint {
+            Endpoint::Completions => PromptRequest::Completion(decode(body)?),
+            Endpoint::ChatCompletions => {
+                let chat: ChatRequest = decode(body)?;
+                validate_messages(&chat.messages)?;
+                PromptRequest::Chat(chat)
+            }
+        };
+        if req.model().is_empty() {
+            return Err(DecodeError::new("model", "must not be empty"));
+        }
+        Ok(req)
+    }
+
+    pub fn model(&self) -> &str {
+        match self {
+            PromptRequest::Completion(r) => &r.model,
+            PromptRequest::Chat(r) => &r.model,
+        }
+    }
+
+    pub fn cache_salt(&self) -> Option<&str> {
+        match self {
+            PromptRequest::Completion(r) => r.cache_salt.as_deref(),
+            PromptRequest::Chat(r) => r.cache_salt.as_deref(),
+        }
+    }
+
+    pub fn stream(&self) -> bool {
+        match self {
+            PromptRequest::Completion(r) => r.stream,
+            PromptRequest::Chat(r) => r.stream,
+        }
+    }
+
+    pub fn prefix_len(&self) -> Option<u32> {
+        match self {
+            PromptRequest::Completion(r) => r.prefix_len,
+            PromptRequest::Chat(r) => r.prefix_len,
+        }
+    }
+
+    /// Tokens the engine will generate at most, when the request says.
+    pub fn max_tokens(&self) -> Option<u32> {
+        match self {
+            PromptRequest::Completion(r) => r.max_tokens,
+            PromptRequest::Chat(r) => r.max_completion_tokens.or(r.max_tokens),
+        }
+    }
+}
+
+fn validate_messages(messages: &[Map<String, Value>]) -> Result<(), DecodeError> {
+    if messages.is_empty() {
+        return Err(DecodeError::new("messages", "must hold at least one message"));
+    }
+    for (i, m) in messages.iter().enumerate() {
+        match m.get("role") {
+            Some(Value::String(_)) => {}
+            _ => return Err(DecodeError::new(format!("messages[{i}].role"), "must be a string")),
+        }
+        match m.get("content") {
+            None | Some(Value::Null | Value::String(_)) => {}
+            Some(Value::Array(parts)) => {
+                for (j, p) in parts.iter().enumerate() {
+                    if !p.is_object() && !p.is_string() {
+                        return Err(DecodeError::new(
+                            format!("messages[{i}].content[{j}]"),
+                            "must be a content part object",
+                        ));
+                    }
+                }
+            }
+            Some(_) => {
+                return Err(DecodeError::new(
+                    format!("messages[{i}].content"),
+                    "must be a string, an array of content parts, or null",
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompts_of_every_shape() {
+        for (body, want) in [
+            (r#"{"model":"m","prompt":"hi"}"#, Prompt::Text("hi".into())),
+            (r#"{"model":"m","prompt":[1,2,3]}"#, Prompt::Tokens(vec![1, 2, 3])),
+            (r#"{"model":"m","prompt":["a","b"]}"#, Prompt::TextBatch(vec!["a".into(), "b".into()])),
+            (r#"{"model":"m","prompt":[[1],[2]]}"#, Prompt::TokenBatch(vec![vec![1], vec![2]])),
+        ] {
+            match PromptRequest::parse(Endpoint::Completions, body.as_bytes()).unwrap() {
+                PromptRequest::Completion(c) => assert_eq!(c.prompt, want),
+                PromptRequest::Chat(_) => panic!("completion expected"),
+            }
+        }
+    }
+
+    #[test]
+    fn bad_requests_name_the_field() {
+        let e = PromptRequest::parse(Endpoint::Completions, br#"{"model":"m"}"#).unwrap_err();
+        assert!(e.message.contains("prompt"), "{e}");
+        let e =
+            PromptRequest::parse(Endpoint::Completions, br#"{"model":"m","prompt":"x","stream":"yes"}"#).unwrap_err();
+        assert_eq!(e.field, "stream");
+        let e = PromptRequest::parse(Endpoint::ChatCompletions, br#"{"model":"m","messages":[]}"#).unwrap_err();
+        assert_eq!(e.field, "messages");
+        let e = PromptRequest::parse(
+            Endpoint::ChatCompletions,
+            br#"{"model":"m","messages":[{"role":"user","content":5}]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.field, "messages[0].content");
+        let e = PromptRequest::parse(Endpoint::ChatCompletions, br#"{"model":"","messages":[{"role":"user"}]}"#)
+            .unwrap_err();
+        assert_eq!(e.field, "model");
+    }
+}

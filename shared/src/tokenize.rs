@@ -1,0 +1,267 @@
+//! Prompt tokenization: the token ids vLLM will compute for a request.
+//!
+//! The router keys requests by token ids, so it must tokenize exactly as the
+//! engine does, or no key it computes matches a key the engine reports:
+//! - completions: a text prompt is encoded *with* special tokens (vLLM's
+//!   default, overridable by `add_special_tokens`); a token-id prompt passes
+//!   through unchanged;
+//! - chat: the model's Jinja chat template is rendered (HF semantics, see
+//!   [`chat_template`]) and the text encoded *without* special tokens.
+//!
+//! Without a tokenizer, [`PromptTokenizer::Bytes`] keys the UTF-8 bytes of the
+//! prompt (one "token" per byte). That cannot match a real engine's events; it
+//! exists so a router can still place prefixes consistently (approximate index)
+//! and so the simulator and router agree with no tokenizer files at all.
+
+pub mod chat_template;
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value as Json};
+
+use crate::openai::{ChatRequest, CompletionRequest, Prompt, PromptRequest};
+use chat_template::{ChatOptions, ChatTemplate};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizeError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot load tokenizer {path}: {message}")]
+    Load { path: PathBuf, message: String },
+    #[error("{path} is not valid JSON: {source}")]
+    Config {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("chat template error{}: {message}", line.map(|l| format!(" at template line {l}")).unwrap_or_default())]
+    Template { line: Option<usize>, message: String },
+    #[error("the model has no chat template (looked in tokenizer_config.json and chat_template.jinja)")]
+    NoChatTemplate,
+    #[error("tokenizer failed: {0}")]
+    Encode(String),
+}
+
+/// Tokenizes prompts for one served model.
+#[derive(Debug)]
+pub enum PromptTokenizer {
+    /// A Hugging Face tokenizer (and chat template): exact, matches vLLM.
+    Hf(Box<HfTokenizer>),
+    /// One token per UTF-8 byte: approximate, matches nothing vLLM reports.
+    Bytes,
+}
+
+/// A `tokenizer.json` plus what `tokenizer_config.json` says about chat.
+pub struct HfTokenizer {
+    tokenizer: tokenizers::Tokenizer,
+    chat: Option<ChatTemplate>,
+    dir: PathBuf,
+}
+
+impl std::fmt::Debug for HfTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HfTokenizer").field("dir", &self.dir).field("chat", &self.chat).finish()
+    }
+}
+
+impl PromptTokenizer {
+    /// Loads a model directory: `tokenizer.json` (required) and
+    /// `tokenizer_config.json` / `chat_template.jinja` (optional; without a
+    /// template, chat requests fail with [`TokenizeError::NoChatTemplate`]).
+    pub fn load(dir: &Path) -> Result<Self, TokenizeError> {
+        let tok_path = dir.join("tokenizer.json");
+        let bytes =
+            std::fs::read(&tok_path).map_err(|source| TokenizeError::Read { path: tok_path.clone(), source })?;
+        let tokenizer = tokenizers::Tokenizer::from_bytes(&bytes)
+            .map_err(|e| TokenizeError::Load { path: tok_path.clone(), message: e.to_string() })?;
+
+        let cfg_path = dir.join("tokenizer_config.json");
+        let config: Map<String, Json> = match std::fs::read(&cfg_path) {
+            Ok(b) => {
+                serde_json::from_slice(&b).map_err(|source| TokenizeError::Config { path: cfg_path.clone(), source })?
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Map::new(),
+            Err(source) => return Err(TokenizeError::Read { path: cfg_path, source }),
+        };
+        let chat = match chat_template_source(dir, &config)? {
+            Some(src) => Some(ChatTemplate::new(src, special_tokens(&config))?),
+            None => None,
+        };
+        Ok(PromptTokenizer::Hf(Box::new(HfTokenizer { tokenizer, chat, dir: dir.to_owned() })))
+    }
+
+    /// True when ids equal the engine's (a real tokenizer is loaded).
+    pub fn is_exact(&self) -> bool {
+        matches!(self, PromptTokenizer::Hf(_))
+    }
+
+    /// The token ids the engine will compute for this request's prompt.
+    /// A batch prompt is keyed by its first entry (the whole batch goes to one
+    /// worker).
+    pub fn prompt_tokens(&self, req: &PromptRequest) -> Result<Vec<u32>, TokenizeError> {
+        match req {
+            PromptRequest::Completion(c) => self.completion_tokens(c),
+            PromptRequest::Chat(c) => {
+                let text = self.render_chat(c)?;
+                self.encode(&text, c.add_special_tokens.unwrap_or(false))
+            }
+        }
+    }
+
+    fn completion_tokens(&self, c: &CompletionRequest) -> Result<Vec<u32>, TokenizeError> {
+        let special = c.add_special_tokens.unwrap_or(true);
+        match &c.prompt {
+            Prompt::Text(t) => self.encode(t, special),
+            Prompt::TextBatch(ts) => self.encode(ts.first().map_or("", String::as_str), special),
+            Prompt::Tokens(ids) => Ok(ids.clone()),
+            Prompt::TokenBatch(b) => Ok(b.first().cloned().unwrap_or_default()),
+        }
+    }
+
+    /// The chat prompt text, as `apply_chat_template(..., tokenize=False)`.
+    pub fn render_chat(&self, c: &ChatRequest) -> Result<String, TokenizeError> {
+        let opts = ChatOptions {
+            tools: c.tools.as_deref(),
+            documents: c.documents.as_deref(),
+            add_generation_prompt: c.add_generation_prompt.unwrap_or(true),
+            continue_final_message: c.continue_final_message,
+            kwargs: c.chat_template_kwargs.as_ref(),
+        };
+        match self {
+            PromptTokenizer::Hf(hf) => {
+                hf.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?.render(&c.messages, &opts)
+            }
+            PromptTokenizer::Bytes => Ok(render_plain(&c.messages, opts.add_generation_prompt)),
+        }
+    }
+
+    /// Encodes text; `add_special_tokens` as in HF `encode`.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        match self {
+            PromptTokenizer::Hf(hf) => hf
+                .tokenizer
+                .encode_fast(text, add_special_tokens)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| TokenizeError::Encode(e.to_string())),
+            PromptTokenizer::Bytes => Ok(text.bytes().map(u32::from).collect()),
+        }
+    }
+}
+
+/// `chat_template` from the config (a string, or HF's list of named templates:
+/// "default" is taken), else a `chat_template.jinja` file beside it.
+fn chat_template_source(dir: &Path, config: &Map<String, Json>) -> Result<Option<String>, TokenizeError> {
+    match config.get("chat_template") {
+        Some(Json::String(s)) => return Ok(Some(s.clone())),
+        Some(Json::Array(named)) => {
+            let pick = named
+                .iter()
+                .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
+                .or_else(|| named.first());
+            if let Some(src) = pick.and_then(|t| t.get("template")).and_then(Json::as_str) {
+                return Ok(Some(src.to_owned()));
+            }
+        }
+        _ => {}
+    }
+    let path = dir.join("chat_template.jinja");
+    match std::fs::read_to_string(&path) {
+        Ok(s) => Ok(Some(s)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(TokenizeError::Read { path, source }),
+    }
+}
+
+/// HF passes its special-tokens map to the template: `bos_token`, `eos_token`,
+/// `unk_token`, `pad_token` as strings (an AddedToken object gives its
+/// `content`), and `additional_special_tokens`.
+fn special_tokens(config: &Map<String, Json>) -> Map<String, Json> {
+    let mut out = Map::new();
+    for name in ["bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"] {
+        let s = match config.get(name) {
+            Some(Json::String(s)) => Some(s.clone()),
+            Some(Json::Object(o)) => o.get("content").and_then(Json::as_str).map(str::to_owned),
+            _ => None,
+        };
+        if let Some(s) = s {
+            out.insert(name.into(), Json::String(s));
+        }
+    }
+    if let Some(extra) = config.get("additional_special_tokens") {
+        out.insert("additional_special_tokens".into(), extra.clone());
+    }
+    out
+}
+
+/// The approximate mode's chat rendering: role and text, nothing model-specific.
+fn render_plain(messages: &[Map<String, Json>], add_generation_prompt: bool) -> String {
+    let mut out = String::new();
+    for m in messages {
+        let role = m.get("role").and_then(Json::as_str).unwrap_or("");
+        out.push_str("<|");
+        out.push_str(role);
+        out.push_str("|>\n");
+        match m.get("content") {
+            Some(Json::String(s)) => out.push_str(s),
+            Some(Json::Array(parts)) => {
+                let texts: Vec<&str> = parts.iter().filter_map(|p| p.get("text").and_then(Json::as_str)).collect();
+                out.push_str(&texts.join("\n"));
+            }
+            _ => {}
+        }
+        out.push('\n');
+    }
+    if add_generation_prompt {
+        out.push_str("<|assistant|>\n");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::openai::Endpoint;
+
+    #[test]
+    fn missing_tokenizer_names_the_path() {
+        let err = PromptTokenizer::load(Path::new("/nonexistent/model")).unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/model/tokenizer.json"), "{err}");
+    }
+
+    #[test]
+    fn corrupt_tokenizer_names_the_path() {
+        let dir = std::env::temp_dir().join(format!("kvroute-bad-tok-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("tokenizer.json"), b"{\"not\": \"a tokenizer\"}").unwrap();
+        let err = PromptTokenizer::load(&dir).unwrap_err();
+        assert!(matches!(err, TokenizeError::Load { .. }), "{err:?}");
+        assert!(err.to_string().contains("tokenizer.json"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn byte_mode_is_deterministic_and_passes_token_ids_through() {
+        let t = PromptTokenizer::Bytes;
+        let req = PromptRequest::parse(Endpoint::Completions, br#"{"model":"m","prompt":"ab"}"#).unwrap();
+        assert_eq!(t.prompt_tokens(&req).unwrap(), vec![97, 98]);
+        let req = PromptRequest::parse(Endpoint::Completions, br#"{"model":"m","prompt":[7,8,9]}"#).unwrap();
+        assert_eq!(t.prompt_tokens(&req).unwrap(), vec![7, 8, 9]);
+        let req = PromptRequest::parse(
+            Endpoint::ChatCompletions,
+            br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            t.render_chat(match &req {
+                PromptRequest::Chat(c) => c,
+                _ => unreachable!(),
+            })
+            .unwrap(),
+            "<|user|>\nhi\n<|assistant|>\n"
+        );
+    }
+}

@@ -1,0 +1,292 @@
+//! Renders a model's Jinja chat template with Hugging Face `apply_chat_template`
+//! semantics, as vLLM does before tokenizing a chat request.
+//!
+//! HF renders with `jinja2` (`trim_blocks`, `lstrip_blocks`, loop controls) and
+//! adds `raise_exception`, `strftime_now` and a `tojson` that is Python's
+//! `json.dumps` (`", "`/`": "` separators, no ASCII escaping, no HTML
+//! escaping) — minijinja's own `tojson` is compact and HTML-safe, so it is
+//! replaced. Python string methods (`startswith`, `split`, `strip`, …) come from
+//! minijinja-contrib's pycompat layer.
+
+use minijinja::syntax::SyntaxConfig;
+use minijinja::value::{Kwargs, Value};
+use minijinja::{Environment, Error, ErrorKind};
+use serde_json::{Map, Value as Json};
+
+use super::TokenizeError;
+
+const TEMPLATE_NAME: &str = "chat_template";
+
+/// A compiled chat template with the special tokens it may refer to.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    /// `bos_token`, `eos_token`, … from `tokenizer_config.json`.
+    special_tokens: Map<String, Json>,
+    /// vLLM passes content as a plain string unless the template iterates over
+    /// content parts (its "openai" content format).
+    content_as_parts: bool,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate").field("content_as_parts", &self.content_as_parts).finish()
+    }
+}
+
+/// What `apply_chat_template` receives besides the messages.
+#[derive(Debug, Default)]
+pub struct ChatOptions<'a> {
+    pub tools: Option<&'a [Json]>,
+    pub documents: Option<&'a [Json]>,
+    pub add_generation_prompt: bool,
+    pub continue_final_message: bool,
+    pub kwargs: Option<&'a Map<String, Json>>,
+}
+
+impl ChatTemplate {
+    pub fn new(source: String, special_tokens: Map<String, Json>) -> Result<Self, TokenizeError> {
+        let mut env = Environment::new();
+        let syntax =
+            SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build().map_err(|e| template_error(&e))?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
+        env.set_formatter(python_formatter);
+        let content_as_parts = iterates_content_parts(&source);
+        env.add_template_owned(TEMPLATE_NAME, source).map_err(|e| template_error(&e))?;
+        Ok(ChatTemplate { env, special_tokens, content_as_parts })
+    }
+
+    /// Renders `messages` to the prompt text.
+    pub fn render(&self, messages: &[Map<String, Json>], opts: &ChatOptions<'_>) -> Result<String, TokenizeError> {
+        let messages: Vec<Json> = messages.iter().map(|m| self.normalize_message(m)).collect();
+        let mut ctx = self.special_tokens.clone();
+        ctx.insert("messages".into(), Json::Array(messages.clone()));
+        ctx.insert("tools".into(), opts.tools.map_or(Json::Null, |t| Json::Array(t.to_vec())));
+        ctx.insert("documents".into(), opts.documents.map_or(Json::Null, |d| Json::Array(d.to_vec())));
+        ctx.insert("add_generation_prompt".into(), Json::Bool(opts.add_generation_prompt));
+        if let Some(kw) = opts.kwargs {
+            for (k, v) in kw {
+                ctx.insert(k.clone(), v.clone());
+            }
+        }
+        let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(|e| template_error(&e))?;
+        let mut out = tmpl.render(Value::from(minijinja::value::Serde(&ctx))).map_err(|e| template_error(&e))?;
+        if opts.continue_final_message {
+            truncate_after_final_message(&mut out, messages.last())?;
+        }
+        Ok(out)
+    }
+
+    /// vLLM's message post-processing: text content parts joined by newlines
+    /// (for string-content templates), tool-call arguments parsed from JSON.
+    fn normalize_message(&self, m: &Map<String, Json>) -> Json {
+        let mut m = m.clone();
+        if let Some(Json::Array(parts)) = m.get("content") {
+            let texts = parts.iter().filter_map(|p| match p {
+                Json::String(s) => Some(s.as_str()),
+                Json::Object(o) => o.get("text").and_then(Json::as_str),
+                _ => None,
+            });
+            let content = if self.content_as_parts {
+                Json::Array(texts.map(|t| serde_json::json!({"type": "text", "text": t})).collect())
+            } else {
+                Json::String(texts.collect::<Vec<_>>().join("\n"))
+            };
+            m.insert("content".into(), content);
+        }
+        if let Some(Json::Array(calls)) = m.get_mut("tool_calls") {
+            for call in calls {
+                if let Some(Json::Object(f)) = call.get_mut("function")
+                    && let Some(Json::String(args)) = f.get("arguments")
+                    && let Ok(parsed @ Json::Object(_)) = serde_json::from_str::<Json>(args)
+                {
+                    f.insert("arguments".into(), parsed);
+                }
+            }
+        }
+        Json::Object(m)
+    }
+}
+
+/// vLLM's heuristic: does the template loop over `message['content']`?
+fn iterates_content_parts(source: &str) -> bool {
+    let squashed: String = source.split_whitespace().collect::<Vec<_>>().join(" ");
+    ["in message['content']", "in message[\"content\"]", "in message.content", "in content "]
+        .iter()
+        .any(|p| squashed.contains(p))
+}
+
+/// HF: with `continue_final_message`, the prompt ends right after the final
+/// message's content, so the model continues it.
+fn truncate_after_final_message(out: &mut String, last: Option<&Json>) -> Result<(), TokenizeError> {
+    let content = last.and_then(|m| m.get("content")).and_then(Json::as_str).unwrap_or("");
+    let needle = content.trim();
+    match out.rfind(needle) {
+        Some(at) if !needle.is_empty() => {
+            out.truncate(at + needle.len());
+            Ok(())
+        }
+        _ => Err(TokenizeError::Template {
+            line: None,
+            message: "continue_final_message: the final message's content is not in the rendered prompt".into(),
+        }),
+    }
+}
+
+/// Prints values as Jinja2 on Python does: `None`, `True`, `False`.
+fn python_formatter(
+    out: &mut minijinja::Output<'_>,
+    state: &mut minijinja::State<'_, '_>,
+    value: &Value,
+) -> Result<(), Error> {
+    if value.is_none() {
+        return out.write_str("None").map_err(Error::from);
+    }
+    if value.kind() == minijinja::value::ValueKind::Bool {
+        return out.write_str(if value.is_true() { "True" } else { "False" }).map_err(Error::from);
+    }
+    minijinja::escape_formatter(out, state, value)
+}
+
+fn raise_exception(message: String) -> Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, message))
+}
+
+fn strftime_now(format: String) -> String {
+    chrono::Local::now().format(&format).to_string()
+}
+
+/// Python's `json.dumps(x, ensure_ascii=False, indent=indent)`.
+fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let _: Option<bool> = kwargs.get("ensure_ascii")?;
+    kwargs.assert_all_used()?;
+    let json =
+        serde_json::to_value(value).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut out = String::new();
+    python_dumps(&json, indent, sort_keys.unwrap_or(false), 0, &mut out);
+    Ok(Value::from_safe_string(out))
+}
+
+fn python_dumps(v: &Json, indent: Option<usize>, sort: bool, depth: usize, out: &mut String) {
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.extend(std::iter::repeat_n(' ', n * depth));
+        }
+    };
+    let item_sep = if indent.is_some() { "," } else { ", " };
+    match v {
+        Json::Array(items) if !items.is_empty() => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, depth + 1);
+                python_dumps(item, indent, sort, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        Json::Object(map) if !map.is_empty() => {
+            let mut entries: Vec<_> = map.iter().collect();
+            if sort {
+                entries.sort_by(|a, b| a.0.cmp(b.0));
+            }
+            out.push('{');
+            for (i, (k, item)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, depth + 1);
+                out.push_str(&Json::String(k.clone()).to_string());
+                out.push_str(": ");
+                python_dumps(item, indent, sort, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        // Scalars, `[]` and `{}` print as serde_json prints them, which for
+        // strings (escapes), integers and finite floats matches Python.
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+pub(super) fn template_error(e: &Error) -> TokenizeError {
+    let mut message = e.kind().to_string();
+    if let Some(detail) = e.detail() {
+        message = format!("{message}: {detail}");
+    }
+    TokenizeError::Template { line: e.line(), message }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn render(src: &str, msgs: Json) -> Result<String, TokenizeError> {
+        let t = ChatTemplate::new(src.into(), Map::new())?;
+        let msgs: Vec<Map<String, Json>> = serde_json::from_value(msgs).unwrap();
+        t.render(&msgs, &ChatOptions { add_generation_prompt: true, ..Default::default() })
+    }
+
+    #[test]
+    fn tojson_is_pythons_json_dumps() {
+        let out = render(
+            "{{ messages[0].x | tojson }}|{{ messages[0].x | tojson(indent=2) }}",
+            serde_json::json!([{"role": "user", "x": {"b": [1, 2.5, "é<"], "a": {}}}]),
+        )
+        .unwrap();
+        assert_eq!(
+            out,
+            "{\"b\": [1, 2.5, \"é<\"], \"a\": {}}|{\n  \"b\": [\n    1,\n    2.5,\n    \"é<\"\n  ],\n  \"a\": {}\n}"
+        );
+    }
+
+    #[test]
+    fn raise_exception_reports_message_and_line() {
+        let err =
+            render("ok\n{{ raise_exception('no system role') }}", serde_json::json!([{"role": "user"}])).unwrap_err();
+        match err {
+            TokenizeError::Template { line, message } => {
+                assert_eq!(line, Some(2));
+                assert!(message.contains("no system role"), "{message}");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn syntax_error_names_the_line() {
+        let err = ChatTemplate::new("line one\n{% if %}".into(), Map::new()).unwrap_err();
+        assert!(matches!(err, TokenizeError::Template { line: Some(2), .. }), "{err:?}");
+    }
+
+    #[test]
+    fn content_parts_join_with_newlines_and_tool_args_parse() {
+        let out = render(
+            "{% for m in messages %}{{ m.content }}{% if m.tool_calls %}{{ m.tool_calls[0].function.arguments.q }}{% endif %};{% endfor %}",
+            serde_json::json!([
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": null, "tool_calls": [{"function": {"name": "f", "arguments": "{\"q\": 7}"}}]}
+            ]),
+        )
+        .unwrap();
+        assert_eq!(out, "a\nb;None7;");
+    }
+
+    #[test]
+    fn trims_blocks_like_hf() {
+        let out = render(
+            "{% for m in messages %}\n  {% if true %}\n{{ m.role }}\n  {% endif %}\n{% endfor %}",
+            serde_json::json!([{"role": "user"}]),
+        )
+        .unwrap();
+        assert_eq!(out, "user\n");
+    }
+}

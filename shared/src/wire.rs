@@ -1,0 +1,287 @@
+//! The router ⇄ sidecar wire protocol (DESIGN.md §2), and the OpenAI-shaped
+//! error body both binaries answer with.
+//!
+//! Every body is JSON; block keys travel as 16-character hex strings. Decoding
+//! goes through [`decode`], which names the offending field on failure so a
+//! 400 tells the sender exactly what to fix.
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{ModelName, WorkerId};
+use crate::keys::{BlockKey, BlockSize};
+
+/// Path of the fast-path endpoint (evictions and stores, every 100 ms).
+pub const EVICTION_PATH: &str = "/internal/eviction";
+/// Path of the slow-path endpoint (full snapshot, every 5 s).
+pub const SYNC_PATH: &str = "/internal/sync";
+
+/// Longest worker id accepted; ids become metric labels and log fields.
+pub const MAX_WORKER_ID_LEN: usize = 128;
+
+/// Engine load as vLLM's metrics report it, carried on every push.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Load {
+    /// `vllm:num_requests_running`
+    #[serde(default)]
+    pub running: u32,
+    /// `vllm:num_requests_waiting`
+    #[serde(default)]
+    pub waiting: u32,
+    /// `vllm:kv_cache_usage_perc`, 0.0 ..= 1.0
+    #[serde(default)]
+    pub kv_usage: f64,
+}
+
+/// `POST /internal/eviction`: what changed on one worker since the last batch.
+///
+/// `{"worker_id", "evicted_hashes"}` alone is valid (the paper's shape).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvictionBatch {
+    pub worker_id: WorkerId,
+    /// Changes when the sidecar or its engine restarts; `seq` restarts with it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq: Option<u64>,
+    #[serde(default)]
+    pub evicted_hashes: Vec<BlockKey>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stored_hashes: Vec<BlockKey>,
+    /// The engine dropped everything; applied before the two lists.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cleared: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load: Option<Load>,
+}
+
+/// `POST /internal/sync`: one worker's complete key set, and its registration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SyncSnapshot {
+    pub worker_id: WorkerId,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq: Option<u64>,
+    /// When the snapshot was taken (ms since the Unix epoch): speculative entries
+    /// the router made after this are kept, their prefill may still be running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub as_of_ms: Option<u64>,
+    /// Where routers send this worker's requests.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    #[serde(default)]
+    pub models: Vec<ModelName>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<BlockSize>,
+    pub hashes: Vec<BlockKey>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load: Option<Load>,
+}
+
+/// The router's answer to every internal call.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InternalAck {
+    /// Changes when the router restarts: a sidecar that sees a new epoch sends a
+    /// full sync at once.
+    pub router_epoch: String,
+    pub outcome: AckOutcome,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AckOutcome {
+    Applied,
+    /// A reordered or duplicated batch (`seq` not newer within the epoch): ignored.
+    Stale,
+    /// The router does not know this worker yet: send a sync first.
+    UnknownWorker,
+}
+
+/// OpenAI's error shape: `{"error": {"message", "type", "code"}}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The HTTP status, as vLLM and OpenAI put it.
+    pub code: u16,
+    /// The request field at fault, when one is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub param: Option<String>,
+}
+
+impl ErrorBody {
+    pub fn new(code: u16, kind: &str, message: impl Into<String>) -> Self {
+        ErrorBody { error: ErrorDetail { message: message.into(), kind: kind.to_owned(), code, param: None } }
+    }
+
+    pub fn with_param(mut self, param: impl Into<String>) -> Self {
+        self.error.param = Some(param.into());
+        self
+    }
+}
+
+/// A body that could not be decoded, with the path of the field at fault
+/// (`evicted_hashes[3]`, `load.kv_usage`; `.` for the body itself).
+#[derive(Debug, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct DecodeError {
+    pub field: String,
+    pub message: String,
+}
+
+impl DecodeError {
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        DecodeError { field: field.into(), message: message.into() }
+    }
+}
+
+/// Decodes a JSON body, naming the field that failed.
+pub fn decode<T: DeserializeOwned>(body: &[u8]) -> Result<T, DecodeError> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        // serde_path_to_error says "?" when no field was reached (a syntax error).
+        let path = match e.path().to_string() {
+            p if p == "?" => ".".to_owned(),
+            p => p,
+        };
+        let inner = e.into_inner();
+        // serde_json appends " at line 1 column 42": useful for syntax errors,
+        // noise once the field is named.
+        let mut message = inner.to_string();
+        if path != "."
+            && let Some(at) = message.rfind(" at line ")
+        {
+            message.truncate(at);
+        }
+        DecodeError::new(path, message)
+    })
+}
+
+/// Checks that hold across fields and that serde cannot express.
+pub trait Validate {
+    fn validate(&self) -> Result<(), DecodeError>;
+}
+
+fn validate_worker_id(id: &WorkerId) -> Result<(), DecodeError> {
+    let s = id.as_str();
+    if s.is_empty() || s.len() > MAX_WORKER_ID_LEN {
+        return Err(DecodeError::new("worker_id", format!("must be 1 to {MAX_WORKER_ID_LEN} bytes")));
+    }
+    if !s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':')) {
+        return Err(DecodeError::new("worker_id", "may hold only ASCII letters, digits and - _ . :"));
+    }
+    Ok(())
+}
+
+fn validate_load(load: &Option<Load>) -> Result<(), DecodeError> {
+    match load {
+        Some(l) if !(0.0..=1.0).contains(&l.kv_usage) => {
+            Err(DecodeError::new("load.kv_usage", "must be between 0.0 and 1.0"))
+        }
+        _ => Ok(()),
+    }
+}
+
+fn validate_epoch(epoch: &Option<String>) -> Result<(), DecodeError> {
+    match epoch {
+        Some(e) if e.is_empty() || e.len() > 64 => Err(DecodeError::new("epoch", "must be 1 to 64 bytes")),
+        _ => Ok(()),
+    }
+}
+
+impl Validate for EvictionBatch {
+    fn validate(&self) -> Result<(), DecodeError> {
+        validate_worker_id(&self.worker_id)?;
+        validate_epoch(&self.epoch)?;
+        validate_load(&self.load)
+    }
+}
+
+impl Validate for SyncSnapshot {
+    fn validate(&self) -> Result<(), DecodeError> {
+        validate_worker_id(&self.worker_id)?;
+        validate_epoch(&self.epoch)?;
+        validate_load(&self.load)?;
+        if let Some(url) = &self.url
+            && !(url.starts_with("http://") || url.starts_with("https://"))
+        {
+            return Err(DecodeError::new("url", "must be an http:// or https:// URL"));
+        }
+        for (i, m) in self.models.iter().enumerate() {
+            if m.as_str().is_empty() {
+                return Err(DecodeError::new(format!("models[{i}]"), "must not be empty"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Decodes and validates in one step.
+pub fn decode_valid<T: DeserializeOwned + Validate>(body: &[u8]) -> Result<T, DecodeError> {
+    let v: T = decode(body)?;
+    v.validate()?;
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn papers_minimal_eviction_body_is_valid() {
+        let b: EvictionBatch = decode_valid(br#"{"worker_id":"w1","evicted_hashes":["9e3779b97f4a7c15"]}"#).unwrap();
+        assert_eq!(b.worker_id.as_str(), "w1");
+        assert_eq!(b.evicted_hashes, vec![BlockKey(0x9e3779b97f4a7c15)]);
+        assert!(!b.cleared && b.stored_hashes.is_empty() && b.seq.is_none());
+    }
+
+    #[test]
+    fn full_eviction_body_round_trips() {
+        let body = br#"{"worker_id":"w1","epoch":"b5e1","seq":42,
+            "evicted_hashes":["9e3779b97f4a7c15"],"stored_hashes":["3c6ef372fe94f82a"],
+            "cleared":false,"load":{"running":3,"waiting":0,"kv_usage":0.41}}"#;
+        let b: EvictionBatch = decode_valid(body).unwrap();
+        assert_eq!(b.seq, Some(42));
+        assert_eq!(b.load.unwrap().running, 3);
+        let again: EvictionBatch = decode_valid(serde_json::to_vec(&b).unwrap().as_slice()).unwrap();
+        assert_eq!(again, b);
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let e = decode_valid::<EvictionBatch>(br#"{"worker_id":"w1","evicted_hashes":["00","zz"]}"#).unwrap_err();
+        assert_eq!(e.field, "evicted_hashes[0]");
+        let e = decode_valid::<SyncSnapshot>(br#"{"worker_id":"w1"}"#).unwrap_err();
+        assert!(e.message.contains("hashes"), "{e}");
+        let e = decode_valid::<SyncSnapshot>(br#"{"worker_id":"w1","hashes":[],"block_size":0}"#).unwrap_err();
+        assert_eq!(e.field, "block_size");
+        let e = decode_valid::<SyncSnapshot>(br#"{"worker_id":"w 1","hashes":[]}"#).unwrap_err();
+        assert_eq!(e.field, "worker_id");
+        let e = decode_valid::<EvictionBatch>(br#"{"worker_id":"w","evicted_hashes":[],"load":{"kv_usage":7}}"#)
+            .unwrap_err();
+        assert_eq!(e.field, "load.kv_usage");
+        let e = decode_valid::<EvictionBatch>(br#"{"worker_id":"w","evicted":[]}"#).unwrap_err();
+        assert!(e.message.contains("unknown field"), "{e}");
+        let e = decode_valid::<EvictionBatch>(b"{not json").unwrap_err();
+        assert_eq!(e.field, ".");
+    }
+
+    #[test]
+    fn error_body_is_openai_shaped() {
+        let v = serde_json::to_value(ErrorBody::new(400, "invalid_request_error", "bad").with_param("model")).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"error":{"message":"bad","type":"invalid_request_error","code":400,"param":"model"}})
+        );
+    }
+}
