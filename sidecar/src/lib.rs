@@ -1,1 +1,186 @@
-//! placeholder
+//! kvroute-sidecar: runs beside one vLLM worker, follows its KV-cache events
+//! over ZMQ, translates engine block hashes into router block keys
+//! (DESIGN.md §1) and pushes the worker's key set to every router replica
+//! (DESIGN.md §2): net deltas every fast interval, full syncs every sync
+//! interval, load from the engine's metrics on every push.
+//!
+//! Layout: [`decode`] (vLLM's wire format) → [`translate`] (engine hash → key,
+//! refcounts) → [`coalesce`] (per-router net delta) inside [`state`];
+//! [`subscribe`] + [`replay`] feed it, [`push`] + [`supervisor`] drain it;
+//! [`engine`] + [`load`] + [`snapshot`] talk to the engine; [`http`] serves
+//! `/health` and `/metrics`.
+
+pub mod cli;
+pub mod coalesce;
+pub mod config;
+pub mod decode;
+pub mod engine;
+pub mod http;
+pub mod load;
+pub mod metrics;
+pub mod push;
+pub mod replay;
+pub mod routers;
+pub mod snapshot;
+pub mod state;
+pub mod subscribe;
+pub mod supervisor;
+pub mod translate;
+
+use std::future::Future;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use kvroute_shared::{BlockSize, ModelName};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, info, info_span, warn};
+
+pub use config::{Config, RawConfig};
+
+use crate::engine::{EngineClient, EngineView};
+use crate::metrics::Metrics;
+use crate::push::Pusher;
+use crate::state::WorkerState;
+use crate::subscribe::RankSource;
+use crate::supervisor::Supervisor;
+use crate::translate::{Rank, Translator};
+
+/// The sidecar could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("cannot build the HTTP client")]
+    HttpClient(#[source] reqwest::Error),
+    #[error("the /health and /metrics server failed")]
+    Serve(#[source] std::io::Error),
+}
+
+/// Runs the sidecar until `shutdown` resolves: serves `/health` and `/metrics`
+/// on `listener`, follows the engine's events and pushes to the routers.
+pub async fn run(
+    listener: TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), RunError> {
+    let metrics = Arc::new(Metrics::new());
+    let worker_slot = Arc::new(OnceLock::new());
+    let cancel = CancellationToken::new();
+    let app = http::app(http::AppState {
+        worker_id: config.worker_id.clone(),
+        metrics: metrics.clone(),
+        worker: worker_slot.clone(),
+    });
+    let server_cancel = cancel.clone();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app).with_graceful_shutdown(server_cancel.cancelled_owned()).await
+    });
+
+    let http = reqwest::Client::builder().build().map_err(RunError::HttpClient)?;
+    let engine = EngineClient::new(http.clone(), config.engine_url.clone());
+    tokio::pin!(shutdown);
+    let running = tokio::select! {
+        () = &mut shutdown => {
+            cancel.cancel();
+            return finish(server).await;
+        }
+        r = start(&config, engine, http, metrics, &cancel) => r,
+    };
+    let _ = worker_slot.set(running.state.clone());
+    info!(worker.id = %config.worker_id, "sidecar running");
+    shutdown.await;
+    info!("shutting down");
+    cancel.cancel();
+    for task in running.tasks {
+        let _ = task.await;
+    }
+    finish(server).await
+}
+
+struct Running {
+    state: Arc<WorkerState>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// Learns what only the engine knows, then starts every task.
+async fn start(
+    config: &Config,
+    engine: EngineClient,
+    http: reqwest::Client,
+    metrics: Arc<Metrics>,
+    cancel: &CancellationToken,
+) -> Running {
+    let (base_model, models) = match &config.model {
+        Some(m) => {
+            let models = engine.models().await.unwrap_or_else(|_| vec![m.clone()]);
+            (m.clone(), models)
+        }
+        None => discover_models(&engine).await,
+    };
+    let block_size = match config.block_size {
+        Some(b) => b,
+        None => engine.block_size().await.unwrap_or_else(|| {
+            warn!("engine did not report its block size; assuming 16");
+            BlockSize::DEFAULT
+        }),
+    };
+    info!(model = %base_model, block_size = block_size.get(), "engine facts");
+    let translator = Translator::new(base_model, block_size, metrics.translate.clone());
+    let state = Arc::new(WorkerState::new(translator, metrics.clone(), config.max_pending_changes));
+    let view = Arc::new(EngineView::new(models));
+    let mut tasks = Vec::new();
+    for rank in 0..config.data_parallel_size {
+        let source = RankSource {
+            rank: Rank(rank),
+            events: config.events.for_rank(rank),
+            replay: config.replay.as_ref().map(|r| r.for_rank(rank)),
+            topic: config.topic.clone(),
+        };
+        let span = info_span!("subscribe", rank);
+        tasks.push(tokio::spawn(subscribe::run(source, state.clone(), cancel.clone()).instrument(span)));
+    }
+    tasks.push(tokio::spawn(engine::watch(engine, view.clone(), metrics, config.sync_interval, cancel.clone())));
+    let pusher = Arc::new(Pusher {
+        http,
+        token: config.internal_token.clone(),
+        worker_id: config.worker_id.clone(),
+        advertise_url: config.advertise_url.clone(),
+        block_size,
+        engine: view,
+        state: state.clone(),
+        fast_interval: config.fast_interval,
+    });
+    let supervisor = Supervisor {
+        router_urls: config.routers.clone(),
+        snapshot_endpoints: match &config.engine_snapshot {
+            Some(ep) => (0..config.data_parallel_size).map(|r| (Rank(r), ep.for_rank(r))).collect(),
+            None => Vec::new(),
+        },
+        sync_interval: config.sync_interval,
+        pusher,
+        state: state.clone(),
+    };
+    tasks.push(tokio::spawn(supervisor.run(cancel.clone()).instrument(info_span!("supervisor"))));
+    Running { state, tasks }
+}
+
+/// Waits for the engine to list its models (it may still be loading weights).
+async fn discover_models(engine: &EngineClient) -> (ModelName, Vec<ModelName>) {
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        match engine.models().await {
+            Ok(models) => return (models[0].clone(), models),
+            Err(e) => {
+                warn!(error = %e, "waiting for the engine to list its models");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}
+
+async fn finish(server: tokio::task::JoinHandle<std::io::Result<()>>) -> Result<(), RunError> {
+    match server.await {
+        Ok(r) => r.map_err(RunError::Serve),
+        Err(_) => Ok(()),
+    }
+}

@@ -1,1 +1,69 @@
-fn main() {}
+//! kvroute-sidecar binary: flags, config file and `KVROUTE_SIDECAR_*` env into a
+//! validated config, telemetry, bind, then [`kvroute_sidecar::run`].
+
+use anyhow::Context;
+use clap::Parser;
+use kvroute_sidecar::RawConfig;
+use kvroute_sidecar::cli::Cli;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let mut cli = Cli::parse();
+    let mut layers = config::Config::builder();
+    if let Some(path) = cli.config.take() {
+        layers = layers.add_source(config::File::from(path));
+    }
+    let lower: RawConfig = layers
+        .add_source(
+            config::Environment::with_prefix("KVROUTE_SIDECAR")
+                .try_parsing(true)
+                .list_separator(",")
+                .with_list_parse_key("router"),
+        )
+        .build()
+        .context("reading the config file and KVROUTE_SIDECAR_* environment")?
+        .try_deserialize()
+        .context("invalid config file or KVROUTE_SIDECAR_* environment")?;
+    let raw = cli.into_raw().or(lower);
+    let listen = raw.listen.clone().unwrap_or_else(|| "127.0.0.1:9100".into());
+    let config = raw.validate(&hostname())?;
+    let listener = tokio::net::TcpListener::bind(&listen).await.with_context(|| format!("binding {listen}"))?;
+    // Tools parse this line to find the bound port (with --listen 127.0.0.1:0).
+    println!("listening on http://{}", listener.local_addr()?);
+    kvroute_sidecar::run(listener, config, shutdown_signal()).await?;
+    Ok(())
+}
+
+fn hostname() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "sidecar".into())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}

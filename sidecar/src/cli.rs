@@ -1,0 +1,87 @@
+//! Command-line flags. Each maps onto a [`RawConfig`] field; flags win over the
+//! environment (`KVROUTE_SIDECAR_*`) and the config file, which `main` reads.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+
+use crate::config::RawConfig;
+
+/// kvroute-sidecar: vLLM KV-cache events → kvroute routers.
+#[derive(Debug, Parser)]
+#[command(name = "kvroute-sidecar", version)]
+pub struct Cli {
+    /// Config file (TOML; keys as the flags with `_`, e.g. `sync_interval = "5s"`).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// This worker's id as routers know it [default: hostname].
+    #[arg(long)]
+    pub worker_id: Option<String>,
+    /// vLLM's HTTP base URL [default: http://127.0.0.1:8000].
+    #[arg(long)]
+    pub engine_url: Option<String>,
+    /// URL routers should send requests to [default: the engine URL].
+    #[arg(long)]
+    pub advertise_url: Option<String>,
+    /// Base model name [default: the first model of the engine's /v1/models].
+    #[arg(long)]
+    pub model: Option<String>,
+    /// vLLM's KV-event PUB endpoint, tcp://HOST:PORT.
+    #[arg(long)]
+    pub events: Option<String>,
+    /// vLLM's replay (ROUTER) endpoint, tcp://HOST:PORT.
+    #[arg(long)]
+    pub replay: Option<String>,
+    /// ZMQ topic to subscribe to; empty = all [default: kv-events].
+    #[arg(long)]
+    pub topic: Option<String>,
+    /// Data-parallel ranks: subscribe to base port + rank for each [default: 1].
+    #[arg(long)]
+    pub data_parallel_size: Option<u32>,
+    /// Router base URL (repeatable; a DNS name means all its addresses).
+    #[arg(long)]
+    pub router: Vec<String>,
+    /// Bearer token for the routers' /internal endpoints.
+    #[arg(long)]
+    pub internal_token: Option<String>,
+    /// Eviction push interval [default: 100ms].
+    #[arg(long, value_parser = humantime_serde::re::humantime::parse_duration)]
+    pub fast_interval: Option<Duration>,
+    /// Full sync interval [default: 5s].
+    #[arg(long, value_parser = humantime_serde::re::humantime::parse_duration)]
+    pub sync_interval: Option<Duration>,
+    /// Engine block size [default: vllm:cache_config_info's block_size, else 16].
+    #[arg(long)]
+    pub block_size: Option<u32>,
+    /// Address for /health and /metrics [default: 127.0.0.1:9100].
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// The vLLM plugin's snapshot endpoint (kvroute_hooks), tcp://HOST:PORT.
+    #[arg(long)]
+    pub engine_snapshot: Option<String>,
+}
+
+impl Cli {
+    /// The flags as a config layer (the `config` flag itself is not part of it).
+    pub fn into_raw(self) -> RawConfig {
+        RawConfig {
+            worker_id: self.worker_id,
+            engine_url: self.engine_url,
+            advertise_url: self.advertise_url,
+            model: self.model,
+            events: self.events,
+            replay: self.replay,
+            topic: self.topic,
+            data_parallel_size: self.data_parallel_size,
+            router: self.router,
+            internal_token: self.internal_token,
+            fast_interval: self.fast_interval,
+            sync_interval: self.sync_interval,
+            block_size: self.block_size,
+            listen: self.listen,
+            engine_snapshot: self.engine_snapshot,
+            max_pending_changes: None,
+        }
+    }
+}

@@ -1,0 +1,243 @@
+//! Sidecar configuration: the raw, all-optional form read from a file, the
+//! environment (`KVROUTE_SIDECAR_*`) and flags, and the validated [`Config`]
+//! that the library runs on.
+//!
+//! Values that only the engine knows (model, block size) stay `None` here and
+//! are discovered from the engine when `run` starts.
+
+use std::fmt;
+use std::time::Duration;
+
+use kvroute_shared::{BlockSize, ModelName, WorkerId};
+use serde::Deserialize;
+
+/// Everything settable, all optional, in the shape a config file uses.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    pub worker_id: Option<String>,
+    pub engine_url: Option<String>,
+    pub advertise_url: Option<String>,
+    pub model: Option<String>,
+    pub events: Option<String>,
+    pub replay: Option<String>,
+    pub topic: Option<String>,
+    pub data_parallel_size: Option<u32>,
+    #[serde(default)]
+    pub router: Vec<String>,
+    pub internal_token: Option<String>,
+    #[serde(default, with = "humantime_serde")]
+    pub fast_interval: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub sync_interval: Option<Duration>,
+    pub block_size: Option<u32>,
+    pub listen: Option<String>,
+    pub engine_snapshot: Option<String>,
+    pub max_pending_changes: Option<usize>,
+}
+
+impl RawConfig {
+    /// Fills every field unset in `self` from `lower` (flags over env over file).
+    pub fn or(self, lower: RawConfig) -> RawConfig {
+        RawConfig {
+            worker_id: self.worker_id.or(lower.worker_id),
+            engine_url: self.engine_url.or(lower.engine_url),
+            advertise_url: self.advertise_url.or(lower.advertise_url),
+            model: self.model.or(lower.model),
+            events: self.events.or(lower.events),
+            replay: self.replay.or(lower.replay),
+            topic: self.topic.or(lower.topic),
+            data_parallel_size: self.data_parallel_size.or(lower.data_parallel_size),
+            router: if self.router.is_empty() { lower.router } else { self.router },
+            internal_token: self.internal_token.or(lower.internal_token),
+            fast_interval: self.fast_interval.or(lower.fast_interval),
+            sync_interval: self.sync_interval.or(lower.sync_interval),
+            block_size: self.block_size.or(lower.block_size),
+            listen: self.listen.or(lower.listen),
+            engine_snapshot: self.engine_snapshot.or(lower.engine_snapshot),
+            max_pending_changes: self.max_pending_changes.or(lower.max_pending_changes),
+        }
+    }
+
+    /// Validates into a [`Config`]; `default_worker_id` is used when none is set
+    /// (main passes the hostname: library code does not read the environment).
+    pub fn validate(self, default_worker_id: &str) -> Result<Config, ConfigError> {
+        let worker_id = self.worker_id.unwrap_or_else(|| default_worker_id.to_owned());
+        if worker_id.is_empty()
+            || worker_id.len() > kvroute_shared::wire::MAX_WORKER_ID_LEN
+            || !worker_id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
+        {
+            return Err(ConfigError::new("worker_id", "1 to 128 ASCII letters, digits or - _ . :"));
+        }
+        let engine_url = http_url("engine_url", self.engine_url.unwrap_or_else(|| "http://127.0.0.1:8000".into()))?;
+        let advertise_url = match self.advertise_url {
+            Some(u) => http_url("advertise_url", u)?,
+            None => engine_url.clone(),
+        };
+        let events = self.events.ok_or_else(|| ConfigError::new("events", "required (tcp://HOST:PORT)"))?;
+        let events = ZmqEndpoint::parse("events", &events)?;
+        let replay = self.replay.map(|r| ZmqEndpoint::parse("replay", &r)).transpose()?;
+        let engine_snapshot = self.engine_snapshot.map(|r| ZmqEndpoint::parse("engine_snapshot", &r)).transpose()?;
+        let data_parallel_size = self.data_parallel_size.unwrap_or(1);
+        if !(1..=1024).contains(&data_parallel_size) {
+            return Err(ConfigError::new("data_parallel_size", "must be 1 to 1024"));
+        }
+        let routers = self.router.into_iter().map(|r| http_url("router", r)).collect::<Result<Vec<_>, _>>()?;
+        let fast_interval = self.fast_interval.unwrap_or(Duration::from_millis(100));
+        let sync_interval = self.sync_interval.unwrap_or(Duration::from_secs(5));
+        if fast_interval.is_zero() || sync_interval.is_zero() {
+            return Err(ConfigError::new("fast_interval", "intervals must be positive"));
+        }
+        let block_size = self
+            .block_size
+            .map(|b| BlockSize::new(b).map_err(|e| ConfigError::new("block_size", e.to_string())))
+            .transpose()?;
+        let model = match self.model {
+            Some(m) if m.is_empty() => return Err(ConfigError::new("model", "must not be empty")),
+            m => m.map(ModelName::new),
+        };
+        Ok(Config {
+            worker_id: WorkerId::new(worker_id),
+            engine_url,
+            advertise_url,
+            model,
+            events,
+            replay,
+            topic: self.topic.unwrap_or_else(|| "kv-events".into()),
+            data_parallel_size,
+            routers,
+            internal_token: self.internal_token.map(Secret),
+            fast_interval,
+            sync_interval,
+            block_size,
+            engine_snapshot,
+            max_pending_changes: self.max_pending_changes.unwrap_or(1 << 20),
+        })
+    }
+}
+
+fn http_url(field: &'static str, s: String) -> Result<String, ConfigError> {
+    if !(s.starts_with("http://") || s.starts_with("https://")) {
+        return Err(ConfigError::new(field, format!("{s:?} is not an http:// or https:// URL")));
+    }
+    Ok(s.trim_end_matches('/').to_owned())
+}
+
+/// A `tcp://HOST:PORT` ZMQ endpoint; per data-parallel rank vLLM uses port + rank.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct ZmqEndpoint {
+    host: String,
+    port: u16,
+}
+
+impl ZmqEndpoint {
+    pub fn parse(field: &'static str, s: &str) -> Result<Self, ConfigError> {
+        let bad = || ConfigError::new(field, format!("{s:?} is not tcp://HOST:PORT"));
+        let rest = s.strip_prefix("tcp://").ok_or_else(bad)?;
+        let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
+        let port = port.parse().map_err(|_| bad())?;
+        if host.is_empty() {
+            return Err(bad());
+        }
+        Ok(ZmqEndpoint { host: host.to_owned(), port })
+    }
+
+    /// The endpoint of data-parallel rank `rank`.
+    pub fn for_rank(&self, rank: u32) -> String {
+        format!("tcp://{}:{}", self.host, u32::from(self.port) + rank)
+    }
+}
+
+impl fmt::Display for ZmqEndpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "tcp://{}:{}", self.host, self.port)
+    }
+}
+
+/// A secret that never shows in logs.
+#[derive(Clone)]
+pub struct Secret(pub String);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("***")
+    }
+}
+
+/// The validated configuration.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub worker_id: WorkerId,
+    /// vLLM's HTTP base URL (`/v1/models`, `/metrics`).
+    pub engine_url: String,
+    /// Where routers should send this worker's requests.
+    pub advertise_url: String,
+    /// Base model; `None` = the first model the engine lists.
+    pub model: Option<ModelName>,
+    pub events: ZmqEndpoint,
+    pub replay: Option<ZmqEndpoint>,
+    /// ZMQ topic prefix to subscribe to; empty = all.
+    pub topic: String,
+    pub data_parallel_size: u32,
+    /// Router base URLs; a DNS name stands for every address it resolves to.
+    pub routers: Vec<String>,
+    pub internal_token: Option<Secret>,
+    pub fast_interval: Duration,
+    pub sync_interval: Duration,
+    /// `None` = read from the engine's `vllm:cache_config_info`, else 16.
+    pub block_size: Option<BlockSize>,
+    /// The python hook's snapshot endpoint (rank 0; + rank for others).
+    pub engine_snapshot: Option<ZmqEndpoint>,
+    /// Unsent changes per router before it is switched to a full sync.
+    pub max_pending_changes: usize,
+}
+
+/// A configuration value that is missing or malformed.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid configuration `{field}`: {message}")]
+pub struct ConfigError {
+    pub field: &'static str,
+    pub message: String,
+}
+
+impl ConfigError {
+    fn new(field: &'static str, message: impl Into<String>) -> Self {
+        ConfigError { field, message: message.into() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_rank_ports() {
+        let raw = RawConfig { events: Some("tcp://10.0.0.1:5557".into()), ..RawConfig::default() };
+        let c = raw.validate("host-1").unwrap();
+        assert_eq!(c.worker_id.as_str(), "host-1");
+        assert_eq!(c.engine_url, "http://127.0.0.1:8000");
+        assert_eq!(c.advertise_url, c.engine_url);
+        assert_eq!(c.topic, "kv-events");
+        assert_eq!(c.fast_interval, Duration::from_millis(100));
+        assert_eq!(c.events.for_rank(2), "tcp://10.0.0.1:5559");
+        assert_eq!(format!("{:?}", Secret("x".into())), "***");
+    }
+
+    #[test]
+    fn bad_values_name_the_field() {
+        let e = RawConfig::default().validate("h").unwrap_err();
+        assert_eq!(e.field, "events");
+        let raw = RawConfig { events: Some("tcp://h:1".into()), router: vec!["r:1".into()], ..RawConfig::default() };
+        assert_eq!(raw.validate("h").unwrap_err().field, "router");
+        let raw = RawConfig { events: Some("tcp://h:1".into()), block_size: Some(0), ..RawConfig::default() };
+        assert_eq!(raw.validate("h").unwrap_err().field, "block_size");
+    }
+
+    #[test]
+    fn flags_override_lower_layers() {
+        let hi = RawConfig { topic: Some("a".into()), ..RawConfig::default() };
+        let lo = RawConfig { topic: Some("b".into()), model: Some("m".into()), ..RawConfig::default() };
+        let m = hi.or(lo);
+        assert_eq!((m.topic.as_deref(), m.model.as_deref()), (Some("a"), Some("m")));
+    }
+}

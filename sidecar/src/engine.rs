@@ -1,0 +1,145 @@
+//! The engine's HTTP side: served models (`/v1/models`), block size and load
+//! (`/metrics`), and a background task that keeps the latest load and model
+//! list for the pushers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_shared::wire::Load;
+use kvroute_shared::{BlockSize, ModelName};
+use parking_lot::RwLock;
+use serde::Deserialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::load::{parse_block_size, parse_load};
+use crate::metrics::Metrics;
+
+/// How often the engine's `/metrics` is scraped.
+pub const LOAD_INTERVAL: Duration = Duration::from_secs(1);
+
+/// A request to the engine failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("engine request to {url} failed")]
+    Http {
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("engine at {0} lists no model")]
+    NoModel(String),
+}
+
+#[derive(Deserialize)]
+struct ModelList {
+    data: Vec<ModelEntry>,
+}
+
+#[derive(Deserialize)]
+struct ModelEntry {
+    id: String,
+}
+
+/// Client for the engine's HTTP endpoints.
+#[derive(Clone, Debug)]
+pub struct EngineClient {
+    http: reqwest::Client,
+    base: String,
+}
+
+impl EngineClient {
+    pub fn new(http: reqwest::Client, base: String) -> Self {
+        EngineClient { http, base }
+    }
+
+    async fn get(&self, path: &str) -> Result<reqwest::Response, EngineError> {
+        let url = format!("{}{path}", self.base);
+        let wrap = |source| EngineError::Http { url: url.clone(), source };
+        self.http
+            .get(&url)
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+            .and_then(|r| r.error_for_status())
+            .map_err(wrap)
+    }
+
+    /// The served model names, base model first (as vLLM lists them).
+    pub async fn models(&self) -> Result<Vec<ModelName>, EngineError> {
+        let list: ModelList = self
+            .get("/v1/models")
+            .await?
+            .json()
+            .await
+            .map_err(|source| EngineError::Http { url: format!("{}/v1/models", self.base), source })?;
+        if list.data.is_empty() {
+            return Err(EngineError::NoModel(self.base.clone()));
+        }
+        Ok(list.data.into_iter().map(|m| ModelName::new(m.id)).collect())
+    }
+
+    async fn metrics_text(&self) -> Result<String, EngineError> {
+        self.get("/metrics")
+            .await?
+            .text()
+            .await
+            .map_err(|source| EngineError::Http { url: format!("{}/metrics", self.base), source })
+    }
+
+    /// The engine's block size from `vllm:cache_config_info`, if it says.
+    pub async fn block_size(&self) -> Option<BlockSize> {
+        let text = self.metrics_text().await.ok()?;
+        parse_block_size(&text).and_then(|b| BlockSize::new(b).ok())
+    }
+}
+
+/// The latest engine facts the pushers attach to messages.
+#[derive(Debug)]
+pub struct EngineView {
+    load: RwLock<Option<Load>>,
+    models: RwLock<Vec<ModelName>>,
+}
+
+impl EngineView {
+    pub fn new(models: Vec<ModelName>) -> Self {
+        EngineView { load: RwLock::new(None), models: RwLock::new(models) }
+    }
+
+    pub fn load(&self) -> Option<Load> {
+        *self.load.read()
+    }
+
+    pub fn models(&self) -> Vec<ModelName> {
+        self.models.read().clone()
+    }
+}
+
+/// Scrapes load every [`LOAD_INTERVAL`] and the model list every `models_every`.
+pub async fn watch(
+    client: EngineClient,
+    view: Arc<EngineView>,
+    metrics: Arc<Metrics>,
+    models_every: Duration,
+    cancel: CancellationToken,
+) {
+    let mut load_tick = tokio::time::interval(LOAD_INTERVAL);
+    let mut models_tick = tokio::time::interval(models_every);
+    load_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    models_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = load_tick.tick() => match client.metrics_text().await.map(|t| parse_load(&t)) {
+                Ok(Some(load)) => *view.load.write() = Some(load),
+                Ok(None) | Err(_) => {
+                    metrics.load_scrape_failures.inc();
+                }
+            },
+            _ = models_tick.tick() => {
+                if let Ok(models) = client.models().await {
+                    *view.models.write() = models;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,49 @@
+//! The sidecar's own HTTP endpoints: `/health` (readiness: 200 once the engine
+//! facts are known and events are being followed, 503 before) and `/metrics`.
+
+use std::sync::{Arc, OnceLock};
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use kvroute_shared::WorkerId;
+use serde_json::json;
+
+use crate::metrics::Metrics;
+use crate::state::WorkerState;
+
+/// What the handlers read.
+#[derive(Clone, Debug)]
+pub struct AppState {
+    pub worker_id: WorkerId,
+    pub metrics: Arc<Metrics>,
+    /// Set once `run` has discovered the engine and started following it.
+    pub worker: Arc<OnceLock<Arc<WorkerState>>>,
+}
+
+pub fn app(state: AppState) -> axum::Router {
+    axum::Router::new().route("/health", get(health)).route("/metrics", get(metrics)).with_state(state)
+}
+
+async fn health(State(s): State<AppState>) -> impl IntoResponse {
+    match s.worker.get() {
+        Some(w) => {
+            let (blocks, keys) = w.counts();
+            let body = json!({
+                "status": "ok",
+                "worker_id": s.worker_id,
+                "epoch": w.epoch().as_str(),
+                "tracked_blocks": blocks,
+                "keys": keys,
+            });
+            (StatusCode::OK, Json(body))
+        }
+        None => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "starting", "worker_id": s.worker_id}))),
+    }
+}
+
+async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], s.metrics.render())
+}

@@ -1,0 +1,89 @@
+//! Engine load from vLLM's Prometheus `/metrics` text (DESIGN.md §4): requests
+//! running and waiting (summed over label sets, e.g. one per engine of a
+//! data-parallel deployment) and KV-cache usage, plus the engine's block size
+//! from `vllm:cache_config_info`.
+
+use kvroute_shared::wire::Load;
+
+const RUNNING: &str = "vllm:num_requests_running";
+const WAITING: &str = "vllm:num_requests_waiting";
+const KV_USAGE: &str = "vllm:kv_cache_usage_perc";
+const CACHE_CONFIG: &str = "vllm:cache_config_info";
+
+/// Samples of one metric family: `(labels text, value)` per series.
+fn samples<'a>(text: &'a str, name: &'a str) -> impl Iterator<Item = (&'a str, f64)> + 'a {
+    text.lines().filter_map(move |line| {
+        let rest = line.strip_prefix(name)?;
+        let (labels, rest) = match rest.strip_prefix('{') {
+            Some(r) => {
+                let end = r.rfind('}')?;
+                (&r[..end], &r[end + 1..])
+            }
+            None if rest.starts_with([' ', '\t']) => ("", rest),
+            None => return None,
+        };
+        // "value [timestamp]"
+        let value = rest.split_whitespace().next()?.parse::<f64>().ok()?;
+        value.is_finite().then_some((labels, value))
+    })
+}
+
+/// Parses the load from a `/metrics` body; `None` when none of the three
+/// families is present (not a vLLM, or not up yet).
+pub fn parse_load(text: &str) -> Option<Load> {
+    let sum = |name| samples(text, name).map(|(_, v)| v).fold(None, |acc: Option<f64>, v| Some(acc.unwrap_or(0.0) + v));
+    let running = sum(RUNNING);
+    let waiting = sum(WAITING);
+    // A fraction per engine: the mean (not the sum) stays within 0..=1, which
+    // is what it means and what routers accept.
+    let usages: Vec<f64> = samples(text, KV_USAGE).map(|(_, v)| v).collect();
+    if running.is_none() && waiting.is_none() && usages.is_empty() {
+        return None;
+    }
+    let kv_usage = if usages.is_empty() { 0.0 } else { usages.iter().sum::<f64>() / usages.len() as f64 };
+    Some(Load {
+        running: running.unwrap_or(0.0).max(0.0) as u32,
+        waiting: waiting.unwrap_or(0.0).max(0.0) as u32,
+        kv_usage: kv_usage.clamp(0.0, 1.0),
+    })
+}
+
+/// The `block_size` label of `vllm:cache_config_info`.
+pub fn parse_block_size(text: &str) -> Option<u32> {
+    samples(text, CACHE_CONFIG).find_map(|(labels, _)| {
+        let at = labels.find("block_size=\"")? + "block_size=\"".len();
+        let end = labels[at..].find('"')?;
+        labels[at..at + end].parse().ok()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TEXT: &str = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="qwen3-8b"} 3.0
+vllm:num_requests_running{engine="1",model_name="qwen3-8b"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="qwen3-8b"} 1.0
+vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 9.0
+vllm:kv_cache_usage_perc{engine="0",model_name="qwen3-8b"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="qwen3-8b"} 0.25
+vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching="True"} 1.0
+"#;
+
+    #[test]
+    fn sums_counts_and_averages_usage() {
+        let load = parse_load(TEXT).unwrap();
+        assert_eq!((load.running, load.waiting), (5, 1));
+        assert!((load.kv_usage - 0.375).abs() < 1e-9);
+        assert_eq!(parse_block_size(TEXT), Some(32));
+    }
+
+    #[test]
+    fn absent_metrics_are_none() {
+        assert_eq!(parse_load("# nothing\nother_metric 1\n"), None);
+        assert_eq!(parse_block_size("vllm:num_requests_running 1\n"), None);
+        assert_eq!(parse_load("vllm:num_requests_running 4 1700000000000\n").unwrap().running, 4);
+    }
+}

@@ -1,0 +1,189 @@
+//! The sidecar's own Prometheus metrics, served at `/metrics`.
+//!
+//! Every label set is bounded: event kinds, skip reasons, replay outcomes and
+//! message kinds are closed enums, and `router` takes one value per router
+//! address the sidecar pushes to (a handful).
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::translate::SkipReason;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum EventKind {
+    BlockStored,
+    BlockRemoved,
+    AllBlocksCleared,
+    Unknown,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    pub kind: EventKind,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum ReplayOutcome {
+    /// The replay covered the gap.
+    Recovered,
+    /// The engine's buffer no longer held the gap: cleared and resynced.
+    Lost,
+    /// The replay endpoint failed or timed out: cleared and resynced.
+    Failed,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReplayLabels {
+    pub outcome: ReplayOutcome,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum MessageKind {
+    Eviction,
+    Sync,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PushLabels {
+    pub router: String,
+    pub kind: MessageKind,
+}
+
+/// Counter handles the translator bumps on its hot path (fetched once, so no
+/// family lookup per event).
+#[derive(Clone, Debug, Default)]
+pub struct TranslateCounters {
+    pub stored: Counter,
+    pub removed: Counter,
+    pub cleared: Counter,
+    pub unknown_events: Counter,
+    pub unanchored_stores: Counter,
+    pub offload_events: Counter,
+    pub unknown_removals: Counter,
+    pub block_size_mismatches: Counter,
+    skipped: [Counter; 5],
+}
+
+impl TranslateCounters {
+    pub fn skipped(&self, reason: SkipReason) -> &Counter {
+        let i = SkipReason::ALL.iter().position(|r| *r == reason).unwrap_or(0);
+        &self.skipped[i]
+    }
+}
+
+/// All of the sidecar's metrics and the registry that renders them.
+#[derive(Debug)]
+pub struct Metrics {
+    pub registry: Registry,
+    pub translate: TranslateCounters,
+    pub decode_errors: Counter,
+    pub unknown_fields: Counter,
+    pub gaps: Counter,
+    pub engine_restarts: Counter,
+    pub replays: Family<ReplayLabels, Counter>,
+    pub pushes: Family<PushLabels, Counter>,
+    pub push_failures: Family<PushLabels, Counter>,
+    pub tracked_blocks: Gauge,
+    pub tracked_keys: Gauge,
+    pub snapshot_dropped_blocks: Counter,
+    pub snapshot_failures: Counter,
+    pub load_scrape_failures: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("kvroute_sidecar");
+        let events = Family::<KindLabels, Counter>::default();
+        let skipped = Family::<ReasonLabels, Counter>::default();
+        let translate = TranslateCounters {
+            stored: events.get_or_create(&KindLabels { kind: EventKind::BlockStored }).clone(),
+            removed: events.get_or_create(&KindLabels { kind: EventKind::BlockRemoved }).clone(),
+            cleared: events.get_or_create(&KindLabels { kind: EventKind::AllBlocksCleared }).clone(),
+            unknown_events: events.get_or_create(&KindLabels { kind: EventKind::Unknown }).clone(),
+            skipped: SkipReason::ALL.map(|r| skipped.get_or_create(&ReasonLabels { reason: r.as_str() }).clone()),
+            ..TranslateCounters::default()
+        };
+        registry.register("events", "KV-cache events received, by kind", events);
+        registry.register("skipped_blocks", "Stored blocks that get no router key, by reason", skipped);
+        registry.register(
+            "unanchored_stores",
+            "BlockStored events whose parent hash was never seen (skipped)",
+            translate.unanchored_stores.clone(),
+        );
+        registry.register(
+            "offload_events",
+            "Events about a non-GPU medium (CPU offload tiers), ignored",
+            translate.offload_events.clone(),
+        );
+        registry.register(
+            "unknown_removals",
+            "Removed block hashes that were not tracked (e.g. skipped blocks)",
+            translate.unknown_removals.clone(),
+        );
+        registry.register(
+            "block_size_mismatches",
+            "BlockStored events whose block_size differs from the configured one",
+            translate.block_size_mismatches.clone(),
+        );
+        let m = Metrics {
+            registry,
+            translate,
+            decode_errors: Counter::default(),
+            unknown_fields: Counter::default(),
+            gaps: Counter::default(),
+            engine_restarts: Counter::default(),
+            replays: Family::default(),
+            pushes: Family::default(),
+            push_failures: Family::default(),
+            tracked_blocks: Gauge::default(),
+            tracked_keys: Gauge::default(),
+            snapshot_dropped_blocks: Counter::default(),
+            snapshot_failures: Counter::default(),
+            load_scrape_failures: Counter::default(),
+        };
+        m.register_rest()
+    }
+
+    fn register_rest(mut self) -> Self {
+        let r = &mut self.registry;
+        r.register("decode_errors", "ZMQ messages that could not be decoded", self.decode_errors.clone());
+        r.register("unknown_fields", "Unknown fields in known events (ignored)", self.unknown_fields.clone());
+        r.register("seq_gaps", "Gaps in the engine's batch sequence", self.gaps.clone());
+        r.register("engine_restarts", "Sequence went backwards: engine restarted", self.engine_restarts.clone());
+        r.register("replays", "Replay attempts after a gap, by outcome", self.replays.clone());
+        r.register("pushes", "Messages accepted by a router, by router and kind", self.pushes.clone());
+        r.register("push_failures", "Messages a router did not accept, by router and kind", self.push_failures.clone());
+        r.register("tracked_blocks", "Engine blocks tracked (GPU, keyed)", self.tracked_blocks.clone());
+        r.register("tracked_keys", "Distinct router keys currently held", self.tracked_keys.clone());
+        r.register(
+            "snapshot_dropped_blocks",
+            "Blocks dropped because the engine snapshot no longer held them",
+            self.snapshot_dropped_blocks.clone(),
+        );
+        r.register("snapshot_failures", "Engine snapshot requests that failed", self.snapshot_failures.clone());
+        r.register("load_scrape_failures", "Engine /metrics scrapes that failed", self.load_scrape_failures.clone());
+        self
+    }
+
+    /// Renders the registry in the Prometheus text format.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}

@@ -1,0 +1,192 @@
+//! Pushing to one router: eviction deltas every fast interval, full syncs when
+//! due, retries with exponential backoff and jitter.
+//!
+//! Failure handling keeps memory bounded: a failed message is never queued for
+//! retry. The router's pending delta is dropped and it is marked for a full
+//! sync, so the first message after recovery is the complete key set.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_shared::wire::{AckOutcome, EVICTION_PATH, EvictionBatch, InternalAck, Load, SYNC_PATH, SyncSnapshot};
+use kvroute_shared::{BlockSize, WorkerId};
+use rand::Rng;
+use serde::Serialize;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::config::Secret;
+use crate::engine::EngineView;
+use crate::metrics::{MessageKind, PushLabels};
+use crate::state::{RouterTarget, WorkerState};
+
+/// Timeout of one HTTP call to a router.
+const CALL_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long the last batch may take at shutdown.
+const FLUSH_DEADLINE: Duration = Duration::from_secs(1);
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// A push that the router did not accept.
+#[derive(Debug, thiserror::Error)]
+pub enum PushError {
+    #[error("request to {url} failed")]
+    Http {
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("{url} answered {status}")]
+    Status { url: String, status: u16 },
+}
+
+/// Everything the per-router tasks share.
+#[derive(Debug)]
+pub struct Pusher {
+    pub http: reqwest::Client,
+    pub token: Option<Secret>,
+    pub worker_id: WorkerId,
+    pub advertise_url: String,
+    pub block_size: BlockSize,
+    pub engine: Arc<EngineView>,
+    pub state: Arc<WorkerState>,
+    pub fast_interval: Duration,
+}
+
+/// What one round did.
+enum Round {
+    Idle,
+    Sent(MessageKind, InternalAck),
+}
+
+/// Per-router connection state that lives in the task.
+struct Link {
+    target: RouterTarget,
+    seq: u64,
+    router_epoch: Option<String>,
+    last_load: Option<Load>,
+}
+
+impl Pusher {
+    async fn post<T: Serialize>(&self, target: &RouterTarget, path: &str, body: &T) -> Result<InternalAck, PushError> {
+        let url = format!("{}{path}", target.0);
+        let mut req = self.http.post(&url).json(body).timeout(CALL_TIMEOUT);
+        if let Some(token) = &self.token {
+            req = req.bearer_auth(&token.0);
+        }
+        let http = |source| PushError::Http { url: url.clone(), source };
+        let resp = req.send().await.map_err(http)?;
+        if !resp.status().is_success() {
+            return Err(PushError::Status { url, status: resp.status().as_u16() });
+        }
+        resp.json::<InternalAck>().await.map_err(http)
+    }
+
+    async fn round(&self, link: &mut Link) -> Result<Round, (MessageKind, PushError)> {
+        let load = self.engine.load();
+        if self.state.needs_sync(&link.target) {
+            let Some(content) = self.state.take_sync(&link.target) else {
+                return Ok(Round::Idle);
+            };
+            link.seq += 1;
+            let body = SyncSnapshot {
+                worker_id: self.worker_id.clone(),
+                epoch: Some(content.epoch.as_str().to_owned()),
+                seq: Some(link.seq),
+                as_of_ms: Some(content.as_of_ms),
+                url: Some(self.advertise_url.clone()),
+                models: self.engine.models(),
+                block_size: Some(self.block_size),
+                hashes: content.keys,
+                load,
+            };
+            let ack = self.post(&link.target, SYNC_PATH, &body).await.map_err(|e| (MessageKind::Sync, e))?;
+            link.last_load = load;
+            return Ok(Round::Sent(MessageKind::Sync, ack));
+        }
+        let Some((epoch, delta)) = self.state.take_delta(&link.target) else {
+            return Ok(Round::Idle);
+        };
+        if delta.is_empty() && load == link.last_load {
+            return Ok(Round::Idle);
+        }
+        link.seq += 1;
+        let body = EvictionBatch {
+            worker_id: self.worker_id.clone(),
+            epoch: Some(epoch.as_str().to_owned()),
+            seq: Some(link.seq),
+            evicted_hashes: delta.evicted,
+            stored_hashes: delta.stored,
+            cleared: delta.cleared,
+            load,
+        };
+        let ack = self.post(&link.target, EVICTION_PATH, &body).await.map_err(|e| (MessageKind::Eviction, e))?;
+        link.last_load = load;
+        Ok(Round::Sent(MessageKind::Eviction, ack))
+    }
+
+    fn labels(target: &RouterTarget, kind: MessageKind) -> PushLabels {
+        PushLabels { router: target.0.clone(), kind }
+    }
+
+    /// Handles an accepted message; `true` when a sync must follow at once.
+    fn on_ack(&self, link: &mut Link, kind: MessageKind, ack: InternalAck) -> bool {
+        self.state.metrics().pushes.get_or_create(&Self::labels(&link.target, kind)).inc();
+        let restarted = link.router_epoch.as_ref().is_some_and(|e| *e != ack.router_epoch);
+        link.router_epoch = Some(ack.router_epoch);
+        if restarted || ack.outcome == AckOutcome::UnknownWorker {
+            debug!(router = %link.target.0, restarted, "router needs a full sync");
+            self.state.require_sync(&link.target);
+        }
+        self.state.needs_sync(&link.target)
+    }
+}
+
+/// Pushes to `target` until cancelled; `wake` makes it act before its next tick.
+pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Notify>, cancel: CancellationToken) {
+    let mut link = Link { target, seq: 0, router_epoch: None, last_load: None };
+    let mut tick = tokio::time::interval(pusher.fast_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut backoff = BACKOFF_MIN;
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => break,
+            _ = tick.tick() => {}
+            _ = wake.notified() => {}
+        }
+        loop {
+            match pusher.round(&mut link).await {
+                Ok(Round::Idle) => break,
+                Ok(Round::Sent(kind, ack)) => {
+                    backoff = BACKOFF_MIN;
+                    if !pusher.on_ack(&mut link, kind, ack) {
+                        break;
+                    }
+                }
+                Err((kind, e)) => {
+                    pusher.state.metrics().push_failures.get_or_create(&Pusher::labels(&link.target, kind)).inc();
+                    warn!(router = %link.target.0, error = %e, "push failed; next message is a full sync");
+                    pusher.state.require_sync(&link.target);
+                    let pause = jitter(backoff);
+                    backoff = (backoff * 2).min(BACKOFF_MAX);
+                    tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        _ = tokio::time::sleep(pause) => {}
+                    }
+                    break;
+                }
+            }
+        }
+    }
+    // Shutdown: one last delta, if the router is in a state to take one.
+    if !pusher.state.needs_sync(&link.target) {
+        let _ = tokio::time::timeout(FLUSH_DEADLINE, pusher.round(&mut link)).await;
+    }
+}
+
+/// Full jitter over the upper half: spreads retries of many sidecars.
+fn jitter(base: Duration) -> Duration {
+    let half = base / 2;
+    half + half.mul_f64(rand::thread_rng().r#gen::<f64>())
+}

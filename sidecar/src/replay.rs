@@ -1,0 +1,76 @@
+//! Fetching missed batches from vLLM's replay endpoint (a ZMQ ROUTER).
+//!
+//! A DEALER sends `["", start_seq as 8 bytes BE]` and receives every buffered
+//! batch with seq ≥ start, then an end marker with seq = -1. After the empty
+//! delimiter, replies are `[topic, seq, payload]` (current vLLM) or
+//! `[seq, payload]` (older vLLM); both are accepted.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::decode::{DecodeError, EventBatch, Seq, decode_payload, parse_seq};
+
+/// The end-of-replay marker's seq (-1 as 8 bytes BE).
+const END: Seq = Seq(u64::MAX);
+
+/// Why a replay failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error("replay endpoint {endpoint} failed")]
+    Zmq {
+        endpoint: String,
+        #[source]
+        source: zeromq::ZmqError,
+    },
+    #[error("replay from {endpoint} timed out")]
+    Timeout { endpoint: String },
+    #[error("replay reply has {0} frames after the delimiter, expected 2 or 3")]
+    Frames(usize),
+    #[error("undecodable replayed batch")]
+    Decode(#[from] DecodeError),
+}
+
+/// One reply message, delimiter already stripped: `Some((seq, payload))`, or
+/// `None` for the end marker.
+pub fn parse_reply(frames: &[Bytes]) -> Result<Option<(Seq, &[u8])>, ReplayError> {
+    let frames = match frames.first() {
+        Some(f) if f.is_empty() => &frames[1..],
+        _ => frames,
+    };
+    let (seq, payload) = match frames {
+        [_, seq, payload] | [seq, payload] => (parse_seq(seq)?, payload),
+        other => return Err(ReplayError::Frames(other.len())),
+    };
+    Ok((seq != END).then_some((seq, payload.as_ref())))
+}
+
+/// The request frames for a replay from `start`.
+pub fn request(start: Seq) -> ZmqMessage {
+    let frames = vec![Bytes::new(), Bytes::copy_from_slice(&start.0.to_be_bytes())];
+    // Two frames: never empty.
+    ZmqMessage::try_from(frames).unwrap_or_else(|_| ZmqMessage::from(Bytes::new()))
+}
+
+/// Replays from `start`, with the whole exchange bounded by `timeout`.
+pub async fn fetch(endpoint: &str, start: Seq, timeout: Duration) -> Result<Vec<(Seq, EventBatch)>, ReplayError> {
+    let zmq = |source| ReplayError::Zmq { endpoint: endpoint.to_owned(), source };
+    let exchange = async {
+        let mut socket = DealerSocket::new();
+        socket.connect(endpoint).await.map_err(zmq)?;
+        socket.send(request(start)).await.map_err(zmq)?;
+        let mut out = Vec::new();
+        loop {
+            let msg = socket.recv().await.map_err(zmq)?;
+            let frames = msg.into_vec();
+            match parse_reply(&frames)? {
+                None => return Ok(out),
+                Some((seq, payload)) => out.push((seq, decode_payload(payload)?)),
+            }
+        }
+    };
+    tokio::time::timeout(timeout, exchange)
+        .await
+        .unwrap_or_else(|_| Err(ReplayError::Timeout { endpoint: endpoint.to_owned() }))
+}

@@ -1,0 +1,118 @@
+//! The slow loop, every sync interval: anti-entropy against the engine's own
+//! snapshot (when the python hook is configured), re-resolution of router
+//! addresses (starting and stopping one push task per address), and the
+//! periodic full sync to every router.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, info, info_span, warn};
+
+use crate::push::{self, Pusher};
+use crate::routers;
+use crate::snapshot;
+use crate::state::{RouterTarget, WorkerState};
+use crate::translate::Rank;
+
+/// How long push tasks get to flush at shutdown.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+struct Task {
+    cancel: CancellationToken,
+    wake: Arc<Notify>,
+    handle: JoinHandle<()>,
+}
+
+#[derive(Debug)]
+pub struct Supervisor {
+    pub router_urls: Vec<String>,
+    pub snapshot_endpoints: Vec<(Rank, String)>,
+    pub sync_interval: Duration,
+    pub pusher: Arc<Pusher>,
+    pub state: Arc<WorkerState>,
+}
+
+impl Supervisor {
+    pub async fn run(self, cancel: CancellationToken) {
+        let mut tasks: BTreeMap<RouterTarget, Task> = BTreeMap::new();
+        let mut resolved: HashMap<String, Vec<RouterTarget>> = HashMap::new();
+        let mut tick = tokio::time::interval(self.sync_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut first = true;
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                _ = tick.tick() => {}
+            }
+            self.anti_entropy().await;
+            for url in &self.router_urls {
+                match routers::resolve(url).await {
+                    Ok(targets) => {
+                        resolved.insert(url.clone(), targets);
+                    }
+                    // Keep the last good addresses through a DNS hiccup.
+                    Err(e) => warn!(error = %e, "router resolution failed"),
+                }
+            }
+            let mut targets: Vec<RouterTarget> = resolved.values().flatten().cloned().collect();
+            targets.sort();
+            targets.dedup();
+            self.state.set_routers(&targets);
+            tasks.retain(|t, task| {
+                let keep = targets.contains(t);
+                if !keep {
+                    info!(router = %t.0, "router address gone");
+                    task.cancel.cancel();
+                }
+                keep
+            });
+            for t in &targets {
+                tasks.entry(t.clone()).or_insert_with(|| self.spawn(t.clone(), &cancel));
+            }
+            if !first {
+                self.state.require_sync_all();
+            }
+            first = false;
+            tasks.values().for_each(|t| t.wake.notify_one());
+        }
+        for task in tasks.values() {
+            task.cancel.cancel();
+        }
+        for (_, task) in tasks {
+            let _ = tokio::time::timeout(SHUTDOWN_GRACE, task.handle).await;
+        }
+    }
+
+    fn spawn(&self, target: RouterTarget, parent: &CancellationToken) -> Task {
+        info!(router = %target.0, "pushing to router");
+        let cancel = parent.child_token();
+        let wake = Arc::new(Notify::new());
+        let span = info_span!("push", router = %target.0);
+        let handle =
+            tokio::spawn(push::run_target(self.pusher.clone(), target, wake.clone(), cancel.clone()).instrument(span));
+        Task { cancel, wake, handle }
+    }
+
+    /// Drops blocks the engine no longer holds, per rank.
+    async fn anti_entropy(&self) {
+        for (rank, endpoint) in &self.snapshot_endpoints {
+            self.state.begin_snapshot();
+            match snapshot::fetch(endpoint).await {
+                Ok(held) => {
+                    let dropped = self.state.reconcile(*rank, &held);
+                    if dropped > 0 {
+                        info!(rank = rank.0, dropped, "engine snapshot dropped stale blocks");
+                    }
+                }
+                Err(e) => {
+                    self.state.metrics().snapshot_failures.inc();
+                    warn!(rank = rank.0, error = %e, "engine snapshot failed");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,304 @@
+//! Engine block hashes → router block keys (DESIGN.md §1, §5), per worker.
+//!
+//! A stored block's key is `BlockKey::chain(parent's key, its tokens)`; a block
+//! without parent chains from `KeyRoot::new(model, cache_salt)` where `model` is
+//! the event's `lora_name` or the worker's base model. The translator keeps, per
+//! data-parallel rank, the engine hashes it could key, and reports every change
+//! of the set of *router keys* to a [`KeySink`]: a key appears when its first
+//! engine block is stored and leaves when its last one is removed.
+//!
+//! Memory: one 16-byte slot per engine hash (hash → key) plus one 16-byte slot
+//! per distinct key (key → count). Duplicate stores of one engine hash (vLLM
+//! does not de-duplicate physical blocks) are rare, so their extra counts live
+//! in a side map instead of widening every slot.
+
+mod extras;
+mod fast_hash;
+
+use std::collections::BTreeMap;
+use std::collections::HashSet;
+
+use kvroute_shared::{BlockKey, BlockSize, KeyRoot, ModelName};
+
+pub use extras::SkipReason;
+pub use fast_hash::FastMap;
+
+use crate::decode::{BlockRemoved, BlockStored, KvEvent, Medium};
+use crate::metrics::TranslateCounters;
+
+/// A data-parallel rank of the engine (vLLM publishes each on base port + rank).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default)]
+pub struct Rank(pub u32);
+
+/// Receives changes to the worker's set of router keys.
+pub trait KeySink {
+    fn stored(&mut self, key: BlockKey);
+    fn evicted(&mut self, key: BlockKey);
+    /// The worker holds no key any more; applies before later changes.
+    fn cleared(&mut self);
+}
+
+/// A sink that ignores everything (for benchmarks and state rebuilds).
+#[derive(Debug, Default)]
+pub struct NullSink;
+
+impl KeySink for NullSink {
+    fn stored(&mut self, _: BlockKey) {}
+    fn evicted(&mut self, _: BlockKey) {}
+    fn cleared(&mut self) {}
+}
+
+#[derive(Debug, Default)]
+struct RankBlocks {
+    /// engine hash id → router key.
+    keys: FastMap<u64, BlockKey>,
+    /// engine hash id → additional physical copies beyond the first.
+    extra_copies: FastMap<u64, u32>,
+}
+
+/// The translation state of one worker.
+#[derive(Debug)]
+pub struct Translator {
+    base_model: ModelName,
+    base_root: KeyRoot,
+    block_size: BlockSize,
+    ranks: BTreeMap<Rank, RankBlocks>,
+    /// router key → number of (rank, engine hash) entries holding it.
+    key_counts: FastMap<BlockKey, u32>,
+    /// Engine hashes stored while an engine snapshot is in flight: the snapshot
+    /// may predate them, so reconciliation must not drop them.
+    fresh: Option<FastMap<u64, ()>>,
+    counters: TranslateCounters,
+}
+
+impl Translator {
+    pub fn new(base_model: ModelName, block_size: BlockSize, counters: TranslateCounters) -> Self {
+        let base_root = KeyRoot::new(base_model.as_str(), None);
+        Translator {
+            base_model,
+            base_root,
+            block_size,
+            ranks: BTreeMap::new(),
+            key_counts: FastMap::default(),
+            fresh: None,
+            counters,
+        }
+    }
+
+    /// Applies one event from `rank`, reporting key-set changes to `sink`.
+    pub fn apply(&mut self, rank: Rank, event: &KvEvent, sink: &mut impl KeySink) {
+        match event {
+            KvEvent::BlockStored(ev) => {
+                self.counters.stored.inc();
+                self.store(rank, ev, sink);
+            }
+            KvEvent::BlockRemoved(ev) => {
+                self.counters.removed.inc();
+                self.remove(rank, ev, sink);
+            }
+            KvEvent::AllBlocksCleared => {
+                self.counters.cleared.inc();
+                self.clear_rank(rank, sink);
+            }
+            KvEvent::Unknown => {
+                self.counters.unknown_events.inc();
+            }
+        }
+    }
+
+    fn is_gpu(&self, medium: &Option<Medium>) -> bool {
+        let gpu = matches!(medium, None | Some(Medium::Gpu));
+        if !gpu {
+            self.counters.offload_events.inc();
+        }
+        gpu
+    }
+
+    fn store(&mut self, rank: Rank, ev: &BlockStored, sink: &mut impl KeySink) {
+        if !self.is_gpu(&ev.medium) {
+            return;
+        }
+        let n = ev.block_hashes.len();
+        let bs = ev.block_size as usize;
+        if bs == 0 || ev.token_ids.len() != n * bs {
+            self.counters.skipped(SkipReason::BadLength).inc_by(n as u64);
+            return;
+        }
+        if bs != self.block_size.get() {
+            // The router chunks requests by the configured size: keys computed
+            // from a different size would never match. Key them anyway (they are
+            // correct for this engine) but make the misconfiguration visible.
+            self.counters.block_size_mismatches.inc();
+        }
+        if ev.lora_id.is_some() && ev.lora_name.is_none() {
+            self.counters.skipped(SkipReason::UnnamedLora).inc_by(n as u64);
+            return;
+        }
+        let blocks = self.ranks.entry(rank).or_default();
+        let mut parent = match &ev.parent_block_hash {
+            Some(p) => match blocks.keys.get(&p.id()) {
+                Some(k) => Some(*k),
+                None => {
+                    self.counters.unanchored_stores.inc();
+                    return;
+                }
+            },
+            None => None,
+        };
+        for (i, (hash, tokens)) in ev.block_hashes.iter().zip(ev.token_ids.chunks_exact(bs)).enumerate() {
+            let extras = ev.extra_keys.as_ref().and_then(|e| e.get(i)).and_then(|k| k.as_deref());
+            let salt = match extras::classify(extras, ev.lora_name.as_deref(), parent.is_none()) {
+                Ok(salt) => salt,
+                Err(reason) => {
+                    // Later blocks chain through this one: none of them can be keyed.
+                    self.counters.skipped(reason).inc_by((n - i) as u64);
+                    return;
+                }
+            };
+            let parent_key = match parent {
+                Some(k) => k,
+                None => match (ev.lora_name.as_deref(), salt) {
+                    (None, None) => self.base_root.0,
+                    (lora, salt) => KeyRoot::new(lora.unwrap_or(self.base_model.as_str()), salt).0,
+                },
+            };
+            let key = BlockKey::chain(parent_key, tokens);
+            let id = hash.id();
+            match blocks.keys.get(&id) {
+                Some(existing) => {
+                    *blocks.extra_copies.entry(id).or_insert(0) += 1;
+                    parent = Some(*existing);
+                    continue;
+                }
+                None => {
+                    blocks.keys.insert(id, key);
+                    if let Some(fresh) = &mut self.fresh {
+                        fresh.insert(id, ());
+                    }
+                }
+            }
+            let count = self.key_counts.entry(key).or_insert(0);
+            *count += 1;
+            if *count == 1 {
+                sink.stored(key);
+            }
+            parent = Some(key);
+        }
+    }
+
+    fn remove(&mut self, rank: Rank, ev: &BlockRemoved, sink: &mut impl KeySink) {
+        if !self.is_gpu(&ev.medium) {
+            return;
+        }
+        let Some(blocks) = self.ranks.get_mut(&rank) else {
+            self.counters.unknown_removals.inc_by(ev.block_hashes.len() as u64);
+            return;
+        };
+        for hash in &ev.block_hashes {
+            let id = hash.id();
+            if let Some(copies) = blocks.extra_copies.get_mut(&id) {
+                *copies -= 1;
+                if *copies == 0 {
+                    blocks.extra_copies.remove(&id);
+                }
+                continue;
+            }
+            match blocks.keys.remove(&id) {
+                Some(key) => release(&mut self.key_counts, key, sink),
+                None => {
+                    self.counters.unknown_removals.inc();
+                }
+            }
+        }
+    }
+
+    /// Forgets every block of `rank` (AllBlocksCleared, engine restart, lost gap).
+    pub fn clear_rank(&mut self, rank: Rank, sink: &mut impl KeySink) {
+        let Some(blocks) = self.ranks.remove(&rank) else {
+            return;
+        };
+        if self.ranks.is_empty() {
+            self.key_counts.clear();
+            sink.cleared();
+            return;
+        }
+        for key in blocks.keys.into_values() {
+            release(&mut self.key_counts, key, sink);
+        }
+    }
+
+    /// Starts an engine snapshot: blocks stored from now on are kept by the
+    /// next [`Translator::retain_engine_hashes`].
+    pub fn begin_snapshot(&mut self) {
+        self.fresh = Some(FastMap::default());
+    }
+
+    /// Drops every block of `rank` whose engine hash id is not in `held` (the
+    /// engine's own snapshot of its prefix cache, taken after the last
+    /// [`Translator::begin_snapshot`]). Returns how many were dropped.
+    pub fn retain_engine_hashes(&mut self, rank: Rank, held: &HashSet<u64>, sink: &mut impl KeySink) -> usize {
+        let fresh = self.fresh.take().unwrap_or_default();
+        let Some(blocks) = self.ranks.get_mut(&rank) else {
+            return 0;
+        };
+        let gone: Vec<u64> =
+            blocks.keys.keys().filter(|id| !held.contains(id) && !fresh.contains_key(id)).copied().collect();
+        for id in &gone {
+            blocks.extra_copies.remove(id);
+            if let Some(key) = blocks.keys.remove(id) {
+                release(&mut self.key_counts, key, sink);
+            }
+        }
+        gone.len()
+    }
+
+    /// Every router key the worker currently holds.
+    pub fn keys(&self) -> impl Iterator<Item = BlockKey> + '_ {
+        self.key_counts.keys().copied()
+    }
+
+    pub fn contains_key(&self, key: BlockKey) -> bool {
+        self.key_counts.contains_key(&key)
+    }
+
+    /// Distinct router keys held.
+    pub fn key_count(&self) -> usize {
+        self.key_counts.len()
+    }
+
+    /// Engine blocks tracked across ranks.
+    pub fn block_count(&self) -> usize {
+        self.ranks.values().map(|r| r.keys.len()).sum()
+    }
+
+    /// Bytes of table memory allocated for what is tracked (slots × slot size,
+    /// including hashbrown's one control byte per slot): the figure behind
+    /// "bytes per tracked block".
+    pub fn table_bytes(&self) -> usize {
+        fn slot_bytes<K, V>(capacity: usize) -> usize {
+            // hashbrown keeps buckets ≥ capacity·8/7 (a power of two); estimate
+            // from the reported capacity, which is what is usable.
+            let buckets = (capacity * 8).div_ceil(7).next_power_of_two();
+            buckets * (std::mem::size_of::<(K, V)>() + 1)
+        }
+        let ranks: usize = self
+            .ranks
+            .values()
+            .map(|r| slot_bytes::<u64, BlockKey>(r.keys.capacity()) + slot_bytes::<u64, u32>(r.extra_copies.capacity()))
+            .sum();
+        ranks + slot_bytes::<BlockKey, u32>(self.key_counts.capacity())
+    }
+}
+
+fn release(key_counts: &mut FastMap<BlockKey, u32>, key: BlockKey, sink: &mut impl KeySink) {
+    if let Some(count) = key_counts.get_mut(&key) {
+        *count -= 1;
+        if *count == 0 {
+            key_counts.remove(&key);
+            sink.evicted(key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
