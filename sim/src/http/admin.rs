@@ -1,0 +1,75 @@
+//! Small endpoints: `/health`, `/version`, `/v1/models`, `/reset_prefix_cache`,
+//! and the simulator's own `/sim/info` (bound addresses, for discovery) and
+//! `/sim/faults` (fault knobs at runtime).
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use serde_json::json;
+
+use super::{ApiError, AppState};
+use crate::events::EventFormat;
+use crate::faults::FaultsPatch;
+
+pub async fn health() -> StatusCode {
+    StatusCode::OK
+}
+
+/// The vLLM version whose event format is being spoken, so a client that
+/// picks a decoder by version picks the right one.
+pub async fn version(State(s): State<AppState>) -> Json<serde_json::Value> {
+    let v = match s.config.events.as_ref().map(|e| e.format) {
+        Some(EventFormat::Legacy) => "0.11.0",
+        _ => "0.33.0",
+    };
+    Json(json!({"version": v, "simulator": concat!("kvroute-sim ", env!("CARGO_PKG_VERSION"))}))
+}
+
+pub async fn models(State(s): State<AppState>) -> Json<serde_json::Value> {
+    let base = s.config.model.as_str();
+    let card = |id: &str, root: &str, parent: Option<&str>| {
+        json!({
+            "id": id, "object": "model", "created": s.started, "owned_by": "vllm",
+            "root": root, "parent": parent, "max_model_len": s.config.max_model_len,
+            "permission": [],
+        })
+    };
+    let mut data = vec![card(base, base, None)];
+    data.extend(s.config.loras.iter().map(|l| card(l.as_str(), l.as_str(), Some(base))));
+    Json(json!({"object": "list", "data": data}))
+}
+
+pub async fn reset_prefix_cache(State(s): State<AppState>) -> Response {
+    match s.engine.reset_prefix_cache().await {
+        Ok(()) => StatusCode::OK.into_response(),
+        Err(_) => ApiError::EngineGone.into_response(),
+    }
+}
+
+pub async fn info(State(s): State<AppState>) -> Json<super::SimInfo> {
+    Json(s.info.clone())
+}
+
+pub async fn get_faults(State(s): State<AppState>) -> Json<crate::faults::Faults> {
+    Json(*s.faults.borrow())
+}
+
+/// Merges a partial `{"drop_events", "pause_events", "reject", "reject_status",
+/// "slowdown"}` into the current faults and answers with the result.
+pub async fn set_faults(State(s): State<AppState>, body: Bytes) -> Response {
+    let patch: FaultsPatch = match kvroute_shared::wire::decode(&body) {
+        Ok(p) => p,
+        Err(e) => return ApiError::from(e).into_response(),
+    };
+    let current = *s.faults.borrow();
+    match current.patched(patch) {
+        Ok(next) => {
+            s.faults.send_replace(next);
+            tracing::info!(faults = ?next, "faults changed");
+            Json(next).into_response()
+        }
+        Err(e) => ApiError::BadRequest { message: e.to_string(), param: Some(e.field().to_owned()) }.into_response(),
+    }
+}

@@ -1,0 +1,101 @@
+//! Response bodies in vLLM's OpenAI shapes, and the deterministic filler text
+//! the simulator "generates" (token `i` of every answer is the same word, so
+//! tests can predict the text from `max_tokens`).
+
+use serde_json::{Value, json};
+
+use crate::engine::Outcome;
+
+const FILLER: &[&str] = &[" The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", "."];
+
+/// The text of generated token `index`.
+pub fn filler(index: u32) -> &'static str {
+    FILLER[index as usize % FILLER.len()]
+}
+
+/// The whole generated text of `n` tokens.
+pub fn filler_text(n: u32) -> String {
+    (0..n).map(filler).collect()
+}
+
+/// Which OpenAI object family a response belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Completion,
+    Chat,
+}
+
+/// What every body of one response shares.
+#[derive(Clone, Debug)]
+pub struct Head {
+    pub kind: Kind,
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+}
+
+pub fn usage(o: &Outcome) -> Value {
+    json!({
+        "prompt_tokens": o.prompt_tokens,
+        "total_tokens": o.prompt_tokens + o.completion_tokens as usize,
+        "completion_tokens": o.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": o.cached_tokens},
+    })
+}
+
+/// A non-streaming response.
+pub fn full(h: &Head, o: &Outcome) -> Value {
+    let text = filler_text(o.completion_tokens);
+    match h.kind {
+        Kind::Completion => json!({
+            "id": h.id, "object": "text_completion", "created": h.created, "model": h.model,
+            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": "length",
+                         "stop_reason": null, "prompt_logprobs": null}],
+            "usage": usage(o),
+            "service_tier": null, "system_fingerprint": null, "kv_transfer_params": null,
+        }),
+        Kind::Chat => json!({
+            "id": h.id, "object": "chat.completion", "created": h.created, "model": h.model,
+            "choices": [{"index": 0,
+                         "message": {"role": "assistant", "content": text, "refusal": null, "annotations": null,
+                                     "audio": null, "function_call": null, "tool_calls": [],
+                                     "reasoning_content": null},
+                         "logprobs": null, "finish_reason": "length", "stop_reason": null}],
+            "service_tier": null, "system_fingerprint": null,
+            "usage": usage(o),
+            "prompt_logprobs": null, "kv_transfer_params": null,
+        }),
+    }
+}
+
+fn chunk_object(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Completion => "text_completion",
+        Kind::Chat => "chat.completion.chunk",
+    }
+}
+
+/// One streamed token; `last` carries `finish_reason: "length"`.
+pub fn token_chunk(h: &Head, index: u32, last: bool) -> Value {
+    let finish = if last { json!("length") } else { Value::Null };
+    let choice = match h.kind {
+        Kind::Completion => json!({"index": 0, "text": filler(index), "logprobs": null,
+                                   "finish_reason": finish, "stop_reason": null}),
+        Kind::Chat => json!({"index": 0, "delta": {"content": filler(index)}, "logprobs": null,
+                             "finish_reason": finish, "stop_reason": null}),
+    };
+    json!({"id": h.id, "object": chunk_object(h.kind), "created": h.created, "model": h.model, "choices": [choice]})
+}
+
+/// vLLM's first chat chunk: the assistant role with empty content.
+pub fn role_chunk(h: &Head) -> Value {
+    json!({"id": h.id, "object": chunk_object(h.kind), "created": h.created, "model": h.model,
+           "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null,
+                        "finish_reason": null}]})
+}
+
+/// `stream_options.include_usage`: a last chunk with no choices.
+pub fn usage_chunk(h: &Head, o: &Outcome) -> Value {
+    json!({"id": h.id, "object": chunk_object(h.kind), "created": h.created, "model": h.model,
+           "choices": [], "usage": usage(o)})
+}
