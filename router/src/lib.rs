@@ -1,1 +1,146 @@
-//! placeholder
+//! kvroute-router: an OpenAI-compatible proxy that sends each request to the
+//! vLLM worker holding the longest cached prefix of it, without overloading
+//! anyone. Sidecars keep its cache map true (`internal`); `routing` turns a
+//! request into keys and a decision by a `policy`; `proxy` forwards it.
+//!
+//! Tests and embedders call [`run`] with a listener they bound themselves, or
+//! [`build_state`] + [`app`] to drive the router in-process.
+
+pub mod admin;
+pub mod cli;
+pub mod config;
+pub mod context;
+pub mod error;
+pub mod health;
+pub mod index;
+pub mod internal;
+pub mod metrics;
+pub mod policy;
+pub mod proxy;
+pub mod routing;
+pub mod sessions;
+pub mod state;
+pub mod workers;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::routing::{delete, get, post};
+use kvroute_shared::openai::Endpoint;
+use kvroute_shared::tokenize::{PromptTokenizer, TokenizeError};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use config::Config;
+use state::{AppState, Tokenizers};
+use workers::Source;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("cannot load the tokenizer for {model}: {source}")]
+    Tokenizer {
+        model: String,
+        #[source]
+        source: TokenizeError,
+    },
+    #[error("cannot build the HTTP client: {0}")]
+    Client(#[from] reqwest::Error),
+    #[error("cannot register worker: {0}")]
+    Worker(#[from] workers::RegistryError),
+    #[error("server failed: {0}")]
+    Serve(#[from] std::io::Error),
+}
+
+/// Loads tokenizers, registers static workers: the state `app` serves.
+pub fn build_state(config: Config, shutdown: CancellationToken) -> Result<Arc<AppState>, RunError> {
+    let load = |model: &str, dir: &std::path::Path| {
+        PromptTokenizer::load(dir).map(Arc::new).map_err(|source| RunError::Tokenizer { model: model.into(), source })
+    };
+    let default = match &config.raw.tokenizer {
+        Some(dir) => load("the default model", dir)?,
+        None => {
+            tracing::warn!(
+                "no --tokenizer: keying prompts by UTF-8 bytes (approximate mode); keys will not match a real \
+                 engine's KV events"
+            );
+            Arc::new(PromptTokenizer::Bytes)
+        }
+    };
+    let mut by_model = std::collections::BTreeMap::new();
+    for (model, dir) in &config.raw.tokenizers {
+        by_model.insert(model.clone(), load(model, dir)?);
+    }
+    let statics = config.workers.clone();
+    let capacity = config.raw.approx_capacity_blocks;
+    let state = Arc::new(AppState::new(config, Tokenizers { by_model, default }, shutdown)?);
+    for w in statics {
+        let (worker, _) = state.workers.upsert(&w.id, Some(&w.url), None, Source::Static)?;
+        state.map.write().index.set_approximate(worker.slot, Some(capacity));
+    }
+    Ok(state)
+}
+
+/// The router's HTTP surface.
+pub fn app(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route(
+            "/v1/completions",
+            post(|s: axum::extract::State<Arc<AppState>>, h, b| proxy::handle(s.0, Endpoint::Completions, h, b)),
+        )
+        .route(
+            "/v1/chat/completions",
+            post(|s: axum::extract::State<Arc<AppState>>, h, b| proxy::handle(s.0, Endpoint::ChatCompletions, h, b)),
+        )
+        .route("/v1/models", get(admin::models))
+        .route("/v1/context", post(context::create))
+        .route("/v1/context/{id}", delete(context::delete))
+        .route("/health", get(admin::health))
+        .route("/ready", get(admin::ready))
+        .route("/metrics", get(admin::metrics))
+        .route("/debug/route", post(admin::debug_route))
+        .route("/debug/index", get(admin::debug_index))
+        .route("/admin/workers", get(admin::workers))
+        .route(kvroute_shared::wire::EVICTION_PATH, post(internal::eviction))
+        .route(kvroute_shared::wire::SYNC_PATH, post(internal::sync))
+        .with_state(state)
+}
+
+/// Serves until `shutdown` resolves, then drains in-flight requests for at
+/// most the configured grace period.
+pub async fn run(
+    listener: TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RunError> {
+    let token = CancellationToken::new();
+    let grace = config.raw.shutdown_grace;
+    let state = build_state(config, token.clone())?;
+    tokio::spawn(health::run_health_checks(state.clone()).instrument(tracing::info_span!("health_checks")));
+    tokio::spawn(health::run_housekeeping(state.clone()).instrument(tracing::info_span!("housekeeping")));
+
+    let stop = token.clone();
+    tokio::spawn(async move {
+        shutdown.await;
+        stop.cancel();
+    });
+    let drained = token.clone();
+    let serve = axum::serve(listener, app(state)).with_graceful_shutdown(async move { drained.cancelled().await });
+    let mut serve = tokio::spawn(async move { serve.await });
+    let flatten = |r: Result<std::io::Result<()>, tokio::task::JoinError>| match r {
+        Ok(result) => result.map_err(RunError::Serve),
+        Err(join) => Err(RunError::Serve(std::io::Error::other(join))),
+    };
+    tokio::select! {
+        r = &mut serve => return flatten(r),
+        _ = token.cancelled() => {}
+    }
+    match tokio::time::timeout(grace, serve).await {
+        Ok(r) => flatten(r),
+        Err(_) => {
+            tracing::warn!(?grace, "shutdown grace period over: dropping remaining connections");
+            Ok(())
+        }
+    }
+}

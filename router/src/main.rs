@@ -1,1 +1,67 @@
-fn main() {}
+//! kvroute-router: parse the command line, set up logging, load the config,
+//! run (or run the `tokenize` tool).
+
+use std::io::Read;
+
+use anyhow::Context;
+use clap::Parser;
+use kvroute_router::cli::{Cli, Command, TokenizeArgs};
+use kvroute_shared::openai::PromptRequest;
+use kvroute_shared::tokenize::PromptTokenizer;
+use kvroute_shared::{BlockSize, KeyRoot, block_keys};
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    if let Some(Command::Tokenize(args)) = &cli.command {
+        return tokenize(args);
+    }
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("KVROUTE_LOG").unwrap_or_else(|_| "info".into()))
+        .init();
+    let raw = cli.serve.load(std::env::vars()).context("loading configuration")?;
+    let config = raw.validate()?;
+    let listener = tokio::net::TcpListener::bind(config.raw.listen)
+        .await
+        .with_context(|| format!("binding {}", config.raw.listen))?;
+    let addr = listener.local_addr()?;
+    // Parents (the local cluster, tests) read this line to find the port.
+    println!("listening on http://{addr}");
+    tracing::info!(%addr, policy = ?config.policy, workers = config.workers.len(), "kvroute-router started");
+    kvroute_router::run(listener, config, shutdown_signal()).await?;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => return ctrl_c.await.unwrap_or(()),
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    ctrl_c.await.unwrap_or(());
+}
+
+/// `kvroute-router tokenize`: what the router computes for a request body.
+fn tokenize(args: &TokenizeArgs) -> anyhow::Result<()> {
+    let mut body = Vec::new();
+    std::io::stdin().read_to_end(&mut body).context("reading the request body from stdin")?;
+    let endpoint = kvroute_router::admin::endpoint_of(&body);
+    let req = PromptRequest::parse(endpoint, &body).map_err(|e| anyhow::anyhow!("bad request body: {e}"))?;
+    let tokenizer = match &args.tokenizer {
+        Some(dir) => PromptTokenizer::load(dir)?,
+        None => PromptTokenizer::Bytes,
+    };
+    let tokens = tokenizer.prompt_tokens(&req)?;
+    let bs = BlockSize::new(args.block_size)?;
+    let keys = block_keys(KeyRoot::new(req.model(), req.cache_salt()), &tokens, bs);
+    println!("{}", serde_json::json!({"token_ids": tokens, "block_keys": keys}));
+    Ok(())
+}

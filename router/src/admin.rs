@@ -1,0 +1,136 @@
+//! Operator endpoints: liveness and readiness, Prometheus metrics, the model
+//! list, and the debug views that explain the router's decisions.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use axum::Json;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use kvroute_shared::openai::Endpoint;
+use serde_json::{Value, json};
+
+use crate::error::RouterError;
+use crate::proxy::{parse, read_body};
+use crate::routing;
+use crate::state::{AppState, now_ms};
+
+/// The endpoint a bare body belongs to: chat if it has `messages`.
+pub fn endpoint_of(body: &[u8]) -> Endpoint {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(v) if v.get("messages").is_some() => Endpoint::ChatCompletions,
+        _ => Endpoint::Completions,
+    }
+}
+
+pub async fn health() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+/// Ready when at least one worker is healthy.
+pub async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    let healthy = state.workers.snapshot().iter().filter(|w| w.live.is_healthy()).count();
+    let status = if healthy > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, Json(json!({"ready": healthy > 0, "healthy_workers": healthy}))).into_response()
+}
+
+pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    crate::health::housekeeping_gauges(&state);
+    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], state.metrics.encode())
+        .into_response()
+}
+
+/// OpenAI's model list: the union of healthy workers' models.
+pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
+    let mut names: Vec<String> = state
+        .workers
+        .snapshot()
+        .iter()
+        .filter(|w| w.live.is_healthy())
+        .flat_map(|w| w.models.iter().map(|m| m.to_string()).collect::<Vec<_>>())
+        .collect();
+    names.sort();
+    names.dedup();
+    let data: Vec<Value> =
+        names.iter().map(|m| json!({"id": m, "object": "model", "owned_by": "kvroute", "created": 0})).collect();
+    Json(json!({"object": "list", "data": data}))
+}
+
+/// `POST /debug/route`: the decision the router would make, without forwarding.
+pub async fn debug_route(State(state): State<Arc<AppState>>, body: Body) -> Result<Json<Value>, RouterError> {
+    let body = read_body(&state, body).await?;
+    let req = parse(&state, endpoint_of(&body), &body)?;
+    let plan = routing::plan(&state, &req, None, false)?;
+    let name = |i: usize| plan.workers[i].id.to_string();
+    let workers: Vec<Value> = plan
+        .candidates
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            json!({
+                "id": name(i),
+                "matched_blocks": c.matched_blocks,
+                "matched_tokens": c.matched_blocks * plan.block_size,
+                "uncached_tokens": plan.uncached_tokens(c),
+                "load": c.load,
+                "cost": plan.decision.costs.get(i).copied().flatten(),
+            })
+        })
+        .collect();
+    Ok(Json(json!({
+        "model": plan.model,
+        "policy": state.policy.name(),
+        "tokens": plan.tokens.len(),
+        "exact_tokenizer": plan.exact_tokenizer,
+        "block_size": plan.block_size,
+        "block_keys": plan.keys,
+        "decision": {
+            "worker": plan.decision.chosen().map(name),
+            "reason": plan.decision.reason,
+            "fallbacks": plan.decision.ranked.iter().skip(1).map(|&i| name(i)).collect::<Vec<_>>(),
+        },
+        "workers": workers,
+    })))
+}
+
+/// `GET /debug/index`: per-worker entry counts by kind.
+pub async fn debug_index(State(state): State<Arc<AppState>>) -> Json<Value> {
+    let workers = state.workers.snapshot();
+    let map = state.map.read();
+    let per: serde_json::Map<String, Value> = workers
+        .iter()
+        .map(|w| {
+            let c = map.index.counts(w.slot);
+            (w.id.to_string(), json!({"confirmed": c.confirmed, "speculative": c.speculative, "approximate": c.approximate, "approximate_index": map.index.is_approximate(w.slot)}))
+        })
+        .collect();
+    Json(json!({"keys": map.index.key_count(), "entries": map.index.entry_count(), "workers": per}))
+}
+
+/// `GET /admin/workers`: every worker with health, load, index size, last sync.
+pub async fn workers(State(state): State<Arc<AppState>>) -> Json<Value> {
+    let now = now_ms();
+    let map = state.map.read();
+    let list: Vec<Value> = state
+        .workers
+        .snapshot()
+        .iter()
+        .map(|w| {
+            let last_sync = w.live.last_sync_ms.load(Ordering::Relaxed);
+            json!({
+                "id": w.id,
+                "url": w.url,
+                "models": w.models,
+                "source": w.source,
+                "healthy": w.live.is_healthy(),
+                "sidecar": w.live.has_sidecar.load(Ordering::Relaxed),
+                "load": w.live.load(),
+                "index": map.index.counts(w.slot),
+                "last_sync_ms_ago": (last_sync > 0).then(|| now.saturating_sub(last_sync)),
+            })
+        })
+        .collect();
+    Json(json!({"router_epoch": state.router_epoch, "policy": state.policy.name(), "workers": list}))
+}

@@ -1,0 +1,212 @@
+//! Command-line flags and how they layer over the config file and the
+//! environment: file < `KVROUTE_*` env < flags. `main` passes the process
+//! environment in; nothing here reads it.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use config::{Config as Layers, File, FileFormat};
+
+use crate::config::RawConfig;
+
+#[derive(Debug, Parser)]
+#[command(name = "kvroute-router", version, about = "Prefix-cache-aware router for vLLM workers")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Print the token ids and block keys the router computes for an OpenAI
+    /// request body read from stdin (compare with vLLM's /tokenize).
+    Tokenize(TokenizeArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TokenizeArgs {
+    /// Model directory with tokenizer.json (+ tokenizer_config.json for chat).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+}
+
+/// Flags of the server. Each one, when given, overrides the file and env.
+#[derive(Debug, Default, Args)]
+pub struct ServeArgs {
+    /// TOML config file.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Address to serve on [default: 127.0.0.1:8080].
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<String>,
+    /// A static worker, ID=URL (repeatable). Sidecars register others.
+    #[arg(long = "worker", value_name = "ID=URL")]
+    pub workers: Vec<String>,
+    /// Tokenizer directory for every model without its own --model-tokenizer.
+    #[arg(long, value_name = "DIR")]
+    pub tokenizer: Option<PathBuf>,
+    /// A model's own tokenizer directory, MODEL=DIR (repeatable).
+    #[arg(long = "model-tokenizer", value_name = "MODEL=DIR")]
+    pub model_tokenizers: Vec<String>,
+    /// Tokens per KV block; must equal the engines' --block-size [default: 16].
+    #[arg(long)]
+    pub block_size: Option<u32>,
+    /// Routing policy [default: cache_aware].
+    #[arg(long)]
+    pub policy: Option<String>,
+    /// Bearer token sidecars must present on /internal/* (≥ 16 characters).
+    #[arg(long, value_name = "TOKEN")]
+    pub internal_token: Option<String>,
+    /// Serve /internal/* without a token on a non-loopback address.
+    #[arg(long)]
+    pub allow_insecure_internal: bool,
+    /// How long an unconfirmed speculative entry lives [default: 10s].
+    #[arg(long, value_name = "DURATION")]
+    pub speculative_ttl: Option<String>,
+    /// Interval of active health checks [default: 2s].
+    #[arg(long, value_name = "DURATION")]
+    pub health_check_interval: Option<String>,
+    /// Other workers tried when an attempt fails before any byte was sent [default: 2].
+    #[arg(long)]
+    pub retries: Option<u32>,
+    /// Time allowed until an upstream's response headers [default: 600s].
+    #[arg(long, value_name = "DURATION")]
+    pub first_byte_timeout: Option<String>,
+    /// Largest request body in bytes [default: 16777216].
+    #[arg(long)]
+    pub max_body_bytes: Option<u64>,
+    /// Requests in flight before new ones are shed with 503 [default: 4096].
+    #[arg(long)]
+    pub max_concurrent_requests: Option<u64>,
+}
+
+/// Top-level keys that `KVROUTE_<KEY>` may set (lists are comma-separated).
+const ENV_KEYS: &[&str] = &[
+    "listen",
+    "workers",
+    "tokenizer",
+    "block_size",
+    "policy",
+    "internal_token",
+    "allow_insecure_internal",
+    "speculative_ttl",
+    "health_check_interval",
+    "health_check_timeout",
+    "eject_after_failures",
+    "worker_expiry",
+    "retries",
+    "connect_timeout",
+    "first_byte_timeout",
+    "idle_timeout",
+    "max_body_bytes",
+    "max_messages",
+    "max_concurrent_requests",
+    "approx_capacity_blocks",
+    "session_ttl",
+    "head_tokens",
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error("config: {0}")]
+    Config(#[from] config::ConfigError),
+    #[error("--model-tokenizer {0:?} is not MODEL=DIR")]
+    ModelTokenizer(String),
+}
+
+impl ServeArgs {
+    /// Layers file, env and flags into one raw config.
+    pub fn load(&self, env: impl IntoIterator<Item = (String, String)>) -> Result<RawConfig, CliError> {
+        let mut b = Layers::builder();
+        if let Some(path) = &self.config {
+            b = b.add_source(File::from(path.as_path()).format(FileFormat::Toml));
+        }
+        for (k, v) in env {
+            let Some(key) = k.strip_prefix("KVROUTE_").map(str::to_ascii_lowercase) else { continue };
+            if !ENV_KEYS.contains(&key.as_str()) {
+                continue;
+            }
+            b = if key == "workers" {
+                b.set_override(key, v.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect::<Vec<_>>())?
+            } else {
+                b.set_override(key, v)?
+            };
+        }
+        let mut set = |key: &str, v: Option<config::Value>| -> Result<(), CliError> {
+            if let Some(v) = v {
+                b = std::mem::take(&mut b).set_override(key, v)?;
+            }
+            Ok(())
+        };
+        set("listen", self.listen.clone().map(Into::into))?;
+        set("workers", (!self.workers.is_empty()).then(|| self.workers.clone().into()))?;
+        set("tokenizer", self.tokenizer.as_ref().map(|p| p.display().to_string().into()))?;
+        set("block_size", self.block_size.map(|n| i64::from(n).into()))?;
+        set("policy", self.policy.clone().map(Into::into))?;
+        set("internal_token", self.internal_token.clone().map(Into::into))?;
+        set("allow_insecure_internal", self.allow_insecure_internal.then_some(true.into()))?;
+        set("speculative_ttl", self.speculative_ttl.clone().map(Into::into))?;
+        set("health_check_interval", self.health_check_interval.clone().map(Into::into))?;
+        set("retries", self.retries.map(|n| i64::from(n).into()))?;
+        set("first_byte_timeout", self.first_byte_timeout.clone().map(Into::into))?;
+        set("max_body_bytes", self.max_body_bytes.map(|n| (n as i64).into()))?;
+        set("max_concurrent_requests", self.max_concurrent_requests.map(|n| (n as i64).into()))?;
+        for spec in &self.model_tokenizers {
+            let (model, dir) = spec.split_once('=').ok_or_else(|| CliError::ModelTokenizer(spec.clone()))?;
+            set(&format!("tokenizers.{model}"), Some(dir.to_owned().into()))?;
+        }
+        Ok(b.build()?.try_deserialize()?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_beat_env_beat_file() {
+        let dir = std::env::temp_dir().join(format!("kvroute-cli-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("router.toml");
+        std::fs::write(
+            &file,
+            "policy = \"round_robin\"\nretries = 5\nblock_size = 32\n[cache_aware]\nload_weight = 2.0\n",
+        )
+        .unwrap();
+        let args = ServeArgs { config: Some(file), policy: Some("least_loaded".into()), ..Default::default() };
+        let env = [("KVROUTE_RETRIES".to_string(), "7".to_string()), ("KVROUTE_POLICY".into(), "power_of_two".into())];
+        let raw = args.load(env).unwrap();
+        assert_eq!(raw.policy, "least_loaded");
+        assert_eq!(raw.retries, 7);
+        assert_eq!(raw.block_size, 32);
+        assert_eq!(raw.cache_aware.load_weight, 2.0);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn env_lists_and_durations() {
+        let env = [
+            ("KVROUTE_WORKERS".to_string(), "a=http://x:1,b=http://y:2".to_string()),
+            ("KVROUTE_SPECULATIVE_TTL".into(), "3s".into()),
+            ("KVROUTE_SIDECAR_WORKER_ID".into(), "ignored".into()),
+        ];
+        let raw = ServeArgs::default().load(env).unwrap();
+        assert_eq!(raw.workers.len(), 2);
+        assert_eq!(raw.speculative_ttl, std::time::Duration::from_secs(3));
+    }
+
+    #[test]
+    fn unknown_file_keys_fail() {
+        let dir = std::env::temp_dir().join(format!("kvroute-cli-bad-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("router.toml");
+        std::fs::write(&file, "polcy = \"round_robin\"\n").unwrap();
+        let err = ServeArgs { config: Some(file), ..Default::default() }.load([]).unwrap_err();
+        assert!(err.to_string().contains("polcy"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

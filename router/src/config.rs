@@ -1,0 +1,291 @@
+//! Router configuration: a serde struct read from TOML / `KVROUTE_*` env / CLI
+//! flags (merged in `main`), validated once into [`Config`].
+//!
+//! Every default is here and in the README's table; a field the router does
+//! not know is an error, not silently ignored.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kvroute_shared::{BlockSize, WorkerId};
+use serde::Deserialize;
+
+use crate::policy::{
+    CacheAware, CacheAwareParams, ConsistentHash, LeastLoaded, POLICY_NAMES, Policy, PowerOfTwo, PrefixThreshold,
+    PrefixThresholdParams, RoundRobin, StickyLeastLoaded,
+};
+
+/// A secret that never prints.
+#[derive(Clone, Deserialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Self {
+        Secret(s.into())
+    }
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("***")
+    }
+}
+
+/// The configuration as written: every field optional with a default.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawConfig {
+    pub listen: SocketAddr,
+    /// Static workers, `ID=URL`.
+    pub workers: Vec<String>,
+    /// Tokenizer directory for models without their own entry in `tokenizers`.
+    pub tokenizer: Option<PathBuf>,
+    /// Model name → tokenizer directory.
+    pub tokenizers: BTreeMap<String, PathBuf>,
+    pub block_size: u32,
+    pub policy: String,
+    pub cache_aware: CacheAwareParams,
+    pub prefix_threshold: PrefixThresholdParams,
+    pub consistent_hash_load_factor: f64,
+    /// Tokens that identify a request for `consistent_hash` and `sticky_least_loaded`.
+    pub head_tokens: usize,
+    pub internal_token: Option<Secret>,
+    pub allow_insecure_internal: bool,
+    #[serde(with = "humantime_serde")]
+    pub speculative_ttl: Duration,
+    #[serde(with = "humantime_serde")]
+    pub health_check_interval: Duration,
+    #[serde(with = "humantime_serde")]
+    pub health_check_timeout: Duration,
+    pub eject_after_failures: u32,
+    /// A sidecar-registered worker not heard from for this long is removed.
+    #[serde(with = "humantime_serde")]
+    pub worker_expiry: Duration,
+    /// Other workers to try when an attempt fails before any byte reached the client.
+    pub retries: u32,
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// Until the upstream's response headers arrive.
+    #[serde(with = "humantime_serde")]
+    pub first_byte_timeout: Duration,
+    /// Longest gap between two body chunks of a streaming answer.
+    #[serde(with = "humantime_serde")]
+    pub idle_timeout: Duration,
+    pub max_body_bytes: usize,
+    pub max_messages: usize,
+    pub max_concurrent_requests: usize,
+    /// Blocks an approximately indexed worker is assumed to hold when its
+    /// `vllm:cache_config_info` cannot be read.
+    pub approx_capacity_blocks: usize,
+    #[serde(with = "humantime_serde")]
+    pub session_ttl: Duration,
+    #[serde(with = "humantime_serde")]
+    pub max_session_ttl: Duration,
+    pub max_sessions: usize,
+    /// Keys accepted in one sync (a bound on memory per request).
+    pub max_sync_keys: usize,
+    #[serde(with = "humantime_serde")]
+    pub shutdown_grace: Duration,
+}
+
+impl Default for RawConfig {
+    fn default() -> Self {
+        RawConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            workers: Vec::new(),
+            tokenizer: None,
+            tokenizers: BTreeMap::new(),
+            block_size: 16,
+            policy: "cache_aware".into(),
+            cache_aware: CacheAwareParams::default(),
+            prefix_threshold: PrefixThresholdParams::default(),
+            consistent_hash_load_factor: 1.25,
+            head_tokens: 64,
+            internal_token: None,
+            allow_insecure_internal: false,
+            speculative_ttl: Duration::from_secs(10),
+            health_check_interval: Duration::from_secs(2),
+            health_check_timeout: Duration::from_secs(2),
+            eject_after_failures: 3,
+            worker_expiry: Duration::from_secs(30),
+            retries: 2,
+            connect_timeout: Duration::from_secs(2),
+            first_byte_timeout: Duration::from_secs(600),
+            idle_timeout: Duration::from_secs(300),
+            max_body_bytes: 16 << 20,
+            max_messages: 4096,
+            max_concurrent_requests: 4096,
+            approx_capacity_blocks: 100_000,
+            session_ttl: Duration::from_secs(600),
+            max_session_ttl: Duration::from_secs(86_400),
+            max_sessions: 100_000,
+            max_sync_keys: 4_000_000,
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A static worker from `--worker ID=URL`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StaticWorker {
+    pub id: WorkerId,
+    pub url: String,
+}
+
+/// Which policy, with its parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PolicyConfig {
+    CacheAware(CacheAwareParams),
+    RoundRobin,
+    LeastLoaded,
+    PowerOfTwo,
+    ConsistentHash { load_factor: f64 },
+    StickyLeastLoaded { prefix_tokens: usize },
+    PrefixThreshold(PrefixThresholdParams),
+}
+
+impl PolicyConfig {
+    pub fn build(&self) -> Box<dyn Policy> {
+        match *self {
+            PolicyConfig::CacheAware(params) => Box::new(CacheAware { params }),
+            PolicyConfig::RoundRobin => Box::<RoundRobin>::default(),
+            PolicyConfig::LeastLoaded => Box::new(LeastLoaded),
+            PolicyConfig::PowerOfTwo => Box::<PowerOfTwo>::default(),
+            PolicyConfig::ConsistentHash { load_factor } => Box::new(ConsistentHash { load_factor }),
+            PolicyConfig::StickyLeastLoaded { prefix_tokens } => Box::new(StickyLeastLoaded { prefix_tokens }),
+            PolicyConfig::PrefixThreshold(params) => Box::new(PrefixThreshold { params }),
+        }
+    }
+}
+
+/// The validated configuration the router runs with.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub raw: RawConfig,
+    pub block_size: BlockSize,
+    pub workers: Vec<StaticWorker>,
+    pub policy: PolicyConfig,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("invalid config value for `{field}`: {message}")]
+    Invalid { field: &'static str, message: String },
+    #[error(
+        "refusing to serve /internal/* on non-loopback {listen} without an internal token: \
+         set --internal-token (or KVROUTE_INTERNAL_TOKEN), or pass --allow-insecure-internal"
+    )]
+    InsecureInternal { listen: SocketAddr },
+}
+
+fn invalid(field: &'static str, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { field, message: message.into() }
+}
+
+impl RawConfig {
+    pub fn validate(self) -> Result<Config, ConfigError> {
+        let block_size = BlockSize::new(self.block_size).map_err(|e| invalid("block_size", e.to_string()))?;
+        let mut workers: Vec<StaticWorker> = Vec::new();
+        for spec in &self.workers {
+            let (id, url) =
+                spec.split_once('=').ok_or_else(|| invalid("workers", format!("{spec:?} is not ID=URL")))?;
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(invalid("workers", format!("{spec:?}: URL must start with http:// or https://")));
+            }
+            if id.is_empty() || workers.iter().any(|w| w.id.as_str() == id) {
+                return Err(invalid("workers", format!("{spec:?}: worker ids must be unique and non-empty")));
+            }
+            workers.push(StaticWorker { id: WorkerId::new(id), url: url.trim_end_matches('/').to_owned() });
+        }
+        let policy = match self.policy.as_str() {
+            "cache_aware" => PolicyConfig::CacheAware(self.cache_aware),
+            "round_robin" => PolicyConfig::RoundRobin,
+            "least_loaded" => PolicyConfig::LeastLoaded,
+            "power_of_two" => PolicyConfig::PowerOfTwo,
+            "consistent_hash" => PolicyConfig::ConsistentHash { load_factor: self.consistent_hash_load_factor },
+            "sticky_least_loaded" => PolicyConfig::StickyLeastLoaded { prefix_tokens: self.head_tokens },
+            "prefix_threshold" => PolicyConfig::PrefixThreshold(self.prefix_threshold),
+            other => return Err(invalid("policy", format!("{other:?} is not one of {}", POLICY_NAMES.join(", ")))),
+        };
+        if !(1.0..=10.0).contains(&self.consistent_hash_load_factor) {
+            return Err(invalid("consistent_hash_load_factor", "must be between 1.0 and 10.0"));
+        }
+        if self.cache_aware.placement_factor < 1.0 || self.cache_aware.load_weight < 0.0 {
+            return Err(invalid("cache_aware", "placement_factor must be ≥ 1 and load_weight ≥ 0"));
+        }
+        if self.head_tokens == 0 {
+            return Err(invalid("head_tokens", "must be at least 1"));
+        }
+        if self.max_concurrent_requests == 0 || self.max_body_bytes < 1024 {
+            return Err(invalid("max_concurrent_requests", "limits must allow at least one small request"));
+        }
+        if self.eject_after_failures == 0 {
+            return Err(invalid("eject_after_failures", "must be at least 1"));
+        }
+        if self.internal_token.as_ref().is_some_and(|t| t.expose().len() < 16) {
+            return Err(invalid("internal_token", "must be at least 16 characters"));
+        }
+        if self.internal_token.is_none() && !self.listen.ip().is_loopback() && !self.allow_insecure_internal {
+            return Err(ConfigError::InsecureInternal { listen: self.listen });
+        }
+        Ok(Config { block_size, workers, policy, raw: self })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate() {
+        let c = RawConfig::default().validate().unwrap();
+        assert_eq!(c.block_size, BlockSize::DEFAULT);
+        assert!(matches!(c.policy, PolicyConfig::CacheAware(_)));
+    }
+
+    #[test]
+    fn every_policy_name_builds() {
+        for name in POLICY_NAMES {
+            let c = RawConfig { policy: (*name).into(), ..Default::default() }.validate().unwrap();
+            assert_eq!(c.policy.build().name(), *name);
+        }
+    }
+
+    #[test]
+    fn bad_values_name_the_field() {
+        let e = RawConfig { policy: "fastest".into(), ..Default::default() }.validate().unwrap_err();
+        assert!(e.to_string().contains("`policy`"), "{e}");
+        let e = RawConfig { workers: vec!["w1".into()], ..Default::default() }.validate().unwrap_err();
+        assert!(e.to_string().contains("`workers`"), "{e}");
+        let e = RawConfig { block_size: 0, ..Default::default() }.validate().unwrap_err();
+        assert!(e.to_string().contains("`block_size`"), "{e}");
+    }
+
+    #[test]
+    fn refuses_open_internal_endpoints_off_loopback() {
+        let open = RawConfig { listen: "0.0.0.0:8080".parse().unwrap(), ..Default::default() };
+        assert!(matches!(open.clone().validate(), Err(ConfigError::InsecureInternal { .. })));
+        let tokened = RawConfig { internal_token: Some(Secret::new("0123456789abcdef")), ..open.clone() };
+        assert!(tokened.validate().is_ok());
+        assert!(RawConfig { allow_insecure_internal: true, ..open }.validate().is_ok());
+    }
+
+    #[test]
+    fn secrets_do_not_print() {
+        let c = RawConfig { internal_token: Some(Secret::new("super-secret-token-123")), ..Default::default() };
+        assert!(!format!("{c:?}").contains("super-secret"));
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected() {
+        let e = serde_json::from_str::<RawConfig>(r#"{"polcy": "round_robin"}"#).unwrap_err();
+        assert!(e.to_string().contains("polcy"), "{e}");
+    }
+}

@@ -1,0 +1,104 @@
+//! The router's error type and the one place that maps errors to HTTP statuses.
+//! Bodies are OpenAI-shaped; internal details are logged, never returned.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use kvroute_shared::WorkerId;
+use kvroute_shared::wire::{DecodeError, ErrorBody};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RouterError {
+    #[error("{message}")]
+    BadRequest { field: Option<String>, message: String },
+    #[error("missing or invalid internal token")]
+    Unauthorized,
+    #[error("request body exceeds {limit} bytes")]
+    PayloadTooLarge { limit: usize },
+    #[error("{0}")]
+    NotFound(String),
+    #[error("the router is at its concurrency limit; retry shortly")]
+    Overloaded,
+    #[error("no healthy worker serves model {model:?}")]
+    NoHealthyWorker { model: String },
+    #[error("upstream worker {worker} failed: {message}")]
+    UpstreamFailed { worker: WorkerId, message: String },
+    #[error("upstream worker {worker} timed out")]
+    UpstreamTimeout { worker: WorkerId },
+    #[error("internal error")]
+    Internal(String),
+}
+
+impl RouterError {
+    pub fn bad_request(field: impl Into<String>, message: impl Into<String>) -> Self {
+        RouterError::BadRequest { field: Some(field.into()), message: message.into() }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            RouterError::BadRequest { .. } => StatusCode::BAD_REQUEST,
+            RouterError::Unauthorized => StatusCode::UNAUTHORIZED,
+            RouterError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            RouterError::NotFound(_) => StatusCode::NOT_FOUND,
+            RouterError::Overloaded | RouterError::NoHealthyWorker { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            RouterError::UpstreamFailed { .. } => StatusCode::BAD_GATEWAY,
+            RouterError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            RouterError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            RouterError::BadRequest { .. } | RouterError::PayloadTooLarge { .. } => "invalid_request_error",
+            RouterError::Unauthorized => "authentication_error",
+            RouterError::NotFound(_) => "not_found_error",
+            RouterError::Overloaded | RouterError::NoHealthyWorker { .. } => "service_unavailable",
+            RouterError::UpstreamFailed { .. } | RouterError::UpstreamTimeout { .. } => "upstream_error",
+            RouterError::Internal(_) => "internal_error",
+        }
+    }
+
+    /// The OpenAI-shaped body for this error.
+    pub fn body(&self) -> ErrorBody {
+        let mut body = ErrorBody::new(self.status().as_u16(), self.kind(), self.to_string());
+        if let RouterError::BadRequest { field: Some(f), .. } = self {
+            body = body.with_param(f.clone());
+        }
+        body
+    }
+}
+
+impl From<DecodeError> for RouterError {
+    fn from(e: DecodeError) -> Self {
+        RouterError::BadRequest { message: e.to_string(), field: Some(e.field) }
+    }
+}
+
+impl IntoResponse for RouterError {
+    fn into_response(self) -> Response {
+        if let RouterError::Internal(detail) = &self {
+            tracing::error!(error = %detail, "internal error");
+        }
+        let status = self.status();
+        let mut resp = (status, axum::Json(self.body())).into_response();
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_and_bodies() {
+        let e = RouterError::bad_request("messages[0].content", "must be a string");
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(e.body().error.param.as_deref(), Some("messages[0].content"));
+        let e = RouterError::Internal("db password is hunter2".into());
+        assert_eq!(e.body().error.message, "internal error");
+        assert_eq!(RouterError::Overloaded.into_response().headers()[header::RETRY_AFTER], "1");
+        assert_eq!(RouterError::UpstreamTimeout { worker: WorkerId::new("w") }.status(), StatusCode::GATEWAY_TIMEOUT);
+    }
+}

@@ -1,0 +1,168 @@
+//! Worker health and the index's housekeeping.
+//!
+//! - Active checks: `GET {worker}/health` every interval; a worker that fails
+//!   is ejected after consecutive failures (passive failures from the proxy
+//!   count too) and re-admitted when it answers again.
+//! - Housekeeping, every second: expire unconfirmed speculative entries and
+//!   sessions, drop sidecar-registered workers that stopped reporting, fall
+//!   back to the approximate index for static workers whose sidecar went
+//!   silent, refresh the gauges.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use crate::metrics::{WorkerKind, WorkerLabel};
+use crate::proxy::note_failure;
+use crate::state::{AppState, now_ms};
+use crate::workers::{Source, Worker};
+
+/// Takes an unhealthy worker out of the index: its cache state is unknown
+/// (it may come back restarted and empty).
+pub fn eject(state: &AppState, worker: &Worker) {
+    let purged = state.map.write().index.clear_worker(worker.slot);
+    state.metrics.ejections.get_or_create(&WorkerLabel { worker: worker.id.to_string() }).inc();
+    tracing::warn!(worker.id = %worker.id, purged, "worker ejected after consecutive failures");
+}
+
+pub async fn run_health_checks(state: Arc<AppState>) {
+    let mut tick = tokio::time::interval(state.config.raw.health_check_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = state.shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let workers = state.workers.snapshot();
+        let checks = workers.iter().map(|w| check(&state, w));
+        futures::future::join_all(checks).await;
+    }
+}
+
+async fn check(state: &AppState, worker: &Arc<Worker>) {
+    let timeout = state.config.raw.health_check_timeout;
+    let ok = match state.client.get(format!("{}/health", worker.url)).timeout(timeout).send().await {
+        Ok(r) => r.status().is_success(),
+        Err(_) => false,
+    };
+    if !ok {
+        note_failure(state, worker);
+        return;
+    }
+    worker.live.consecutive_failures.store(0, Ordering::Relaxed);
+    if !worker.live.healthy.swap(true, Ordering::Relaxed) {
+        tracing::info!(worker.id = %worker.id, "worker re-admitted");
+    }
+    if !worker.live.has_sidecar.load(Ordering::Relaxed) {
+        learn_capacity(state, worker).await;
+    }
+}
+
+/// For an approximately indexed worker, its KV capacity in blocks from
+/// `vllm:cache_config_info{num_gpu_blocks="…"}`, else the configured default.
+async fn learn_capacity(state: &AppState, worker: &Worker) {
+    let timeout = state.config.raw.health_check_timeout;
+    let text = match state.client.get(format!("{}/metrics", worker.url)).timeout(timeout).send().await {
+        Ok(r) if r.status().is_success() => r.text().await.unwrap_or_default(),
+        _ => String::new(),
+    };
+    let blocks = parse_num_gpu_blocks(&text).unwrap_or(state.config.raw.approx_capacity_blocks);
+    state.map.write().index.set_approximate(worker.slot, Some(blocks));
+}
+
+pub fn parse_num_gpu_blocks(metrics: &str) -> Option<usize> {
+    let line = metrics.lines().find(|l| l.starts_with("vllm:cache_config_info{"))?;
+    let at = line.find("num_gpu_blocks=\"")? + "num_gpu_blocks=\"".len();
+    let end = line[at..].find('"')?;
+    line[at..at + end].parse().ok()
+}
+
+pub async fn run_housekeeping(state: Arc<AppState>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = state.shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        housekeeping(&state);
+    }
+}
+
+/// One housekeeping pass (public for tests).
+pub fn housekeeping(state: &AppState) {
+    let now = now_ms();
+    let ttl = state.config.raw.speculative_ttl.as_millis() as u64;
+    let expired = state.map.write().index.expire_speculative(now, ttl);
+    state.metrics.speculative_expired.inc_by(expired as u64);
+    state.sessions.sweep(Instant::now());
+
+    let expiry = state.config.raw.worker_expiry.as_millis() as u64;
+    for w in state.workers.snapshot().iter() {
+        let last = w.live.last_report_ms.load(Ordering::Relaxed);
+        let silent = w.live.has_sidecar.load(Ordering::Relaxed) && now.saturating_sub(last) > expiry;
+        if !silent {
+            continue;
+        }
+        match w.source {
+            Source::Sidecar => {
+                tracing::warn!(worker.id = %w.id, "sidecar stopped reporting: worker removed");
+                state.workers.remove(&w.id);
+                let mut map = state.map.write();
+                map.index.remove_worker(w.slot);
+                map.seqs.remove(&w.id);
+                drop(map);
+                state.metrics.forget_worker(w.id.as_str());
+            }
+            Source::Static => {
+                tracing::warn!(worker.id = %w.id, "sidecar stopped reporting: back to the approximate index");
+                w.live.has_sidecar.store(false, Ordering::Relaxed);
+                let mut map = state.map.write();
+                map.index.clear_worker(w.slot);
+                map.index.set_approximate(w.slot, Some(state.config.raw.approx_capacity_blocks));
+            }
+        }
+    }
+    housekeeping_gauges(state);
+}
+
+/// Brings the gauges up to date (also done right before each scrape).
+pub fn housekeeping_gauges(state: &AppState) {
+    let m = &state.metrics;
+    let workers = state.workers.snapshot();
+    let map = state.map.read();
+    m.index_keys.set(map.index.key_count() as i64);
+    m.index_entries.set(map.index.entry_count() as i64);
+    for w in workers.iter() {
+        let c = map.index.counts(w.slot);
+        let id = w.id.to_string();
+        for (kind, n) in [("confirmed", c.confirmed), ("speculative", c.speculative), ("approximate", c.approximate)] {
+            m.index_worker_entries.get_or_create(&WorkerKind { worker: id.clone(), kind }).set(n as i64);
+        }
+        let load = w.live.load();
+        let label = WorkerLabel { worker: id.clone() };
+        m.worker_inflight.get_or_create(&label).set(i64::from(load.inflight));
+        m.worker_pending_tokens.get_or_create(&label).set(load.pending_prefill_tokens as i64);
+        m.worker_kv_usage.get_or_create(&label).set(load.kv_usage);
+        m.worker_healthy.get_or_create(&label).set(i64::from(w.live.is_healthy()));
+        m.worker_engine_requests
+            .get_or_create(&WorkerKind { worker: id.clone(), kind: "running" })
+            .set(i64::from(load.running));
+        m.worker_engine_requests
+            .get_or_create(&WorkerKind { worker: id, kind: "waiting" })
+            .set(i64::from(load.waiting));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_num_gpu_blocks_from_vllm_metrics() {
+        let text =
+            "# HELP x\nvllm:cache_config_info{block_size=\"16\",model_name=\"m\",num_gpu_blocks=\"27000\"} 1.0\n";
+        assert_eq!(parse_num_gpu_blocks(text), Some(27000));
+        assert_eq!(parse_num_gpu_blocks("vllm:num_requests_running 3"), None);
+    }
+}

@@ -1,0 +1,205 @@
+use super::*;
+use proptest::prelude::*;
+
+fn k(n: u64) -> BlockKey {
+    BlockKey(n)
+}
+
+fn depths(ix: &Index, keys: &[BlockKey]) -> Vec<(Slot, usize)> {
+    let mut d = ix.match_depths(keys);
+    d.sort();
+    d
+}
+
+/// The definition: walk keys in order; a worker's depth is where it drops out.
+fn linear_depths(ix: &Index, keys: &[BlockKey]) -> Vec<(Slot, usize)> {
+    let mut out = Vec::new();
+    let mut alive = match keys.first() {
+        Some(&f) => ix.holders(f),
+        None => return out,
+    };
+    for (i, &key) in keys.iter().enumerate().skip(1) {
+        let next = alive.and(ix.holders(key));
+        out.extend(alive.minus(next).iter().map(|s| (s, i)));
+        alive = next;
+    }
+    out.extend(alive.iter().map(|s| (s, keys.len())));
+    out.sort();
+    out
+}
+
+#[test]
+fn longest_prefix_per_worker() {
+    let mut ix = Index::new();
+    let chain: Vec<_> = (1..=10).map(k).collect();
+    ix.apply_events(Slot(0), false, &[], &chain[..10]);
+    ix.apply_events(Slot(1), false, &[], &chain[..3]);
+    ix.apply_events(Slot(2), false, &[], &[k(99)]);
+    assert_eq!(depths(&ix, &chain), vec![(Slot(0), 10), (Slot(1), 3)]);
+    assert_eq!(depths(&ix, &chain[..2]), vec![(Slot(0), 2), (Slot(1), 2)]);
+    assert_eq!(depths(&ix, &[k(50)]), vec![]);
+    assert_eq!(depths(&ix, &[]), vec![]);
+}
+
+#[test]
+fn cleared_then_evictions_then_stores() {
+    let mut ix = Index::new();
+    ix.apply_events(Slot(0), false, &[], &[k(1), k(2)]);
+    ix.apply_events(Slot(0), true, &[k(3)], &[k(3)]);
+    assert_eq!(ix.keys_of(Slot(0)), vec![(k(3), Kind::Confirmed)]);
+    // An eviction and a store of one key in one batch: the store wins (applied last).
+    ix.apply_events(Slot(0), false, &[k(4)], &[k(4)]);
+    assert_eq!(ix.counts(Slot(0)).confirmed, 2);
+    ix.check_consistency().unwrap();
+}
+
+#[test]
+fn sync_replaces_confirmed_and_keeps_newer_speculative() {
+    let mut ix = Index::new();
+    ix.apply_events(Slot(0), false, &[], &[k(1), k(2)]);
+    ix.record_routed(Slot(0), &[k(1), k(10)], 1_000); // k10 speculative at t=1000
+    ix.record_routed(Slot(0), &[k(11)], 3_000); // k11 speculative at t=3000
+    let out = ix.sync(Slot(0), &[k(2), k(5), k(10)], 2_000);
+    let mut keys = ix.keys_of(Slot(0));
+    keys.sort_by_key(|(key, _)| *key);
+    assert_eq!(
+        keys,
+        vec![(k(2), Kind::Confirmed), (k(5), Kind::Confirmed), (k(10), Kind::Confirmed), (k(11), Kind::Speculative)]
+    );
+    assert_eq!(out, SyncOutcome { added: 1, removed: 1, kept_speculative: 1 });
+    ix.check_consistency().unwrap();
+}
+
+#[test]
+fn speculative_entries_expire_unless_confirmed() {
+    let mut ix = Index::new();
+    ix.record_routed(Slot(0), &[k(1), k(2)], 1_000);
+    ix.apply_events(Slot(0), false, &[], &[k(1)]); // confirmed
+    assert_eq!(ix.expire_speculative(5_000, 10_000), 0);
+    assert_eq!(ix.expire_speculative(11_000, 10_000), 1);
+    assert_eq!(ix.keys_of(Slot(0)), vec![(k(1), Kind::Confirmed)]);
+    // A refreshed speculative entry is not expired by its older queue item.
+    ix.record_routed(Slot(0), &[k(3)], 20_000);
+    ix.remove(Slot(0), k(3));
+    ix.record_routed(Slot(0), &[k(3)], 25_000);
+    assert_eq!(ix.expire_speculative(31_000, 10_000), 0);
+    assert_eq!(ix.expire_speculative(35_000, 10_000), 1);
+    ix.check_consistency().unwrap();
+}
+
+#[test]
+fn approximate_worker_is_lru_bounded() {
+    let mut ix = Index::new();
+    ix.set_approximate(Slot(3), Some(4));
+    ix.record_routed(Slot(3), &[k(1), k(2), k(3)], 1);
+    ix.record_routed(Slot(3), &[k(1)], 2); // touch k1: k2 is now least recent
+    ix.record_routed(Slot(3), &[k(4), k(5)], 3);
+    let mut keys: Vec<_> = ix.keys_of(Slot(3)).into_iter().map(|(key, _)| key).collect();
+    keys.sort();
+    assert_eq!(keys, vec![k(1), k(3), k(4), k(5)]);
+    assert_eq!(ix.counts(Slot(3)).approximate, 4);
+    ix.check_consistency().unwrap();
+}
+
+#[test]
+fn clear_and_remove_worker_purge_forward_entries() {
+    let mut ix = Index::new();
+    ix.apply_events(Slot(0), false, &[], &[k(1), k(2)]);
+    ix.apply_events(Slot(1), false, &[], &[k(1)]);
+    ix.remove_worker(Slot(0));
+    assert_eq!(ix.key_count(), 1);
+    assert_eq!(depths(&ix, &[k(1), k(2)]), vec![(Slot(1), 1)]);
+    ix.check_consistency().unwrap();
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Events { slot: u16, cleared: bool, evicted: Vec<u64>, stored: Vec<u64> },
+    Sync { slot: u16, keys: Vec<u64> },
+    Routed { slot: u16, keys: Vec<u64>, at: u64 },
+    Expire { at: u64 },
+    Remove { slot: u16 },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let keys = || proptest::collection::vec(0u64..40, 0..8);
+    prop_oneof![
+        (0u16..4, any::<bool>(), keys(), keys()).prop_map(|(slot, c, evicted, stored)| Op::Events {
+            slot,
+            cleared: c && slot == 0,
+            evicted,
+            stored
+        }),
+        (0u16..4, keys()).prop_map(|(slot, keys)| Op::Sync { slot, keys }),
+        (0u16..4, keys(), 0u64..100).prop_map(|(slot, keys, at)| Op::Routed { slot, keys, at }),
+        (0u64..200).prop_map(|at| Op::Expire { at }),
+        (0u16..4).prop_map(|slot| Op::Remove { slot }),
+    ]
+}
+
+proptest! {
+    /// No reverse entry without its forward entry, whatever happens.
+    #[test]
+    fn maps_always_agree(ops in proptest::collection::vec(op(), 1..60)) {
+        let mut ix = Index::new();
+        ix.set_approximate(Slot(3), Some(5));
+        for op in ops {
+            match op {
+                Op::Events { slot, cleared, evicted, stored } => {
+                    let e: Vec<_> = evicted.into_iter().map(k).collect();
+                    let s: Vec<_> = stored.into_iter().map(k).collect();
+                    ix.apply_events(Slot(slot), cleared, &e, &s);
+                }
+                Op::Sync { slot, keys } => {
+                    let keys: Vec<_> = keys.into_iter().map(k).collect();
+                    ix.sync(Slot(slot), &keys, 50);
+                }
+                Op::Routed { slot, keys, at } => {
+                    let keys: Vec<_> = keys.into_iter().map(k).collect();
+                    ix.record_routed(Slot(slot), &keys, at);
+                }
+                Op::Expire { at } => { ix.expire_speculative(at, 30); }
+                Op::Remove { slot } => ix.remove_worker(Slot(slot)),
+            }
+            prop_assert_eq!(ix.check_consistency(), Ok(()));
+        }
+    }
+
+    /// A sync leaves the worker with exactly the confirmed set that replaying
+    /// the engine's events gives.
+    #[test]
+    fn sync_equals_replaying_events(batches in proptest::collection::vec(
+        (any::<bool>(), proptest::collection::vec(0u64..30, 0..6), proptest::collection::vec(0u64..30, 0..6)), 1..30)) {
+        let mut by_events = Index::new();
+        let mut truth = std::collections::BTreeSet::new();
+        for (cleared, evicted, stored) in &batches {
+            let e: Vec<_> = evicted.iter().copied().map(k).collect();
+            let s: Vec<_> = stored.iter().copied().map(k).collect();
+            by_events.apply_events(Slot(0), *cleared, &e, &s);
+            if *cleared { truth.clear(); }
+            for x in evicted { truth.remove(x); }
+            for x in stored { truth.insert(*x); }
+        }
+        let mut by_sync = Index::new();
+        by_sync.apply_events(Slot(0), false, &[], &[k(1000), k(1001)]);
+        let keys: Vec<_> = truth.iter().copied().map(k).collect();
+        by_sync.sync(Slot(0), &keys, 0);
+        let mut a = by_events.keys_of(Slot(0));
+        let mut b = by_sync.keys_of(Slot(0));
+        a.sort_by_key(|x| x.0);
+        b.sort_by_key(|x| x.0);
+        prop_assert_eq!(a, b);
+    }
+
+    /// Bisection gives the linear walk's answer on prefix-closed holdings.
+    #[test]
+    fn bisection_equals_linear_walk(holdings in proptest::collection::vec(0usize..70, 1..6), len in 0usize..70) {
+        let chain: Vec<_> = (0..70).map(|i| k(i as u64 + 1)).collect();
+        let mut ix = Index::new();
+        for (w, &n) in holdings.iter().enumerate() {
+            ix.apply_events(Slot(w as u16), false, &[], &chain[..n]);
+        }
+        let keys = &chain[..len];
+        prop_assert_eq!(depths(&ix, keys), linear_depths(&ix, keys));
+    }
+}

@@ -1,0 +1,207 @@
+//! The router's Prometheus metrics. Every label set is bounded: worker ids
+//! (at most `MAX_WORKERS`), policy and reason names, fixed outcome and event
+//! kinds — never a prompt, an error string or a request id.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerOutcome {
+    pub worker: String,
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PolicyReason {
+    pub policy: &'static str,
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    pub kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerLabel {
+    pub worker: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerKind {
+    pub worker: String,
+    pub kind: &'static str,
+}
+
+fn ttft_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.005, 2.0, 14))
+}
+
+type HistFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+#[derive(Debug)]
+pub struct Metrics {
+    pub registry: Registry,
+    pub requests: Family<WorkerOutcome, Counter>,
+    pub decisions: Family<PolicyReason, Counter>,
+    pub matched_ratio: Histogram,
+    pub index_keys: Gauge,
+    pub index_entries: Gauge,
+    pub index_worker_entries: Family<WorkerKind, Gauge>,
+    pub events: Family<KindLabel, Counter>,
+    pub syncs: Family<KindLabel, Counter>,
+    pub worker_inflight: Family<WorkerLabel, Gauge>,
+    pub worker_pending_tokens: Family<WorkerLabel, Gauge>,
+    pub worker_engine_requests: Family<WorkerKind, Gauge>,
+    pub worker_kv_usage: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    pub worker_healthy: Family<WorkerLabel, Gauge>,
+    pub ttft: HistFamily<WorkerLabel>,
+    pub routing_seconds: Histogram,
+    pub retries: Counter,
+    pub shed: Counter,
+    pub speculative_expired: Counter,
+    pub ejections: Family<WorkerLabel, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("kvroute");
+        let requests = Family::<WorkerOutcome, Counter>::default();
+        registry.register("requests", "Proxied requests by worker and outcome", requests.clone());
+        let decisions = Family::<PolicyReason, Counter>::default();
+        registry.register("decisions", "Routing decisions by policy and reason", decisions.clone());
+        let matched_ratio = Histogram::new([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0]);
+        registry.register(
+            "matched_prefix_ratio",
+            "Share of each request's prompt tokens cached on the chosen worker (per the index)",
+            matched_ratio.clone(),
+        );
+        let index_keys = Gauge::default();
+        registry.register("index_keys", "Distinct block keys in the index", index_keys.clone());
+        let index_entries = Gauge::default();
+        registry.register("index_entries", "(key, worker) entries in the index", index_entries.clone());
+        let index_worker_entries = Family::<WorkerKind, Gauge>::default();
+        registry.register(
+            "index_worker_entries",
+            "Index entries per worker by kind (confirmed, speculative, approximate)",
+            index_worker_entries.clone(),
+        );
+        let events = Family::<KindLabel, Counter>::default();
+        registry.register("events_applied", "Block events applied from sidecars, by kind", events.clone());
+        let syncs = Family::<KindLabel, Counter>::default();
+        registry.register("syncs", "Sidecar syncs by outcome", syncs.clone());
+        let worker_inflight = Family::<WorkerLabel, Gauge>::default();
+        registry.register("worker_inflight", "Requests this router has in flight per worker", worker_inflight.clone());
+        let worker_pending_tokens = Family::<WorkerLabel, Gauge>::default();
+        registry.register(
+            "worker_pending_prefill_tokens",
+            "Prompt tokens sent by this router and not yet past first token",
+            worker_pending_tokens.clone(),
+        );
+        let worker_engine_requests = Family::<WorkerKind, Gauge>::default();
+        registry.register(
+            "worker_engine_requests",
+            "vLLM's running / waiting requests as the sidecar last reported them",
+            worker_engine_requests.clone(),
+        );
+        let worker_kv_usage = Family::<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        registry.register("worker_kv_usage", "vLLM's KV-cache usage (0..1) as last reported", worker_kv_usage.clone());
+        let worker_healthy = Family::<WorkerLabel, Gauge>::default();
+        registry.register("worker_healthy", "1 when the worker takes traffic", worker_healthy.clone());
+        let ttft: HistFamily<WorkerLabel> = Family::new_with_constructor(ttft_histogram);
+        registry.register(
+            "upstream_ttft_seconds",
+            "Time from dispatch to the upstream's first body byte",
+            ttft.clone(),
+        );
+        let routing_seconds = Histogram::new(exponential_buckets(0.000_002, 2.0, 16));
+        registry.register(
+            "routing_duration_seconds",
+            "Time to tokenize, match and choose a worker",
+            routing_seconds.clone(),
+        );
+        let retries = Counter::default();
+        registry.register(
+            "retries",
+            "Attempts retried on another worker before any byte reached the client",
+            retries.clone(),
+        );
+        let shed = Counter::default();
+        registry.register("shed", "Requests refused because the router was at its concurrency limit", shed.clone());
+        let speculative_expired = Counter::default();
+        registry.register(
+            "speculative_expired",
+            "Speculative entries expired unconfirmed",
+            speculative_expired.clone(),
+        );
+        let ejections = Family::<WorkerLabel, Counter>::default();
+        registry.register("worker_ejections", "Times a worker was ejected as unhealthy", ejections.clone());
+        Metrics {
+            registry,
+            requests,
+            decisions,
+            matched_ratio,
+            index_keys,
+            index_entries,
+            index_worker_entries,
+            events,
+            syncs,
+            worker_inflight,
+            worker_pending_tokens,
+            worker_engine_requests,
+            worker_kv_usage,
+            worker_healthy,
+            ttft,
+            routing_seconds,
+            retries,
+            shed,
+            speculative_expired,
+            ejections,
+        }
+    }
+
+    pub fn request(&self, worker: &str, outcome: &'static str) {
+        self.requests.get_or_create(&WorkerOutcome { worker: worker.to_owned(), outcome }).inc();
+    }
+
+    pub fn event(&self, kind: &'static str, n: usize) {
+        self.events.get_or_create(&KindLabel { kind }).inc_by(n as u64);
+    }
+
+    pub fn sync(&self, kind: &'static str) {
+        self.syncs.get_or_create(&KindLabel { kind }).inc();
+    }
+
+    /// Forgets a removed worker's label sets, keeping label cardinality bounded.
+    pub fn forget_worker(&self, worker: &str) {
+        let w = WorkerLabel { worker: worker.to_owned() };
+        self.worker_inflight.remove(&w);
+        self.worker_pending_tokens.remove(&w);
+        self.worker_kv_usage.remove(&w);
+        self.worker_healthy.remove(&w);
+        self.ttft.remove(&w);
+        for kind in ["running", "waiting"] {
+            self.worker_engine_requests.remove(&WorkerKind { worker: worker.to_owned(), kind });
+        }
+        for kind in ["confirmed", "speculative", "approximate"] {
+            self.index_worker_entries.remove(&WorkerKind { worker: worker.to_owned(), kind });
+        }
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}

@@ -1,0 +1,249 @@
+//! Choosing a worker (DESIGN.md §4).
+//!
+//! A [`Policy`] is a pure, synchronous function of what the router knows about
+//! one request — its block keys, each candidate's cached-prefix depth, load and
+//! health — to a [`Decision`] with a [`Reason`]. It never sees HTTP types, so
+//! every policy is unit-tested on plain values and the benchmark compares them
+//! on equal terms.
+
+mod baselines;
+mod cache_aware;
+mod prefix_threshold;
+mod sticky;
+
+use std::fmt;
+
+use kvroute_shared::BlockKey;
+use serde::Serialize;
+
+pub use baselines::{ConsistentHash, LeastLoaded, PowerOfTwo, RoundRobin};
+pub use cache_aware::{CacheAware, CacheAwareParams};
+pub use prefix_threshold::{PrefixThreshold, PrefixThresholdParams};
+pub use sticky::StickyLeastLoaded;
+
+use crate::index::Slot;
+
+/// One worker's load as the router sees it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct LoadView {
+    /// Requests this router has in flight there.
+    pub inflight: u32,
+    /// Prompt tokens this router sent there that are not yet past first token.
+    pub pending_prefill_tokens: u64,
+    /// vLLM's `num_requests_running` / `num_requests_waiting` as the sidecar
+    /// last reported them (all routers' traffic).
+    pub running: u32,
+    pub waiting: u32,
+    pub kv_usage: f64,
+}
+
+impl LoadView {
+    /// Requests on the worker: the engine's own count when the sidecar reports
+    /// one (it covers other routers), never less than what this router knows.
+    pub fn requests(&self) -> u64 {
+        u64::from(self.inflight.max(self.running + self.waiting))
+    }
+}
+
+/// One worker a request could go to (healthy, serving the requested model).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Candidate {
+    #[serde(skip)]
+    pub slot: Slot,
+    /// Leading blocks of the request the worker holds (index match depth).
+    pub matched_blocks: usize,
+    pub load: LoadView,
+    /// Stable per-worker hash, for rendezvous placement; equal on every router.
+    #[serde(skip)]
+    pub id_hash: u64,
+}
+
+/// Everything a policy may look at.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteView<'a> {
+    pub prompt_tokens: usize,
+    pub block_size: usize,
+    pub keys: &'a [BlockKey],
+    /// A hash of the prompt's first tokens (the paper's and consistent
+    /// hashing's request identity), computed even when there is no full block.
+    pub head_hash: u64,
+    pub candidates: &'a [Candidate],
+    /// Mean prompt tokens of recent requests, to turn request counts into tokens.
+    pub mean_prompt_tokens: f64,
+    /// The request's `prefix_len` (the paper's hint), in tokens.
+    pub prefix_hint: Option<usize>,
+}
+
+impl RouteView<'_> {
+    pub fn uncached_tokens(&self, c: &Candidate) -> u64 {
+        (self.prompt_tokens.saturating_sub(c.matched_blocks * self.block_size)) as u64
+    }
+
+    /// Index of the least-loaded candidate; ties go to the higher rendezvous
+    /// score so that independent routers break them the same way.
+    pub fn least_loaded(&self, among: impl Iterator<Item = usize>) -> Option<usize> {
+        among.min_by_key(|&i| {
+            let c = &self.candidates[i];
+            (c.load.requests(), c.load.pending_prefill_tokens, std::cmp::Reverse(rendezvous(self.head_hash, c.id_hash)))
+        })
+    }
+}
+
+/// Why a worker was chosen; a bounded set, used as a metric label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// The cheapest candidate by cached prefix and load.
+    BestCost,
+    /// No candidate holds any block: rendezvous placement on the first key.
+    ColdPlacement,
+    /// The load across workers is too uneven: least loaded, cache ignored.
+    Imbalanced,
+    /// Too short for one block: least loaded.
+    NoFullBlock,
+    RoundRobin,
+    LeastLoaded,
+    PowerOfTwo,
+    ConsistentHash,
+    /// Sticky policy: the least-loaded holder of the request's prefix.
+    StickyHolder,
+    /// Sticky policy: nobody holds the prefix; least loaded, recorded.
+    StickyMiss,
+    /// Threshold policy: the best match clears the threshold.
+    ThresholdMatch,
+    /// Threshold policy: no match clears it; least loaded.
+    BelowThreshold,
+    /// A session pinned the request to this worker.
+    Session,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::BestCost => "best_cost",
+            Reason::ColdPlacement => "cold_placement",
+            Reason::Imbalanced => "imbalanced",
+            Reason::NoFullBlock => "no_full_block",
+            Reason::RoundRobin => "round_robin",
+            Reason::LeastLoaded => "least_loaded",
+            Reason::PowerOfTwo => "power_of_two",
+            Reason::ConsistentHash => "consistent_hash",
+            Reason::StickyHolder => "sticky_holder",
+            Reason::StickyMiss => "sticky_miss",
+            Reason::ThresholdMatch => "threshold_match",
+            Reason::BelowThreshold => "below_threshold",
+            Reason::Session => "session",
+        }
+    }
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A policy's answer: candidates in order of preference (the first is the
+/// choice, the rest are where a failed attempt is retried), with the reason
+/// and, for `/debug/route`, each candidate's cost where the policy has one.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    pub ranked: Vec<usize>,
+    pub reason: Reason,
+    pub costs: Vec<Option<f64>>,
+}
+
+impl Decision {
+    pub fn chosen(&self) -> Option<usize> {
+        self.ranked.first().copied()
+    }
+
+    /// `first`, then every other candidate by load.
+    pub fn with_fallbacks(view: &RouteView<'_>, first: usize, reason: Reason) -> Decision {
+        let mut rest: Vec<usize> = (0..view.candidates.len()).filter(|&i| i != first).collect();
+        rest.sort_by_key(|&i| (view.candidates[i].load.requests(), view.candidates[i].load.pending_prefill_tokens));
+        let mut ranked = vec![first];
+        ranked.extend(rest);
+        Decision { ranked, reason, costs: vec![None; view.candidates.len()] }
+    }
+}
+
+pub trait Policy: Send + Sync + fmt::Debug {
+    fn name(&self) -> &'static str;
+    /// Called with at least one candidate.
+    fn choose(&self, view: &RouteView<'_>) -> Decision;
+}
+
+/// The policy names `--policy` accepts.
+pub const POLICY_NAMES: &[&str] = &[
+    "cache_aware",
+    "round_robin",
+    "least_loaded",
+    "power_of_two",
+    "consistent_hash",
+    "sticky_least_loaded",
+    "prefix_threshold",
+];
+
+/// Rendezvous (highest-random-weight) score of a worker for a request: equal
+/// on every router replica, so they place a cold prefix on the same worker
+/// without talking to each other.
+pub fn rendezvous(request_hash: u64, worker_hash: u64) -> u64 {
+    splitmix64(request_hash ^ splitmix64(worker_hash))
+}
+
+fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Bounded-load rendezvous: the highest-scoring candidate whose load is at
+/// most `factor` × the mean (+1, so an idle cluster accepts anyone). With
+/// `factor` > 1 a hot prefix spills to its second choice instead of piling up.
+pub fn bounded_rendezvous(view: &RouteView<'_>, request_hash: u64, among: &[usize], factor: f64) -> Option<usize> {
+    if among.is_empty() {
+        return None;
+    }
+    let total: u64 = among.iter().map(|&i| view.candidates[i].load.requests()).sum();
+    let bound = (factor * (total as f64 + 1.0) / among.len() as f64).ceil() as u64;
+    let by_score = |&i: &usize| rendezvous(request_hash, view.candidates[i].id_hash);
+    among
+        .iter()
+        .copied()
+        .filter(|&i| view.candidates[i].load.requests() < bound.max(1))
+        .max_by_key(by_score)
+        .or_else(|| view.least_loaded(among.iter().copied()))
+}
+
+#[cfg(test)]
+pub(crate) mod testkit {
+    use super::*;
+
+    /// A candidate with `matched` blocks and `inflight` requests.
+    pub fn cand(slot: u16, matched: usize, inflight: u32) -> Candidate {
+        Candidate {
+            slot: Slot(slot),
+            matched_blocks: matched,
+            load: LoadView { inflight, pending_prefill_tokens: u64::from(inflight) * 100, ..Default::default() },
+            id_hash: splitmix64(u64::from(slot) + 1),
+        }
+    }
+
+    pub fn view<'a>(keys: &'a [BlockKey], candidates: &'a [Candidate]) -> RouteView<'a> {
+        RouteView {
+            prompt_tokens: keys.len() * 16 + 5,
+            block_size: 16,
+            keys,
+            head_hash: keys.first().map_or(7, |k| k.0),
+            candidates,
+            mean_prompt_tokens: 1000.0,
+            prefix_hint: None,
+        }
+    }
+
+    pub fn keys(n: u64) -> Vec<BlockKey> {
+        (1..=n).map(BlockKey).collect()
+    }
+}

@@ -1,0 +1,186 @@
+//! `cache_aware`, the default: minimise the time to first token as the router
+//! can estimate it,
+//!
+//! `cost(w) = uncached_prefill_tokens(w) + load_weight · pending_tokens(w)`,
+//!
+//! where `pending_tokens` is the prefill this router has queued there plus the
+//! engine-reported requests of other routers at the mean prompt size. Two
+//! guardrails keep a popular prefix from overloading its holder: a spill gate
+//! drops candidates far above the mean load, and when load is badly skewed the
+//! policy falls back to least-loaded. Cold prefixes (no holder anywhere) are
+//! placed by bounded-load rendezvous hashing of the first block key, so router
+//! replicas that never talk agree on where a new prefix goes.
+
+use serde::Deserialize;
+
+use super::{Decision, Policy, Reason, RouteView, bounded_rendezvous, rendezvous};
+
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheAwareParams {
+    /// Tokens of cost per pending prefill token on the worker.
+    pub load_weight: f64,
+    /// A candidate with more than `spill_factor` × mean + `spill_slack`
+    /// requests is not eligible (unless none is).
+    pub spill_factor: f64,
+    pub spill_slack: f64,
+    /// Load is imbalanced when max − min > `imbalance_abs` requests and
+    /// max > `imbalance_rel` × min.
+    pub imbalance_abs: u64,
+    pub imbalance_rel: f64,
+    /// Bounded-load factor of cold placement (≥ 1).
+    pub placement_factor: f64,
+}
+
+impl Default for CacheAwareParams {
+    fn default() -> Self {
+        CacheAwareParams {
+            load_weight: 1.0,
+            spill_factor: 1.5,
+            spill_slack: 4.0,
+            imbalance_abs: 32,
+            imbalance_rel: 3.0,
+            placement_factor: 1.25,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct CacheAware {
+    pub params: CacheAwareParams,
+}
+
+impl CacheAware {
+    fn pending_tokens(&self, view: &RouteView<'_>, i: usize) -> f64 {
+        let l = &view.candidates[i].load;
+        let remote = u64::from(l.running + l.waiting).saturating_sub(u64::from(l.inflight));
+        l.pending_prefill_tokens as f64 + remote as f64 * view.mean_prompt_tokens
+    }
+
+    fn cost(&self, view: &RouteView<'_>, i: usize) -> f64 {
+        view.uncached_tokens(&view.candidates[i]) as f64 + self.params.load_weight * self.pending_tokens(view, i)
+    }
+}
+
+impl Policy for CacheAware {
+    fn name(&self) -> &'static str {
+        "cache_aware"
+    }
+
+    fn choose(&self, view: &RouteView<'_>) -> Decision {
+        let p = &self.params;
+        let n = view.candidates.len();
+        let all = 0..n;
+        let costs: Vec<Option<f64>> = (0..n).map(|i| Some(self.cost(view, i))).collect();
+        let by_cost = |chosen: usize, reason: Reason| {
+            let mut rest: Vec<usize> = (0..n).filter(|&i| i != chosen).collect();
+            rest.sort_by(|&a, &b| costs[a].partial_cmp(&costs[b]).unwrap_or(std::cmp::Ordering::Equal));
+            let mut ranked = vec![chosen];
+            ranked.extend(rest);
+            Decision { ranked, reason, costs: costs.clone() }
+        };
+        let least = |among: &mut dyn Iterator<Item = usize>| view.least_loaded(among).unwrap_or(0);
+
+        let Some(first_key) = view.keys.first() else {
+            return by_cost(least(&mut all.clone()), Reason::NoFullBlock);
+        };
+
+        let loads: Vec<u64> = view.candidates.iter().map(|c| c.load.requests()).collect();
+        let (min, max) = (loads.iter().min().copied().unwrap_or(0), loads.iter().max().copied().unwrap_or(0));
+        if max - min > p.imbalance_abs && max as f64 > p.imbalance_rel * min as f64 {
+            return by_cost(least(&mut all.clone()), Reason::Imbalanced);
+        }
+
+        let mean = loads.iter().sum::<u64>() as f64 / n as f64;
+        let mut eligible: Vec<usize> =
+            all.clone().filter(|&i| loads[i] as f64 <= p.spill_factor * mean + p.spill_slack).collect();
+        if eligible.is_empty() {
+            eligible = all.collect();
+        }
+
+        if eligible.iter().all(|&i| view.candidates[i].matched_blocks == 0) {
+            let chosen = bounded_rendezvous(view, first_key.0, &eligible, p.placement_factor).unwrap_or(0);
+            return by_cost(chosen, Reason::ColdPlacement);
+        }
+
+        let chosen = eligible
+            .iter()
+            .copied()
+            .min_by(|&a, &b| {
+                let ord = costs[a].partial_cmp(&costs[b]).unwrap_or(std::cmp::Ordering::Equal);
+                // Equal cost: the rendezvous favourite, identical on all routers.
+                ord.then_with(|| {
+                    rendezvous(first_key.0, view.candidates[b].id_hash)
+                        .cmp(&rendezvous(first_key.0, view.candidates[a].id_hash))
+                })
+            })
+            .unwrap_or(0);
+        by_cost(chosen, Reason::BestCost)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::{cand, keys, view};
+    use super::*;
+
+    #[test]
+    fn prefers_the_longest_cached_prefix() {
+        let k = keys(20);
+        let c = [cand(0, 2, 1), cand(1, 20, 2), cand(2, 0, 0)];
+        let d = CacheAware::default().choose(&view(&k, &c));
+        assert_eq!((d.chosen(), d.reason), (Some(1), Reason::BestCost));
+        assert_eq!(d.ranked.len(), 3);
+    }
+
+    #[test]
+    fn spills_from_an_overloaded_holder() {
+        let k = keys(20);
+        // Holder has 20 requests against a mean of ~7: over 1.5 × mean + 4.
+        let c = [cand(0, 20, 20), cand(1, 0, 1), cand(2, 0, 1)];
+        let d = CacheAware::default().choose(&view(&k, &c));
+        assert_ne!(d.chosen(), Some(0));
+    }
+
+    #[test]
+    fn falls_back_to_least_loaded_when_imbalanced() {
+        let k = keys(4);
+        let c = [cand(0, 4, 40), cand(1, 0, 2), cand(2, 0, 5)];
+        let d = CacheAware::default().choose(&view(&k, &c));
+        assert_eq!((d.chosen(), d.reason), (Some(1), Reason::Imbalanced));
+    }
+
+    #[test]
+    fn cold_prefixes_are_placed_identically_by_independent_routers() {
+        let k = keys(3);
+        let c = [cand(0, 0, 0), cand(1, 0, 0), cand(2, 0, 0), cand(3, 0, 0)];
+        let a = CacheAware::default().choose(&view(&k, &c));
+        let b = CacheAware::default().choose(&view(&k, &c));
+        assert_eq!(a.reason, Reason::ColdPlacement);
+        assert_eq!(a.chosen(), b.chosen());
+        // Different first keys spread over workers.
+        let chosen: std::collections::BTreeSet<_> = (0..64u64)
+            .map(|s| {
+                let k: Vec<_> = (0..3).map(|i| kvroute_shared::BlockKey(s * 1000 + i)).collect();
+                CacheAware::default().choose(&view(&k, &c)).chosen()
+            })
+            .collect();
+        assert_eq!(chosen.len(), 4);
+    }
+
+    #[test]
+    fn short_prompts_go_to_the_least_loaded() {
+        let c = [cand(0, 0, 3), cand(1, 0, 1)];
+        let d = CacheAware::default().choose(&view(&[], &c));
+        assert_eq!((d.chosen(), d.reason), (Some(1), Reason::NoFullBlock));
+    }
+
+    #[test]
+    fn load_can_outweigh_a_small_hit() {
+        let k = keys(10);
+        // Worker 0 saves 16 tokens of prefill but has 5 × 100 pending tokens.
+        let c = [cand(0, 1, 5), cand(1, 0, 0), cand(2, 0, 4)];
+        let d = CacheAware::default().choose(&view(&k, &c));
+        assert_eq!(d.chosen(), Some(1));
+    }
+}

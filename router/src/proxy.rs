@@ -1,0 +1,350 @@
+//! The OpenAI proxy: plan, dispatch, retry before the first byte, stream back.
+//!
+//! The client's body is forwarded byte for byte. An attempt that fails before
+//! any byte reached the client (connect error, timeout, 5xx) is retried on the
+//! next worker of the plan; once bytes flowed, a failure ends a streaming
+//! answer with an SSE error event (a non-streaming one is cut). Dropping the
+//! response (client gone) drops the upstream request, which vLLM aborts.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
+use http_body_util::BodyExt;
+use kvroute_shared::openai::{Endpoint, PromptRequest};
+use kvroute_shared::wire::ErrorBody;
+
+use crate::error::RouterError;
+use crate::metrics::WorkerLabel;
+use crate::routing::{self, Plan};
+use crate::sessions::valid_session_id;
+use crate::state::AppState;
+use crate::workers::Worker;
+
+pub const WORKER_HEADER: &str = "x-kvroute-worker";
+pub const SESSION_HEADER: &str = "x-session-id";
+pub const SESSION_TTL_HEADER: &str = "x-session-ttl";
+
+/// Request headers passed on to the engine.
+const FORWARDED: &[&str] = &["authorization", "x-request-id", "traceparent", "tracestate", "accept"];
+
+/// Reads a body up to the configured limit (413 beyond it).
+pub async fn read_body(state: &AppState, body: Body) -> Result<Bytes, RouterError> {
+    let limit = state.config.raw.max_body_bytes;
+    match http_body_util::Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(RouterError::PayloadTooLarge { limit }),
+        Err(e) => Err(RouterError::bad_request("body", format!("could not read the request body: {e}"))),
+    }
+}
+
+/// Parses and checks a body sent to `endpoint`.
+pub fn parse(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<PromptRequest, RouterError> {
+    let req = PromptRequest::parse(endpoint, body)?;
+    if let PromptRequest::Chat(c) = &req
+        && c.messages.len() > state.config.raw.max_messages
+    {
+        return Err(RouterError::bad_request(
+            "messages",
+            format!("at most {} messages per request", state.config.raw.max_messages),
+        ));
+    }
+    Ok(req)
+}
+
+/// Session id and TTL from the request headers, when valid.
+fn session_of(state: &AppState, headers: &HeaderMap) -> Result<Option<(String, Duration)>, RouterError> {
+    let Some(id) = headers.get(SESSION_HEADER) else { return Ok(None) };
+    let id = id
+        .to_str()
+        .ok()
+        .filter(|s| valid_session_id(s))
+        .ok_or_else(|| RouterError::bad_request(SESSION_HEADER, "must be 1 to 128 printable ASCII characters"))?;
+    let ttl = match headers.get(SESSION_TTL_HEADER) {
+        None => state.config.raw.session_ttl,
+        Some(v) => {
+            let secs: u64 = v
+                .to_str()
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .ok_or_else(|| RouterError::bad_request(SESSION_TTL_HEADER, "must be whole seconds"))?;
+            Duration::from_secs(secs).min(state.config.raw.max_session_ttl)
+        }
+    };
+    Ok(Some((id.to_owned(), ttl)))
+}
+
+/// `POST /v1/completions` and `/v1/chat/completions`.
+pub async fn handle(state: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
+    match proxy(&state, endpoint, &headers, body, None).await {
+        Ok(resp) => resp,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Proxies one request; `new_session` names a session to create for it
+/// (`POST /v1/context`).
+pub async fn proxy(
+    state: &Arc<AppState>,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Body,
+    new_session: Option<(String, Duration)>,
+) -> Result<Response, RouterError> {
+    let Ok(_permit) = state.concurrency.clone().try_acquire_owned() else {
+        state.metrics.shed.inc();
+        return Err(RouterError::Overloaded);
+    };
+    let body = read_body(state, body).await?;
+    let req = parse(state, endpoint, &body)?;
+    let session = match new_session {
+        Some(s) => Some(s),
+        None => session_of(state, headers)?,
+    };
+    let pinned = session.as_ref().and_then(|(id, _)| state.sessions.get(id, Instant::now()));
+    let plan = routing::plan(state, &req, pinned.as_ref(), true)?;
+    let mut resp = dispatch(state, endpoint, headers, body, &plan, req.stream()).await?;
+    if let Some((id, ttl)) = session {
+        let worker =
+            resp.headers().get(WORKER_HEADER).and_then(|v| v.to_str().ok()).map(kvroute_shared::WorkerId::from);
+        if let Some(worker) = worker {
+            state.sessions.pin(&id, &worker, ttl, Instant::now());
+        }
+        if let Ok(v) = HeaderValue::from_str(&id) {
+            resp.headers_mut().insert(SESSION_HEADER, v);
+        }
+    }
+    // The permit is held by the response body until the answer is complete.
+    Ok(resp.map(|b| Body::new(PermitBody { inner: b, _permit })))
+}
+
+/// Tries the plan's workers in order until one answers.
+async fn dispatch(
+    state: &Arc<AppState>,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Bytes,
+    plan: &Plan,
+    streaming: bool,
+) -> Result<Response, RouterError> {
+    let max_attempts = 1 + state.config.raw.retries as usize;
+    let mut last_err = None;
+    for (attempt, (worker, cand)) in plan.attempts().take(max_attempts).enumerate() {
+        if attempt > 0 {
+            state.metrics.retries.inc();
+        }
+        routing::record_dispatch(state, worker, &plan.keys);
+        let guard = InflightGuard::new(state.clone(), worker.clone(), plan.uncached_tokens(cand));
+        match send(state, worker, endpoint, headers, body.clone()).await {
+            Ok(upstream) if upstream.status().is_server_error() => {
+                guard.failed("upstream_5xx");
+                last_err = Some(RouterError::UpstreamFailed {
+                    worker: worker.id.clone(),
+                    message: format!("answered {}", upstream.status()),
+                });
+            }
+            Ok(upstream) => {
+                note_success(worker);
+                return Ok(respond(state, upstream, guard, streaming));
+            }
+            Err(e) => {
+                guard.failed(if matches!(e, RouterError::UpstreamTimeout { .. }) {
+                    "timeout"
+                } else {
+                    "connect_error"
+                });
+                last_err = Some(e);
+            }
+        }
+        note_failure(state, worker);
+    }
+    Err(last_err.unwrap_or_else(|| RouterError::NoHealthyWorker { model: plan.model.clone() }))
+}
+
+async fn send(
+    state: &AppState,
+    worker: &Worker,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Result<reqwest::Response, RouterError> {
+    let mut rb = state
+        .client
+        .post(format!("{}{}", worker.url, endpoint.path()))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(body);
+    for name in FORWARDED {
+        if let Some(v) = headers.get(*name) {
+            rb = rb.header(*name, v);
+        }
+    }
+    match tokio::time::timeout(state.config.raw.first_byte_timeout, rb.send()).await {
+        Err(_) => Err(RouterError::UpstreamTimeout { worker: worker.id.clone() }),
+        Ok(Err(e)) if e.is_timeout() => Err(RouterError::UpstreamTimeout { worker: worker.id.clone() }),
+        Ok(Err(e)) => Err(RouterError::UpstreamFailed { worker: worker.id.clone(), message: e.to_string() }),
+        Ok(Ok(resp)) => Ok(resp),
+    }
+}
+
+/// Builds the client's response around the upstream's body stream.
+fn respond(state: &AppState, upstream: reqwest::Response, guard: InflightGuard, streaming: bool) -> Response {
+    let status = StatusCode::from_u16(upstream.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let mut headers = HeaderMap::new();
+    for name in [header::CONTENT_TYPE, header::CACHE_CONTROL, HeaderName::from_static("x-request-id")] {
+        if let Some(v) = upstream.headers().get(name.as_str()).and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok())
+        {
+            headers.insert(name, v);
+        }
+    }
+    if let Ok(v) = HeaderValue::from_str(guard.worker.id.as_str()) {
+        headers.insert(WORKER_HEADER, v);
+    }
+    let sse = streaming
+        && upstream
+            .headers()
+            .get(header::CONTENT_TYPE.as_str())
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+    let idle = state.config.raw.idle_timeout;
+    let outcome = if status.is_success() { "ok" } else { "upstream_4xx" };
+    let chunks = upstream.bytes_stream();
+    let stream = futures::stream::unfold(
+        Relay { chunks: Box::pin(chunks), guard, sse, done: false, outcome },
+        move |mut st| async move {
+            if st.done {
+                return None;
+            }
+            match tokio::time::timeout(idle, st.chunks.next()).await {
+                Ok(Some(Ok(chunk))) => {
+                    st.guard.first_byte();
+                    Some((Ok(chunk), st))
+                }
+                Ok(None) => {
+                    st.guard.finish(st.outcome);
+                    None
+                }
+                Ok(Some(Err(_))) | Err(_) => {
+                    st.done = true;
+                    st.guard.finish("broken_stream");
+                    note_failure(&st.guard.state, &st.guard.worker);
+                    if st.sse {
+                        Some((Ok(sse_error(&st.guard.worker.id)), st))
+                    } else {
+                        Some((Err(std::io::Error::other("upstream stream broke")), st))
+                    }
+                }
+            }
+        },
+    );
+    let mut resp = Response::new(Body::from_stream(stream));
+    *resp.status_mut() = status;
+    *resp.headers_mut() = headers;
+    resp
+}
+
+struct Relay {
+    chunks: std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<Bytes>> + Send>>,
+    guard: InflightGuard,
+    sse: bool,
+    done: bool,
+    outcome: &'static str,
+}
+
+/// The SSE event that ends a stream whose upstream failed mid-answer.
+fn sse_error(worker: &kvroute_shared::WorkerId) -> Bytes {
+    let body = ErrorBody::new(502, "upstream_error", format!("worker {worker} failed mid-stream"));
+    let json = serde_json::to_string(&body).unwrap_or_default();
+    Bytes::from(format!("data: {json}\n\ndata: [DONE]\n\n"))
+}
+
+pub fn note_success(worker: &Worker) {
+    worker.live.consecutive_failures.store(0, Ordering::Relaxed);
+}
+
+/// Passive health: eject after consecutive failures; the active checker
+/// re-admits the worker when it answers again.
+pub fn note_failure(state: &AppState, worker: &Worker) {
+    let n = worker.live.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
+    if n >= state.config.raw.eject_after_failures && worker.live.healthy.swap(false, Ordering::Relaxed) {
+        crate::health::eject(state, worker);
+    }
+}
+
+/// Counts a request against its worker from dispatch to end of answer; its
+/// prompt's uncached tokens count as pending prefill until the first byte.
+struct InflightGuard {
+    state: Arc<AppState>,
+    worker: Arc<Worker>,
+    pending: u64,
+    started: Instant,
+    first_seen: bool,
+    outcome: Option<&'static str>,
+}
+
+impl InflightGuard {
+    fn new(state: Arc<AppState>, worker: Arc<Worker>, pending: u64) -> Self {
+        worker.live.inflight.fetch_add(1, Ordering::Relaxed);
+        worker.live.pending_prefill_tokens.fetch_add(pending, Ordering::Relaxed);
+        InflightGuard { state, worker, pending, started: Instant::now(), first_seen: false, outcome: None }
+    }
+
+    fn first_byte(&mut self) {
+        if self.first_seen {
+            return;
+        }
+        self.first_seen = true;
+        self.worker.live.pending_prefill_tokens.fetch_sub(self.pending, Ordering::Relaxed);
+        let label = WorkerLabel { worker: self.worker.id.to_string() };
+        self.state.metrics.ttft.get_or_create(&label).observe(self.started.elapsed().as_secs_f64());
+    }
+
+    fn finish(&mut self, outcome: &'static str) {
+        self.outcome.get_or_insert(outcome);
+    }
+
+    fn failed(mut self, outcome: &'static str) {
+        self.finish(outcome);
+    }
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        if !self.first_seen {
+            self.worker.live.pending_prefill_tokens.fetch_sub(self.pending, Ordering::Relaxed);
+        }
+        self.worker.live.inflight.fetch_sub(1, Ordering::Relaxed);
+        // Dropped before the stream ended: the client went away.
+        let outcome = self.outcome.unwrap_or("client_cancelled");
+        self.state.metrics.request(self.worker.id.as_str(), outcome);
+    }
+}
+
+/// Holds the concurrency permit until the response body is done.
+struct PermitBody {
+    inner: Body,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl http_body::Body for PermitBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}

@@ -1,0 +1,140 @@
+//! From a parsed request to a routing plan: tokenize as the engine will, key
+//! the blocks, match them against the index, and ask the policy. Shared by the
+//! proxy and `/debug/route`, so the debug answer is the real decision.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvroute_shared::openai::PromptRequest;
+use kvroute_shared::tokenize::TokenizeError;
+use kvroute_shared::{BlockKey, KeyRoot, WorkerId, block_keys};
+
+use crate::error::RouterError;
+use crate::index::Slot;
+use crate::metrics::PolicyReason;
+use crate::policy::{Candidate, Decision, Reason, RouteView};
+use crate::state::{AppState, now_ms};
+use crate::workers::Worker;
+
+/// A routing decision with everything that led to it.
+#[derive(Debug)]
+pub struct Plan {
+    pub model: String,
+    pub tokens: Vec<u32>,
+    pub keys: Vec<BlockKey>,
+    pub block_size: usize,
+    /// Candidates (healthy, serving the model), index-aligned with `candidates`.
+    pub workers: Vec<Arc<Worker>>,
+    pub candidates: Vec<Candidate>,
+    pub decision: Decision,
+    pub exact_tokenizer: bool,
+}
+
+impl Plan {
+    /// Workers in the order to try them.
+    pub fn attempts(&self) -> impl Iterator<Item = (&Arc<Worker>, &Candidate)> {
+        self.decision.ranked.iter().map(|&i| (&self.workers[i], &self.candidates[i]))
+    }
+
+    pub fn uncached_tokens(&self, c: &Candidate) -> u64 {
+        (self.tokens.len().saturating_sub(c.matched_blocks * self.block_size)) as u64
+    }
+}
+
+fn tokenize_error(req: &PromptRequest, e: TokenizeError) -> RouterError {
+    let field = match req {
+        PromptRequest::Completion(_) => "prompt",
+        PromptRequest::Chat(_) => "messages",
+    };
+    match e {
+        TokenizeError::Template { .. } | TokenizeError::NoChatTemplate | TokenizeError::Encode(_) => {
+            RouterError::bad_request(field, e.to_string())
+        }
+        other => RouterError::Internal(other.to_string()),
+    }
+}
+
+/// Plans a request; `pinned` is the worker a live session points at. A `live`
+/// plan is counted in the metrics; `/debug/route` plans are not.
+pub fn plan(state: &AppState, req: &PromptRequest, pinned: Option<&WorkerId>, live: bool) -> Result<Plan, RouterError> {
+    let started = Instant::now();
+    let model = req.model().to_owned();
+    let tokenizer = state.tokenizers.for_model(&model);
+    let tokens = tokenizer.prompt_tokens(req).map_err(|e| tokenize_error(req, e))?;
+    let root = KeyRoot::new(&model, req.cache_salt());
+    let keys = block_keys(root, &tokens, state.config.block_size);
+    let head = &tokens[..tokens.len().min(state.config.raw.head_tokens)];
+    let head_hash = BlockKey::chain(root.0, head).0;
+
+    let snapshot = state.workers.snapshot();
+    let workers: Vec<Arc<Worker>> =
+        snapshot.iter().filter(|w| w.live.is_healthy() && w.serves(&model)).cloned().collect();
+    if workers.is_empty() {
+        return Err(RouterError::NoHealthyWorker { model });
+    }
+    let depths = state.map.read().index.match_depths(&keys);
+    let depth_of = |slot: Slot| depths.iter().find(|(s, _)| *s == slot).map_or(0, |(_, d)| *d);
+    let candidates: Vec<Candidate> = workers
+        .iter()
+        .map(|w| Candidate { slot: w.slot, matched_blocks: depth_of(w.slot), load: w.live.load(), id_hash: w.id_hash })
+        .collect();
+
+    let block_size = state.config.block_size.get();
+    let view = RouteView {
+        prompt_tokens: tokens.len(),
+        block_size,
+        keys: &keys,
+        head_hash,
+        candidates: &candidates,
+        mean_prompt_tokens: state.mean_prompt_tokens(),
+        prefix_hint: req.prefix_len().map(|n| n as usize),
+    };
+    let pinned_at = pinned.and_then(|id| workers.iter().position(|w| &w.id == id));
+    let decision = match pinned_at {
+        Some(i) if !overloaded(&view, i, state) => Decision::with_fallbacks(&view, i, Reason::Session),
+        _ => state.policy.choose(&view),
+    };
+
+    if !live {
+        return Ok(Plan {
+            model,
+            tokens,
+            keys,
+            block_size,
+            workers,
+            candidates,
+            decision,
+            exact_tokenizer: tokenizer.is_exact(),
+        });
+    }
+    let m = &state.metrics;
+    m.decisions.get_or_create(&PolicyReason { policy: state.policy.name(), reason: decision.reason.as_str() }).inc();
+    if let Some(i) = decision.chosen()
+        && !tokens.is_empty()
+    {
+        let matched = (candidates[i].matched_blocks * block_size) as f64;
+        m.matched_ratio.observe(matched / tokens.len() as f64);
+    }
+    state.observe_prompt_tokens(tokens.len());
+    m.routing_seconds.observe(started.elapsed().as_secs_f64());
+    Ok(Plan { model, tokens, keys, block_size, workers, candidates, decision, exact_tokenizer: tokenizer.is_exact() })
+}
+
+/// A pinned worker is skipped when it carries far more than its share.
+fn overloaded(view: &RouteView<'_>, i: usize, state: &AppState) -> bool {
+    let p = match &state.config.policy {
+        crate::config::PolicyConfig::CacheAware(p) => *p,
+        _ => crate::policy::CacheAwareParams::default(),
+    };
+    let loads: Vec<u64> = view.candidates.iter().map(|c| c.load.requests()).collect();
+    let mean = loads.iter().sum::<u64>() as f64 / loads.len().max(1) as f64;
+    loads[i] as f64 > p.spill_factor * mean + p.spill_slack
+}
+
+/// Records that the request's blocks are being computed on `worker`.
+pub fn record_dispatch(state: &AppState, worker: &Worker, keys: &[BlockKey]) {
+    if keys.is_empty() {
+        return;
+    }
+    state.map.write().index.record_routed(worker.slot, keys, now_ms());
+}

@@ -1,0 +1,150 @@
+//! Everything the router's handlers share.
+//!
+//! The index sits behind one `parking_lot::RwLock`: matching (every request)
+//! takes the read side for a few microseconds; events, syncs and speculative
+//! records take the write side for microseconds (a 100 k-key sync for a few
+//! milliseconds, see BENCHMARKS.md). A single-owner task fed by a channel
+//! would add a hop to every request's match for no gain at these hold times.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use kvroute_shared::WorkerId;
+use kvroute_shared::tokenize::PromptTokenizer;
+use parking_lot::RwLock;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::index::Index;
+use crate::metrics::Metrics;
+use crate::policy::Policy;
+use crate::sessions::Sessions;
+use crate::workers::Registry;
+
+/// The last (epoch, seq) applied per worker: reordered or duplicated sidecar
+/// batches are dropped.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct SeqState {
+    pub epoch: Option<String>,
+    pub seq: Option<u64>,
+}
+
+impl SeqState {
+    /// Accepts (and records) a message unless it is not newer than the last
+    /// one of the same epoch.
+    pub fn accept(&mut self, epoch: Option<&str>, seq: Option<u64>) -> bool {
+        let Some(seq) = seq else { return true };
+        if self.epoch.as_deref() == epoch && self.seq.is_some_and(|last| seq <= last) {
+            return false;
+        }
+        self.epoch = epoch.map(str::to_owned);
+        self.seq = Some(seq);
+        true
+    }
+}
+
+/// The index and the sequence numbers it was built from, changed together.
+#[derive(Debug, Default)]
+pub struct MapState {
+    pub index: Index,
+    pub seqs: HashMap<WorkerId, SeqState>,
+}
+
+/// Tokenizers by served model name, with a default for other models.
+#[derive(Debug)]
+pub struct Tokenizers {
+    pub by_model: BTreeMap<String, Arc<PromptTokenizer>>,
+    pub default: Arc<PromptTokenizer>,
+}
+
+impl Tokenizers {
+    pub fn for_model(&self, model: &str) -> &Arc<PromptTokenizer> {
+        self.by_model.get(model).unwrap_or(&self.default)
+    }
+}
+
+#[derive(Debug)]
+pub struct AppState {
+    pub config: Config,
+    pub workers: Registry,
+    pub map: RwLock<MapState>,
+    pub tokenizers: Tokenizers,
+    pub policy: Box<dyn Policy>,
+    pub metrics: Metrics,
+    pub sessions: Sessions,
+    pub client: reqwest::Client,
+    /// Random per process start: sidecars resync at once when it changes.
+    pub router_epoch: String,
+    pub concurrency: Arc<Semaphore>,
+    /// Mean prompt tokens (EWMA, f64 bits), turning request counts into tokens.
+    mean_prompt_tokens: AtomicU64,
+    pub started: Instant,
+    pub shutdown: CancellationToken,
+}
+
+impl AppState {
+    pub fn new(config: Config, tokenizers: Tokenizers, shutdown: CancellationToken) -> Result<Self, reqwest::Error> {
+        let client = reqwest::Client::builder()
+            .connect_timeout(config.raw.connect_timeout)
+            .pool_idle_timeout(std::time::Duration::from_secs(90))
+            .tcp_nodelay(true)
+            .build()?;
+        let policy = config.policy.build();
+        let concurrency = Arc::new(Semaphore::new(config.raw.max_concurrent_requests));
+        let sessions = Sessions::new(config.raw.max_sessions);
+        Ok(AppState {
+            workers: Registry::default(),
+            map: RwLock::new(MapState::default()),
+            tokenizers,
+            policy,
+            metrics: Metrics::new(),
+            sessions,
+            client,
+            router_epoch: format!("{:016x}", rand::random::<u64>()),
+            concurrency,
+            mean_prompt_tokens: AtomicU64::new(512f64.to_bits()),
+            started: Instant::now(),
+            shutdown,
+            config,
+        })
+    }
+
+    pub fn mean_prompt_tokens(&self) -> f64 {
+        f64::from_bits(self.mean_prompt_tokens.load(Ordering::Relaxed))
+    }
+
+    /// Folds one request's prompt size into the moving mean (racy updates
+    /// lose a sample at worst; it is an estimate).
+    pub fn observe_prompt_tokens(&self, tokens: usize) {
+        let old = self.mean_prompt_tokens();
+        let new = old * 0.95 + tokens as f64 * 0.05;
+        self.mean_prompt_tokens.store(new.to_bits(), Ordering::Relaxed);
+    }
+}
+
+/// Wall-clock milliseconds since the Unix epoch: the clock sidecars stamp
+/// `as_of_ms` with.
+pub fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seq_drops_reordered_and_duplicated_batches_within_an_epoch() {
+        let mut s = SeqState::default();
+        assert!(s.accept(Some("a"), Some(5)));
+        assert!(!s.accept(Some("a"), Some(5)));
+        assert!(!s.accept(Some("a"), Some(4)));
+        assert!(s.accept(Some("a"), Some(6)));
+        // A new epoch (sidecar restart) starts over.
+        assert!(s.accept(Some("b"), Some(0)));
+        // No seq: always applied (the paper's minimal body).
+        assert!(s.accept(None, None));
+    }
+}

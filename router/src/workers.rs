@@ -1,0 +1,236 @@
+//! The set of workers: an immutable snapshot swapped whole (`arc-swap`), so a
+//! request reads one consistent list without a lock, while each worker's live
+//! figures (in-flight, reported load, health) are atomics shared across
+//! snapshots.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+
+use arc_swap::ArcSwap;
+use kvroute_shared::wire::Load;
+use kvroute_shared::{ModelName, WorkerId};
+use parking_lot::Mutex;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use crate::index::{MAX_WORKERS, Slot};
+use crate::policy::LoadView;
+
+/// Where a worker came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Source {
+    /// `--worker ID=URL`: kept until the router stops.
+    Static,
+    /// Registered by a sidecar's sync: removed when it stops reporting.
+    Sidecar,
+}
+
+#[derive(Debug)]
+pub struct Worker {
+    pub id: WorkerId,
+    pub slot: Slot,
+    /// Base URL without a trailing slash.
+    pub url: String,
+    /// Served models; empty means unknown (a static worker before its first
+    /// sync), which accepts any model.
+    pub models: Vec<ModelName>,
+    pub source: Source,
+    /// Stable hash of the id, for rendezvous placement (same on every router).
+    pub id_hash: u64,
+    pub live: Arc<WorkerLive>,
+}
+
+impl Worker {
+    pub fn serves(&self, model: &str) -> bool {
+        self.models.is_empty() || self.models.iter().any(|m| m.as_str() == model)
+    }
+}
+
+/// Figures that change per request; shared by every snapshot of a worker.
+#[derive(Debug)]
+pub struct WorkerLive {
+    pub inflight: AtomicU32,
+    pub pending_prefill_tokens: AtomicU64,
+    running: AtomicU32,
+    waiting: AtomicU32,
+    kv_usage_bits: AtomicU64,
+    pub healthy: AtomicBool,
+    pub consecutive_failures: AtomicU32,
+    /// Unix ms of the last sidecar message (sync or eviction).
+    pub last_report_ms: AtomicU64,
+    pub last_sync_ms: AtomicU64,
+    /// Is a sidecar reporting for this worker (exact index)?
+    pub has_sidecar: AtomicBool,
+}
+
+impl Default for WorkerLive {
+    fn default() -> Self {
+        WorkerLive {
+            inflight: AtomicU32::new(0),
+            pending_prefill_tokens: AtomicU64::new(0),
+            running: AtomicU32::new(0),
+            waiting: AtomicU32::new(0),
+            kv_usage_bits: AtomicU64::new(0f64.to_bits()),
+            healthy: AtomicBool::new(true),
+            consecutive_failures: AtomicU32::new(0),
+            last_report_ms: AtomicU64::new(0),
+            last_sync_ms: AtomicU64::new(0),
+            has_sidecar: AtomicBool::new(false),
+        }
+    }
+}
+
+impl WorkerLive {
+    pub fn set_reported(&self, load: &Load) {
+        self.running.store(load.running, Ordering::Relaxed);
+        self.waiting.store(load.waiting, Ordering::Relaxed);
+        self.kv_usage_bits.store(load.kv_usage.to_bits(), Ordering::Relaxed);
+    }
+
+    pub fn load(&self) -> LoadView {
+        LoadView {
+            inflight: self.inflight.load(Ordering::Relaxed),
+            pending_prefill_tokens: self.pending_prefill_tokens.load(Ordering::Relaxed),
+            running: self.running.load(Ordering::Relaxed),
+            waiting: self.waiting.load(Ordering::Relaxed),
+            kv_usage: f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed)),
+        }
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+}
+
+/// Stable across routers and restarts: the first 8 bytes of SHA-256(id).
+pub fn id_hash(id: &WorkerId) -> u64 {
+    let d = Sha256::digest(id.as_str().as_bytes());
+    u64::from_be_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]])
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RegistryError {
+    #[error("this router already indexes {MAX_WORKERS} workers")]
+    Full,
+    #[error("worker {0} is not registered and its sync carries no url")]
+    NoUrl(WorkerId),
+}
+
+/// What a registration changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Upsert {
+    Added,
+    Updated,
+    Unchanged,
+}
+
+#[derive(Debug, Default)]
+pub struct Registry {
+    snapshot: ArcSwap<Vec<Arc<Worker>>>,
+    /// Serialises writers; readers never take it.
+    write: Mutex<()>,
+}
+
+impl Registry {
+    pub fn snapshot(&self) -> Arc<Vec<Arc<Worker>>> {
+        self.snapshot.load_full()
+    }
+
+    pub fn get(&self, id: &WorkerId) -> Option<Arc<Worker>> {
+        self.snapshot.load().iter().find(|w| &w.id == id).cloned()
+    }
+
+    /// Adds a worker, or updates its url / models (keeping its slot and live figures).
+    pub fn upsert(
+        &self,
+        id: &WorkerId,
+        url: Option<&str>,
+        models: Option<&[ModelName]>,
+        source: Source,
+    ) -> Result<(Arc<Worker>, Upsert), RegistryError> {
+        let _w = self.write.lock();
+        let current = self.snapshot.load_full();
+        let mut next: Vec<Arc<Worker>> = current.iter().cloned().collect();
+        if let Some(pos) = next.iter().position(|w| &w.id == id) {
+            let old = &next[pos];
+            let url = url.map(|u| u.trim_end_matches('/').to_owned()).unwrap_or_else(|| old.url.clone());
+            let models = models.map(<[ModelName]>::to_vec).unwrap_or_else(|| old.models.clone());
+            if url == old.url && models == old.models {
+                return Ok((old.clone(), Upsert::Unchanged));
+            }
+            let updated = Arc::new(Worker {
+                id: old.id.clone(),
+                slot: old.slot,
+                url,
+                models,
+                source: old.source,
+                id_hash: old.id_hash,
+                live: old.live.clone(),
+            });
+            next[pos] = updated.clone();
+            self.snapshot.store(Arc::new(next));
+            return Ok((updated, Upsert::Updated));
+        }
+        let url = url.ok_or_else(|| RegistryError::NoUrl(id.clone()))?;
+        let slot = (0..MAX_WORKERS as u16)
+            .map(Slot)
+            .find(|s| !next.iter().any(|w| w.slot == *s))
+            .ok_or(RegistryError::Full)?;
+        let worker = Arc::new(Worker {
+            id: id.clone(),
+            slot,
+            url: url.trim_end_matches('/').to_owned(),
+            models: models.map(<[ModelName]>::to_vec).unwrap_or_default(),
+            source,
+            id_hash: id_hash(id),
+            live: Arc::new(WorkerLive::default()),
+        });
+        next.push(worker.clone());
+        next.sort_by(|a, b| a.id.cmp(&b.id));
+        self.snapshot.store(Arc::new(next));
+        Ok((worker, Upsert::Added))
+    }
+
+    pub fn remove(&self, id: &WorkerId) -> Option<Arc<Worker>> {
+        let _w = self.write.lock();
+        let current = self.snapshot.load_full();
+        let removed = current.iter().find(|w| &w.id == id).cloned()?;
+        let next: Vec<Arc<Worker>> = current.iter().filter(|w| &w.id != id).cloned().collect();
+        self.snapshot.store(Arc::new(next));
+        Some(removed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn upsert_keeps_slot_and_live_figures() {
+        let r = Registry::default();
+        let id = WorkerId::new("w1");
+        let (w, how) = r.upsert(&id, Some("http://a/"), None, Source::Sidecar).unwrap();
+        assert_eq!((how, w.url.as_str()), (Upsert::Added, "http://a"));
+        w.live.inflight.store(3, Ordering::Relaxed);
+        let (w2, how) = r.upsert(&id, Some("http://b"), Some(&[ModelName::new("m")]), Source::Sidecar).unwrap();
+        assert_eq!(how, Upsert::Updated);
+        assert_eq!(w2.slot, w.slot);
+        assert_eq!(w2.live.inflight.load(Ordering::Relaxed), 3);
+        assert!(w2.serves("m") && !w2.serves("other"));
+        assert_eq!(r.upsert(&id, None, None, Source::Sidecar).unwrap().1, Upsert::Unchanged);
+    }
+
+    #[test]
+    fn slots_are_reused_and_urls_required() {
+        let r = Registry::default();
+        let (a, _) = r.upsert(&WorkerId::new("a"), Some("http://a"), None, Source::Static).unwrap();
+        r.remove(&WorkerId::new("a"));
+        let (b, _) = r.upsert(&WorkerId::new("b"), Some("http://b"), None, Source::Static).unwrap();
+        assert_eq!(a.slot, b.slot);
+        assert_eq!(
+            r.upsert(&WorkerId::new("c"), None, None, Source::Sidecar).unwrap_err(),
+            RegistryError::NoUrl(WorkerId::new("c"))
+        );
+    }
+}
