@@ -1,1 +1,242 @@
+//! Translator tests: hand-written cases, and a property test driving a model
+//! engine (vLLM's prefix-cache semantics) with random stores, duplicate stores,
+//! evictions and clears.
 
+use std::collections::HashSet;
+
+use kvroute_shared::{BlockKey, BlockSize, KeyRoot, ModelName, block_keys};
+use proptest::prelude::*;
+
+use super::*;
+use crate::coalesce::Pending;
+use crate::decode::{BlockRemoved, BlockStored, EngineHash, ExtraKey, KvEvent, Medium};
+
+const BS: u32 = 4;
+
+fn translator() -> Translator {
+    Translator::new(ModelName::new("m"), BlockSize::new(BS).unwrap(), TranslateCounters::default())
+}
+
+fn stored(hashes: &[u64], parent: Option<u64>, tokens: Vec<u32>) -> KvEvent {
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: hashes.iter().map(|h| EngineHash::Int(*h)).collect(),
+        parent_block_hash: parent.map(EngineHash::Int),
+        token_ids: tokens,
+        block_size: BS,
+        lora_id: None,
+        medium: Some(Medium::Gpu),
+        lora_name: None,
+        extra_keys: None,
+    })
+}
+
+fn removed(hashes: &[u64]) -> KvEvent {
+    KvEvent::BlockRemoved(BlockRemoved {
+        block_hashes: hashes.iter().map(|h| EngineHash::Int(*h)).collect(),
+        medium: None,
+    })
+}
+
+fn keys_of(t: &Translator) -> HashSet<BlockKey> {
+    t.keys().collect()
+}
+
+fn expected(model: &str, salt: Option<&str>, tokens: &[u32]) -> Vec<BlockKey> {
+    block_keys(KeyRoot::new(model, salt), tokens, BlockSize::new(BS).unwrap())
+}
+
+#[test]
+fn chained_stores_match_router_keys() {
+    let mut t = translator();
+    let tokens: Vec<u32> = (0..12).collect();
+    t.apply(Rank(0), &stored(&[1, 2], None, tokens[..8].to_vec()), &mut NullSink);
+    t.apply(Rank(0), &stored(&[3], Some(2), tokens[8..].to_vec()), &mut NullSink);
+    assert_eq!(keys_of(&t), expected("m", None, &tokens).into_iter().collect());
+}
+
+#[test]
+fn unanchored_store_is_skipped_and_counted() {
+    let mut t = translator();
+    t.apply(Rank(0), &stored(&[3], Some(99), vec![1, 2, 3, 4]), &mut NullSink);
+    assert_eq!(t.key_count(), 0);
+    assert_eq!(t.counters.unanchored_stores.get(), 1);
+}
+
+#[test]
+fn duplicates_are_refcounted() {
+    let mut t = translator();
+    t.apply(Rank(0), &stored(&[1], None, vec![1, 2, 3, 4]), &mut NullSink);
+    t.apply(Rank(0), &stored(&[1], None, vec![1, 2, 3, 4]), &mut NullSink);
+    t.apply(Rank(0), &removed(&[1]), &mut NullSink);
+    assert_eq!(t.key_count(), 1, "one physical copy left");
+    t.apply(Rank(0), &removed(&[1]), &mut NullSink);
+    assert_eq!(t.key_count(), 0);
+}
+
+#[test]
+fn cpu_medium_does_not_touch_gpu_state() {
+    let mut t = translator();
+    let KvEvent::BlockStored(mut ev) = stored(&[1], None, vec![1, 2, 3, 4]) else { unreachable!() };
+    ev.medium = Some(Medium::Cpu);
+    t.apply(Rank(0), &KvEvent::BlockStored(ev), &mut NullSink);
+    assert_eq!(t.key_count(), 0);
+    assert_eq!(t.counters.offload_events.get(), 1);
+}
+
+#[test]
+fn lora_and_salt_choose_the_root() {
+    let mut t = translator();
+    let KvEvent::BlockStored(mut ev) = stored(&[1, 2], None, (0..8).collect()) else { unreachable!() };
+    ev.lora_id = Some(3);
+    ev.lora_name = Some("sql".into());
+    ev.extra_keys = Some(vec![Some(vec![ExtraKey::Text("sql".into()), ExtraKey::Text("tenant".into())]), None]);
+    t.apply(Rank(0), &KvEvent::BlockStored(ev), &mut NullSink);
+    let want: HashSet<_> = expected("sql", Some("tenant"), &(0..8).collect::<Vec<_>>()).into_iter().collect();
+    assert_eq!(keys_of(&t), want);
+}
+
+#[test]
+fn multimodal_blocks_and_their_successors_are_skipped() {
+    let mut t = translator();
+    let KvEvent::BlockStored(mut ev) = stored(&[1, 2, 3], None, (0..12).collect()) else { unreachable!() };
+    ev.extra_keys = Some(vec![None, Some(vec![ExtraKey::Tuple]), None]);
+    t.apply(Rank(0), &KvEvent::BlockStored(ev), &mut NullSink);
+    assert_eq!(t.key_count(), 1);
+    assert_eq!(t.counters.skipped(SkipReason::Multimodal).get(), 2);
+}
+
+#[test]
+fn clear_of_one_rank_keeps_the_other() {
+    let mut t = translator();
+    t.apply(Rank(0), &stored(&[1], None, vec![1, 1, 1, 1]), &mut NullSink);
+    t.apply(Rank(1), &stored(&[1], None, vec![2, 2, 2, 2]), &mut NullSink);
+    let mut p = Pending::new(100);
+    p.sync_taken();
+    t.apply(Rank(0), &KvEvent::AllBlocksCleared, &mut p);
+    assert_eq!(t.key_count(), 1);
+    let d = p.take();
+    assert!(!d.cleared);
+    assert_eq!(d.evicted, expected("m", None, &[1, 1, 1, 1]));
+}
+
+#[test]
+fn snapshot_drops_blocks_the_engine_lost_but_keeps_fresh_ones() {
+    let mut t = translator();
+    t.apply(Rank(0), &stored(&[1, 2], None, (0..8).collect()), &mut NullSink);
+    t.begin_snapshot();
+    t.apply(Rank(0), &stored(&[3], Some(2), (8..12).collect()), &mut NullSink);
+    let dropped = t.retain_engine_hashes(Rank(0), &HashSet::from([1]), &mut NullSink);
+    assert_eq!(dropped, 1, "hash 2 is gone; 3 arrived after the snapshot began");
+    assert_eq!(t.block_count(), 2);
+}
+
+/// One step of the model engine.
+#[derive(Clone, Debug)]
+enum Op {
+    /// Store `n` new blocks after held block `parent % len` (or from the root).
+    Store {
+        parent: Option<usize>,
+        n: usize,
+        seed: u32,
+    },
+    /// Store another physical copy of held block `i % len`.
+    Duplicate(usize),
+    /// Evict one physical copy of held block `i % len`.
+    Evict(usize),
+    Clear,
+    /// The pusher takes the pending delta.
+    Send,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (proptest::option::of(any::<usize>()), 1usize..4, 0u32..6).prop_map(|(parent, n, seed)| Op::Store { parent, n, seed }),
+        1 => any::<usize>().prop_map(Op::Duplicate),
+        3 => any::<usize>().prop_map(Op::Evict),
+        1 => Just(Op::Clear),
+        2 => Just(Op::Send),
+    ]
+}
+
+#[derive(Clone)]
+struct Held {
+    hash: u64,
+    parent: Option<u64>,
+    tokens: Vec<u32>,
+    prefix: Vec<u32>,
+    copies: u32,
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    /// The translator's key set always equals the router keys of the blocks the
+    /// engine holds, and applying every pushed delta to a set reproduces it.
+    #[test]
+    fn router_view_equals_engine_state(ops in proptest::collection::vec(op(), 1..80)) {
+        let mut t = translator();
+        let mut pending = Pending::new(1 << 20);
+        pending.sync_taken();
+        let mut router: HashSet<BlockKey> = HashSet::new();
+        let mut engine: Vec<Held> = Vec::new();
+        let mut next_hash = 0x9e37_79b9_0000_0000u64;
+        for op in ops {
+            match op {
+                Op::Store { parent, n, seed } => {
+                    let parent = parent.filter(|_| !engine.is_empty()).map(|i| engine[i % engine.len()].clone());
+                    // Small token alphabet: different engine blocks often share
+                    // content, exercising key-level refcounts.
+                    let tokens: Vec<u32> = (0..n as u32 * BS).map(|i| (seed + i) % 3).collect();
+                    let mut prefix = parent.as_ref().map(|p| p.prefix.clone()).unwrap_or_default();
+                    let mut parent_hash = parent.as_ref().map(|p| p.hash);
+                    let mut hashes = Vec::new();
+                    for chunk in tokens.chunks(BS as usize) {
+                        next_hash += 1;
+                        prefix.extend_from_slice(chunk);
+                        engine.push(Held { hash: next_hash, parent: parent_hash, tokens: chunk.to_vec(), prefix: prefix.clone(), copies: 1 });
+                        hashes.push(next_hash);
+                        parent_hash = Some(next_hash);
+                    }
+                    let ev = stored(&hashes, parent.as_ref().map(|p| p.hash), tokens);
+                    t.apply(Rank(0), &ev, &mut pending);
+                }
+                Op::Duplicate(i) if !engine.is_empty() => {
+                    let i = i % engine.len();
+                    let parent_held = engine[i].parent.is_none_or(|p| engine.iter().any(|h| h.hash == p));
+                    if parent_held {
+                        engine[i].copies += 1;
+                        let b = engine[i].clone();
+                        t.apply(Rank(0), &stored(&[b.hash], b.parent, b.tokens), &mut pending);
+                    }
+                }
+                Op::Evict(i) if !engine.is_empty() => {
+                    let i = i % engine.len();
+                    let hash = engine[i].hash;
+                    engine[i].copies -= 1;
+                    if engine[i].copies == 0 {
+                        engine.remove(i);
+                    }
+                    t.apply(Rank(0), &removed(&[hash]), &mut pending);
+                }
+                Op::Clear => {
+                    engine.clear();
+                    t.apply(Rank(0), &KvEvent::AllBlocksCleared, &mut pending);
+                }
+                Op::Send => {
+                    let d = pending.take();
+                    if d.cleared { router.clear(); }
+                    for k in &d.evicted { prop_assert!(router.remove(k), "evicted a key the router never had"); }
+                    for k in d.stored { prop_assert!(router.insert(k), "stored a key the router already had"); }
+                }
+                _ => {}
+            }
+            let want: HashSet<BlockKey> = engine.iter().map(|b| *expected("m", None, &b.prefix).last().unwrap()).collect();
+            prop_assert_eq!(&keys_of(&t), &want);
+        }
+        let d = pending.take();
+        if d.cleared { router.clear(); }
+        for k in &d.evicted { router.remove(k); }
+        router.extend(d.stored);
+        prop_assert_eq!(router, keys_of(&t));
+    }
+}
