@@ -1,0 +1,309 @@
+//! HTTP API tests against a real `Sim` on `127.0.0.1:0`: one per endpoint,
+//! SSE framing, errors, and KV events seen by a ZMQ subscriber.
+
+use std::time::Duration;
+
+use kvroute_sim::http::bodies::filler_text;
+use kvroute_sim::{Config, Sim, SimInfo};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use zeromq::{Socket, SocketRecv, SubSocket};
+
+struct Running {
+    base: String,
+    info: SimInfo,
+    client: reqwest::Client,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+async fn start(mut config: Config) -> Running {
+    config.loras = vec!["sql-adapter".into()];
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let sim = Sim::start(listener, config).await.expect("start");
+    let info = sim.info().clone();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(sim.serve(async {
+        let _ = rx.await;
+    }));
+    Running { base: info.listen.clone(), info, client: reqwest::Client::new(), _stop: tx }
+}
+
+fn with_events(mut config: Config) -> Config {
+    config.events = Some(kvroute_sim::config::EventsConfig {
+        endpoint: "tcp://127.0.0.1:0".into(),
+        topic: "kv-events".into(),
+        format: kvroute_sim::events::EventFormat::Current,
+        hash_mode: kvroute_sim::engine::hashing::HashMode::Int,
+        replay_endpoint: Some("tcp://127.0.0.1:0".into()),
+        buffer: 100,
+    });
+    config
+}
+
+impl Running {
+    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self.client.post(format!("{}{path}", self.base)).json(&body).send().await.expect("send");
+        let status = r.status().as_u16();
+        let text = r.text().await.expect("body");
+        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    }
+
+    async fn get(&self, path: &str) -> (u16, String) {
+        let r = self.client.get(format!("{}{path}", self.base)).send().await.expect("send");
+        (r.status().as_u16(), r.text().await.expect("body"))
+    }
+
+    async fn post_raw(&self, path: &str, body: Value) -> (u16, String, String) {
+        let r = self.client.post(format!("{}{path}", self.base)).json(&body).send().await.expect("send");
+        let ct = r.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+        (r.status().as_u16(), ct, r.text().await.expect("body"))
+    }
+}
+
+#[tokio::test]
+async fn completion_reports_prefix_hits_in_usage() {
+    let sim = start(Config::for_model("m")).await;
+    let prompt: Vec<u32> = (0..100).collect();
+    let (st, first) = sim.post("/v1/completions", json!({"model": "m", "prompt": prompt})).await;
+    assert_eq!(st, 200, "{first}");
+    assert_eq!(first["object"], "text_completion");
+    assert_eq!(first["choices"][0]["text"], filler_text(16));
+    assert_eq!(first["choices"][0]["finish_reason"], "length");
+    assert_eq!(first["usage"]["prompt_tokens"], 100);
+    assert_eq!(first["usage"]["completion_tokens"], 16);
+    assert_eq!(first["usage"]["total_tokens"], 116);
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let (_, again) = sim.post("/v1/completions", json!({"model": "m", "prompt": prompt, "max_tokens": 3})).await;
+    assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 96);
+    assert_eq!(again["usage"]["completion_tokens"], 3);
+    // 96 tokens = exactly 6 blocks: the last block may not hit in full.
+    let (_, exact) = sim.post("/v1/completions", json!({"model": "m", "prompt": &prompt[..96]})).await;
+    assert_eq!(exact["usage"]["prompt_tokens_details"]["cached_tokens"], 80);
+    // Another adapter or salt shares nothing.
+    let (_, lora) = sim.post("/v1/completions", json!({"model": "sql-adapter", "prompt": prompt})).await;
+    assert_eq!(lora["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(lora["model"], "sql-adapter");
+    let (_, salted) = sim.post("/v1/completions", json!({"model": "m", "prompt": prompt, "cache_salt": "x"})).await;
+    assert_eq!(salted["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+}
+
+#[tokio::test]
+async fn chat_completion_and_text_prompts() {
+    let sim = start(Config::for_model("m")).await;
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4});
+    let (st, v) = sim.post("/v1/chat/completions", body).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["choices"][0]["message"]["content"], filler_text(4));
+    let (st, v) = sim.post("/v1/completions", json!({"model": "m", "prompt": "héllo"})).await;
+    assert_eq!(st, 200);
+    assert_eq!(v["usage"]["prompt_tokens"], 6, "byte fallback: one token per UTF-8 byte");
+}
+
+fn sse_frames(body: &str) -> Vec<&str> {
+    assert!(body.ends_with("data: [DONE]\n\n"), "{body:?}");
+    body.split_inclusive("\n\n")
+        .map(|f| {
+            assert!(f.starts_with("data: ") && f.ends_with("\n\n"), "bad frame {f:?}");
+            &f[6..f.len() - 2]
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn streaming_completion_framing_and_usage() {
+    let sim = start(Config::for_model("m")).await;
+    let body = json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 5, "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let (st, ct, text) = sim.post_raw("/v1/completions", body).await;
+    assert_eq!(st, 200);
+    assert!(ct.starts_with("text/event-stream"), "{ct}");
+    let frames = sse_frames(&text);
+    assert_eq!(frames.len(), 5 + 1 + 1, "{text}");
+    let chunks: Vec<Value> = frames[..6].iter().map(|f| serde_json::from_str(f).expect("json")).collect();
+    let joined: String = chunks[..5].iter().map(|c| c["choices"][0]["text"].as_str().expect("text")).collect();
+    assert_eq!(joined, filler_text(5));
+    assert!(chunks[3]["choices"][0]["finish_reason"].is_null());
+    assert_eq!(chunks[4]["choices"][0]["finish_reason"], "length");
+    assert_eq!(chunks[5]["choices"], json!([]));
+    assert_eq!(chunks[5]["usage"]["completion_tokens"], 5);
+    assert_eq!(chunks[5]["usage"]["prompt_tokens"], 3);
+    assert_eq!(frames[6], "[DONE]");
+}
+
+#[tokio::test]
+async fn streaming_chat_starts_with_the_role() {
+    let sim = start(Config::for_model("m")).await;
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": true});
+    let (_, _, text) = sim.post_raw("/v1/chat/completions", body).await;
+    let frames = sse_frames(&text);
+    assert_eq!(frames.len(), 1 + 2 + 1, "no usage chunk unless asked: {text}");
+    let first: Value = serde_json::from_str(frames[0]).expect("json");
+    assert_eq!(first["object"], "chat.completion.chunk");
+    assert_eq!(first["choices"][0]["delta"], json!({"role": "assistant", "content": ""}));
+    let second: Value = serde_json::from_str(frames[1]).expect("json");
+    assert_eq!(second["choices"][0]["delta"]["content"], filler_text(1));
+}
+
+#[tokio::test]
+async fn bad_requests_get_vllm_shaped_errors() {
+    let mut config = Config::for_model("m");
+    config.max_model_len = 64;
+    let sim = start(config).await;
+    let (st, v) = sim.post("/v1/completions", json!({"model": "m"})).await;
+    assert_eq!(st, 400);
+    assert_eq!(v["error"]["type"], "BadRequestError");
+    assert_eq!(v["error"]["code"], 400);
+    assert!(v["error"]["message"].as_str().expect("msg").contains("prompt"), "{v}");
+    let (st, v) = sim.post("/v1/completions", json!({"model": "nope", "prompt": "x"})).await;
+    assert_eq!(st, 404);
+    assert_eq!(v["error"]["type"], "NotFoundError");
+    let (st, v) = sim.post("/v1/completions", json!({"model": "m", "prompt": vec![1; 60]})).await;
+    assert_eq!(st, 400);
+    assert!(v["error"]["message"].as_str().expect("msg").contains("maximum context length is 64"), "{v}");
+    let (st, v) = sim.post("/v1/completions", json!({"model": "m", "prompt": "x", "max_tokens": 0})).await;
+    assert_eq!((st, v["error"]["param"].as_str()), (400, Some("max_tokens")));
+    let (st, _) = sim.post("/v1/chat/completions", json!({"model": "m", "messages": []})).await;
+    assert_eq!(st, 400);
+}
+
+#[tokio::test]
+async fn small_endpoints() {
+    let sim = start(Config::for_model("m")).await;
+    assert_eq!(sim.get("/health").await.0, 200);
+    let (_, v) = sim.get("/version").await;
+    assert!(v.contains("\"version\""), "{v}");
+    let (_, models) = sim.get("/v1/models").await;
+    let models: Value = serde_json::from_str(&models).expect("json");
+    assert_eq!(models["data"][0]["id"], "m");
+    assert_eq!(models["data"][1]["id"], "sql-adapter");
+    assert_eq!(models["data"][1]["parent"], "m");
+
+    let (st, tok) = sim.post("/tokenize", json!({"prompt": "abc"})).await;
+    assert_eq!(st, 200, "{tok}");
+    assert_eq!(tok["tokens"], json!([97, 98, 99]));
+    assert_eq!(tok["count"], 3);
+    assert_eq!(tok["max_model_len"], 32768);
+    let (st, tok) = sim.post("/tokenize", json!({"model": "m", "messages": [{"role": "user", "content": "a"}]})).await;
+    assert_eq!(st, 200, "{tok}");
+    assert!(tok["count"].as_u64().expect("count") > 1);
+
+    let (st, r) = sim.post("/v1/completions/render", json!({"model": "m", "prompt": [5, 6], "max_tokens": 7})).await;
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["token_ids"], json!([5, 6]));
+    assert_eq!(r["sampling_params"]["max_tokens"], 7);
+    let chat = json!({"model": "m", "messages": [{"role": "user", "content": "a"}]});
+    let (st, r) = sim.post("/v1/chat/completions/render", chat.clone()).await;
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["token_ids"], tok["tokens"], "render and tokenize agree");
+
+    let (_, info) = sim.get("/sim/info").await;
+    let info: Value = serde_json::from_str(&info).expect("json");
+    assert_eq!(info["listen"], sim.base);
+    assert_eq!(info["block_size"], 16);
+    assert!(info["kv_events"].is_null());
+    assert_eq!(sim.post("/reset_prefix_cache", json!({})).await.0, 200);
+}
+
+#[tokio::test]
+async fn metrics_use_vllm_names() {
+    let sim = start(Config::for_model("m")).await;
+    let prompt: Vec<u32> = (0..40).collect();
+    sim.post("/v1/completions", json!({"model": "m", "prompt": prompt})).await;
+    sim.post("/v1/completions", json!({"model": "m", "prompt": prompt})).await;
+    let (st, text) = sim.get("/metrics").await;
+    assert_eq!(st, 200);
+    let labels = "{engine=\"0\",model_name=\"m\"}";
+    for line in [
+        format!("vllm:num_requests_running{labels} 0.0"),
+        format!("vllm:num_requests_waiting{labels} 0.0"),
+        format!("vllm:kv_cache_usage_perc{labels} 0.0"),
+        format!("vllm:prefix_cache_queries_total{labels} 80.0"),
+        format!("vllm:prefix_cache_hits_total{labels} 32.0"),
+        format!("vllm:time_to_first_token_seconds_count{labels} 2.0"),
+        "# TYPE vllm:prefix_cache_hits counter".to_owned(),
+        "# TYPE vllm:time_to_first_token_seconds histogram".to_owned(),
+    ] {
+        assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+    }
+    assert!(text.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m\",le=\"+Inf\"} 2.0"));
+    assert!(text.contains("block_size=\"16\""), "{text}");
+    let info = text.lines().find(|l| l.starts_with("vllm:cache_config_info{")).expect("cache_config_info");
+    assert!(info.contains("num_gpu_blocks=\"28000\"") && info.ends_with("} 1.0"), "{info}");
+}
+
+#[tokio::test]
+async fn faults_api_rejects_and_validates() {
+    let sim = start(Config::for_model("m")).await;
+    let (st, v) = sim.post("/sim/faults", json!({"reject": 1.0, "reject_status": 500})).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["reject"], 1.0);
+    let (st, v) = sim.post("/v1/completions", json!({"model": "m", "prompt": "x"})).await;
+    assert_eq!(st, 500);
+    assert_eq!(v["error"]["type"], "InternalServerError");
+    sim.post("/sim/faults", json!({"reject_status": 503})).await;
+    assert_eq!(sim.post("/v1/completions", json!({"model": "m", "prompt": "x"})).await.0, 503);
+    let (st, v) = sim.post("/sim/faults", json!({"reject": 2.0})).await;
+    assert_eq!((st, v["error"]["param"].as_str()), (400, Some("reject")));
+    let (st, _) = sim.post("/sim/faults", json!({"bogus": 1})).await;
+    assert_eq!(st, 400);
+    sim.post("/sim/faults", json!({"reject": 0.0})).await;
+    assert_eq!(sim.post("/v1/completions", json!({"model": "m", "prompt": "x"})).await.0, 200);
+    let (_, now) = sim.get("/sim/faults").await;
+    let now: Value = serde_json::from_str(&now).expect("json");
+    assert_eq!(now["reject_status"], 503);
+}
+
+async fn recv_batch(sub: &mut SubSocket, wait: Duration) -> Option<(u64, rmpv::Value)> {
+    let msg = tokio::time::timeout(wait, sub.recv()).await.ok()?.expect("recv");
+    let frames = msg.into_vec();
+    assert_eq!(frames.len(), 3);
+    assert_eq!(&frames[0][..], b"kv-events");
+    let seq = u64::from_be_bytes(frames[1][..].try_into().expect("8 bytes"));
+    Some((seq, rmpv::decode::read_value(&mut &frames[2][..]).expect("msgpack")))
+}
+
+fn event_type(batch: &rmpv::Value, i: usize) -> String {
+    let ev = batch[1][i].as_map().expect("map");
+    ev.iter().find(|(k, _)| k.as_str() == Some("type")).and_then(|(_, v)| v.as_str()).expect("type").to_owned()
+}
+
+#[tokio::test]
+async fn events_reach_a_subscriber() {
+    let sim = start(with_events(Config::for_model("m"))).await;
+    let endpoint = sim.info.kv_events.clone().expect("events on");
+    assert!(endpoint.starts_with("tcp://127.0.0.1:") && !endpoint.ends_with(":0"), "{endpoint}");
+    assert!(sim.info.kv_replay.is_some());
+    let mut sub = SubSocket::new();
+    sub.connect(&endpoint).await.expect("connect");
+    sub.subscribe("").await.expect("subscribe");
+    // Readiness: a PUB drops what it sends before the subscription arrives, so
+    // reset (which always publishes AllBlocksCleared) until one gets through.
+    let mut last_seq = None;
+    for _ in 0..50 {
+        sim.post("/reset_prefix_cache", json!({})).await;
+        if let Some((seq, batch)) = recv_batch(&mut sub, Duration::from_millis(100)).await {
+            assert_eq!(event_type(&batch, 0), "AllBlocksCleared");
+            last_seq = Some(seq);
+            break;
+        }
+    }
+    let mut seq = last_seq.expect("subscriber never received a batch");
+    // Drain the resets still in flight.
+    while let Some((s, _)) = recv_batch(&mut sub, Duration::from_millis(50)).await {
+        seq = s;
+    }
+    let prompt: Vec<u32> = (0..40).collect();
+    sim.post("/v1/completions", json!({"model": "m", "prompt": prompt})).await;
+    let (s, batch) = recv_batch(&mut sub, Duration::from_secs(5)).await.expect("stored batch");
+    assert_eq!(s, seq + 1);
+    assert_eq!(event_type(&batch, 0), "BlockStored");
+    let ev = batch[1][0].as_map().expect("map");
+    let field = |name: &str| ev.iter().find(|(k, _)| k.as_str() == Some(name)).map(|(_, v)| v.clone()).expect(name);
+    assert_eq!(field("block_hashes").as_array().expect("hashes").len(), 2);
+    assert_eq!(field("token_ids").as_array().expect("ids").len(), 32);
+    assert_eq!(field("block_size").as_u64(), Some(16));
+    assert!(field("parent_block_hash").is_nil());
+    assert_eq!(batch[2].as_u64(), Some(0), "data_parallel_rank");
+}
