@@ -1,0 +1,499 @@
+//! The router's HTTP behaviour against fake upstream workers on loopback:
+//! proxying, streaming without buffering, retries, disconnects, sessions,
+//! internal auth, and every error status.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures::StreamExt;
+use kvroute_router::config::{RawConfig, Secret};
+use kvroute_shared::openai::{Endpoint, PromptRequest};
+use kvroute_shared::tokenize::PromptTokenizer;
+use kvroute_shared::{BlockKey, BlockSize, KeyRoot, block_keys};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+
+const TOKEN: &str = "test-internal-token-0123";
+
+/// How a fake worker answers completions.
+#[derive(Clone)]
+enum Behaviour {
+    /// 200 with a JSON body naming the worker.
+    Ok,
+    /// This status, always.
+    Status(u16),
+    /// Never answers.
+    Hang,
+    /// SSE: chunks are sent when the test pushes them; dropping the response
+    /// fires `cancelled`.
+    Stream(Arc<tokio::sync::Mutex<Option<(mpsc::Receiver<Option<&'static str>>, oneshot::Sender<()>)>>>),
+}
+
+struct Fake {
+    url: String,
+    hits: Arc<AtomicUsize>,
+}
+
+async fn fake_worker(name: &'static str, behaviour: Behaviour) -> Fake {
+    let hits = Arc::new(AtomicUsize::new(0));
+    let h = hits.clone();
+    let completions = move || {
+        let behaviour = behaviour.clone();
+        let h = h.clone();
+        async move {
+            h.fetch_add(1, Ordering::SeqCst);
+            match behaviour {
+                Behaviour::Ok => axum::Json(json!({"worker": name, "choices": [{"text": "hi"}]})).into_response(),
+                Behaviour::Status(s) => (StatusCode::from_u16(s).unwrap(), "upstream says no").into_response(),
+                Behaviour::Hang => futures::future::pending::<Response>().await,
+                Behaviour::Stream(slot) => {
+                    let (rx, cancelled) = slot.lock().await.take().expect("one streaming request per fake");
+                    let guard = CancelGuard(Some(cancelled));
+                    let stream = futures::stream::unfold((rx, guard), |(mut rx, guard)| async move {
+                        match rx.recv().await {
+                            Some(Some(chunk)) => Some((Ok::<_, std::io::Error>(Bytes::from(chunk)), (rx, guard))),
+                            Some(None) => Some((Err(std::io::Error::other("engine died")), (rx, guard))),
+                            None => None,
+                        }
+                    });
+                    Response::builder()
+                        .header("content-type", "text/event-stream")
+                        .body(Body::from_stream(stream))
+                        .unwrap()
+                }
+            }
+        }
+    };
+    let app = Router::new()
+        .route("/v1/completions", post(completions.clone()))
+        .route("/v1/chat/completions", post(completions))
+        .route("/health", get(|| async { "ok" }));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Fake { url, hits }
+}
+
+struct CancelGuard(Option<oneshot::Sender<()>>);
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// A server that accepts connections and closes them at once: every attempt
+/// fails before a byte of response.
+async fn slamming_door() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            drop(sock);
+        }
+    });
+    url
+}
+
+struct Router_ {
+    url: String,
+    http: reqwest::Client,
+    _stop: oneshot::Sender<()>,
+}
+
+async fn router(workers: &[(&str, &str)], tweak: impl FnOnce(&mut RawConfig)) -> Router_ {
+    let mut raw = RawConfig {
+        workers: workers.iter().map(|(id, url)| format!("{id}={url}")).collect(),
+        internal_token: Some(Secret::new(TOKEN)),
+        health_check_interval: Duration::from_secs(3600),
+        retries: 2,
+        ..Default::default()
+    };
+    tweak(&mut raw);
+    let config = raw.validate().unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(kvroute_router::run(listener, config, async move {
+        let _ = stopped.await;
+    }));
+    Router_ { url, http: reqwest::Client::new(), _stop: stop }
+}
+
+impl Router_ {
+    async fn complete(&self, body: Value) -> reqwest::Response {
+        self.http.post(format!("{}/v1/completions", self.url)).json(&body).send().await.unwrap()
+    }
+
+    async fn internal(&self, path: &str, body: Value) -> reqwest::Response {
+        self.http.post(format!("{}{path}", self.url)).bearer_auth(TOKEN).json(&body).send().await.unwrap()
+    }
+}
+
+fn prompt(n: usize) -> String {
+    (0..n).map(|i| char::from(b'a' + (i % 26) as u8)).collect()
+}
+
+/// The keys the router computes for a completion prompt in byte mode.
+fn keys_of(model: &str, text: &str) -> Vec<BlockKey> {
+    let body = json!({"model": model, "prompt": text});
+    let req = PromptRequest::parse(Endpoint::Completions, body.to_string().as_bytes()).unwrap();
+    let tokens = PromptTokenizer::Bytes.prompt_tokens(&req).unwrap();
+    block_keys(KeyRoot::new(model, None), &tokens, BlockSize::DEFAULT)
+}
+
+async fn error_of(resp: reqwest::Response) -> (u16, Value) {
+    let status = resp.status().as_u16();
+    (status, resp.json().await.unwrap())
+}
+
+#[tokio::test]
+async fn proxies_and_names_the_worker() {
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let r = router(&[("w1", &w.url)], |_| {}).await;
+    let resp = r.complete(json!({"model": "m", "prompt": "hello"})).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-kvroute-worker"], "w1");
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["worker"], "w1");
+}
+
+#[tokio::test]
+async fn streams_chunk_by_chunk_without_buffering() {
+    let (tx, rx) = mpsc::channel(4);
+    let (cancel_tx, _cancel_rx) = oneshot::channel();
+    let slot = Arc::new(tokio::sync::Mutex::new(Some((rx, cancel_tx))));
+    let w = fake_worker("w1", Behaviour::Stream(slot)).await;
+    let r = router(&[("w1", &w.url)], |_| {}).await;
+    tx.send(Some("data: {\"n\":1}\n\n")).await.unwrap();
+    let resp = r.complete(json!({"model": "m", "prompt": "hello", "stream": true})).await;
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.bytes_stream();
+    // The first chunk arrives while the upstream has not sent the second.
+    assert_eq!(body.next().await.unwrap().unwrap(), "data: {\"n\":1}\n\n");
+    tx.send(Some("data: [DONE]\n\n")).await.unwrap();
+    assert_eq!(body.next().await.unwrap().unwrap(), "data: [DONE]\n\n");
+    drop(tx);
+    assert!(body.next().await.is_none());
+}
+
+#[tokio::test]
+async fn client_disconnect_cancels_the_upstream_request() {
+    let (tx, rx) = mpsc::channel(4);
+    let (cancel_tx, cancelled) = oneshot::channel();
+    let slot = Arc::new(tokio::sync::Mutex::new(Some((rx, cancel_tx))));
+    let w = fake_worker("w1", Behaviour::Stream(slot)).await;
+    let r = router(&[("w1", &w.url)], |_| {}).await;
+    tx.send(Some("data: {\"n\":1}\n\n")).await.unwrap();
+    let resp = r.complete(json!({"model": "m", "prompt": "hello", "stream": true})).await;
+    let mut body = resp.bytes_stream();
+    body.next().await.unwrap().unwrap();
+    drop(body);
+    // The upstream's response stream is dropped: the router let go of it.
+    cancelled.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
+    let (tx, rx) = mpsc::channel(4);
+    let (cancel_tx, _c) = oneshot::channel();
+    let slot = Arc::new(tokio::sync::Mutex::new(Some((rx, cancel_tx))));
+    let w = fake_worker("w1", Behaviour::Stream(slot)).await;
+    let r = router(&[("w1", &w.url)], |_| {}).await;
+    tx.send(Some("data: {\"n\":1}\n\n")).await.unwrap();
+    let resp = r.complete(json!({"model": "m", "prompt": "hello", "stream": true})).await;
+    let mut body = resp.bytes_stream();
+    assert_eq!(body.next().await.unwrap().unwrap(), "data: {\"n\":1}\n\n");
+    // The engine dies after the client has its first token.
+    tx.send(None).await.unwrap();
+    let mut text = String::new();
+    while let Some(chunk) = body.next().await {
+        text.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+    }
+    assert!(text.contains("\"type\":\"upstream_error\""), "{text}");
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+}
+
+#[tokio::test]
+async fn failures_before_the_first_byte_are_retried_elsewhere() {
+    let bad = fake_worker("bad", Behaviour::Status(500)).await;
+    let door = slamming_door().await;
+    let good = fake_worker("good", Behaviour::Ok).await;
+    let r = router(&[("a-bad", &bad.url), ("b-door", &door), ("c-good", &good.url)], |raw| {
+        raw.policy = "round_robin".into();
+    })
+    .await;
+    for _ in 0..3 {
+        let resp = r.complete(json!({"model": "m", "prompt": "hello"})).await;
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["x-kvroute-worker"], "c-good");
+    }
+    assert!(bad.hits.load(Ordering::SeqCst) >= 1);
+}
+
+#[tokio::test]
+async fn all_workers_failing_is_a_502_and_hanging_is_a_504() {
+    let bad = fake_worker("bad", Behaviour::Status(503)).await;
+    let r = router(&[("bad", &bad.url)], |raw| raw.retries = 0).await;
+    let (status, body) = error_of(r.complete(json!({"model": "m", "prompt": "x"})).await).await;
+    assert_eq!(status, 502);
+    assert_eq!(body["error"]["type"], "upstream_error");
+
+    let hang = fake_worker("hang", Behaviour::Hang).await;
+    let r = router(&[("hang", &hang.url)], |raw| {
+        raw.retries = 0;
+        raw.first_byte_timeout = Duration::from_millis(200);
+    })
+    .await;
+    let (status, _) = error_of(r.complete(json!({"model": "m", "prompt": "x"})).await).await;
+    assert_eq!(status, 504);
+}
+
+#[tokio::test]
+async fn client_errors_pass_through_untouched() {
+    let w = fake_worker("w", Behaviour::Status(422)).await;
+    let r = router(&[("w", &w.url)], |_| {}).await;
+    let resp = r.complete(json!({"model": "m", "prompt": "x"})).await;
+    assert_eq!(resp.status(), 422);
+    assert_eq!(w.hits.load(Ordering::SeqCst), 1, "4xx is not retried");
+}
+
+#[tokio::test]
+async fn bad_input_statuses() {
+    let w = fake_worker("w", Behaviour::Ok).await;
+    let r = router(&[("w", &w.url)], |raw| raw.max_body_bytes = 4096).await;
+    let (status, body) = error_of(r.complete(json!({"model": "m", "prompt": 42})).await).await;
+    assert_eq!(status, 400);
+    assert_eq!(body["error"]["param"], "prompt");
+    let resp = r
+        .http
+        .post(format!("{}/v1/chat/completions", r.url))
+        .json(&json!({"model": "m", "messages": [{"role": "user", "content": {"x": 1}}]}))
+        .send()
+        .await
+        .unwrap();
+    let (status, body) = error_of(resp).await;
+    assert_eq!((status, body["error"]["param"].as_str()), (400, Some("messages[0].content")));
+    let (status, _) = error_of(r.complete(json!({"model": "m", "prompt": prompt(10_000)})).await).await;
+    assert_eq!(status, 413);
+    assert_eq!(w.hits.load(Ordering::SeqCst), 0, "nothing bad was forwarded");
+}
+
+#[tokio::test]
+async fn no_healthy_worker_is_a_503_and_not_ready() {
+    let r = router(&[], |_| {}).await;
+    let resp = r.complete(json!({"model": "m", "prompt": "x"})).await;
+    assert_eq!(resp.status(), 503);
+    assert!(resp.headers().contains_key("retry-after"));
+    let ready = r.http.get(format!("{}/ready", r.url)).send().await.unwrap();
+    assert_eq!(ready.status(), 503);
+    let health = r.http.get(format!("{}/health", r.url)).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+}
+
+#[tokio::test]
+async fn internal_endpoints_require_the_token() {
+    let r = router(&[], |_| {}).await;
+    let body = json!({"worker_id": "w1", "url": "http://127.0.0.1:9", "hashes": []});
+    let resp = r.http.post(format!("{}/internal/sync", r.url)).json(&body).send().await.unwrap();
+    assert_eq!(resp.status(), 401);
+    let resp = r
+        .http
+        .post(format!("{}/internal/sync", r.url))
+        .bearer_auth("wrong-token-wrong-token")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 401);
+    let resp = r.internal("/internal/sync", body).await;
+    assert_eq!(resp.status(), 200);
+    let ack: Value = resp.json().await.unwrap();
+    assert_eq!(ack["outcome"], "applied");
+    assert!(ack["router_epoch"].as_str().unwrap().len() == 16);
+}
+
+#[tokio::test]
+async fn sync_registers_and_routes_to_the_holder() {
+    let w1 = fake_worker("w1", Behaviour::Ok).await;
+    let w2 = fake_worker("w2", Behaviour::Ok).await;
+    let r = router(&[], |_| {}).await;
+    let text = prompt(200);
+    let keys = keys_of("m", &text);
+    for (id, url, hashes) in [("w1", &w1.url, vec![]), ("w2", &w2.url, keys.clone())] {
+        let resp = r
+            .internal(
+                "/internal/sync",
+                json!({"worker_id": id, "url": url, "models": ["m"], "block_size": 16, "hashes": hashes, "seq": 1, "epoch": "e1"}),
+            )
+            .await;
+        assert_eq!(resp.status(), 200);
+    }
+    let debug: Value = r
+        .http
+        .post(format!("{}/debug/route", r.url))
+        .json(&json!({"model": "m", "prompt": text}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(debug["decision"]["worker"], "w2", "{debug}");
+    assert_eq!(debug["decision"]["reason"], "best_cost");
+    assert_eq!(debug["tokens"], 200);
+    let w2_row = debug["workers"].as_array().unwrap().iter().find(|w| w["id"] == "w2").unwrap();
+    assert_eq!(w2_row["matched_blocks"], 12);
+    let resp = r.complete(json!({"model": "m", "prompt": text})).await;
+    assert_eq!(resp.headers()["x-kvroute-worker"], "w2");
+
+    // Evicting the head of the chain (with a newer seq) takes w2's match away.
+    let resp = r
+        .internal("/internal/eviction", json!({"worker_id": "w2", "evicted_hashes": keys, "seq": 2, "epoch": "e1"}))
+        .await;
+    let ack: Value = resp.json().await.unwrap();
+    assert_eq!(ack["outcome"], "applied");
+    let index: Value = r.http.get(format!("{}/debug/index", r.url)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(index["workers"]["w2"]["confirmed"], 0, "{index}");
+    // A replayed old batch is ignored.
+    let resp = r
+        .internal("/internal/eviction", json!({"worker_id": "w2", "evicted_hashes": [], "seq": 2, "epoch": "e1"}))
+        .await;
+    assert_eq!(resp.json::<Value>().await.unwrap()["outcome"], "stale");
+    // Models are the union of healthy workers'.
+    let models: Value = r.http.get(format!("{}/v1/models", r.url)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(models["data"][0]["id"], "m");
+}
+
+#[tokio::test]
+async fn a_burst_of_one_new_prefix_lands_on_one_worker() {
+    let w1 = fake_worker("w1", Behaviour::Ok).await;
+    let w2 = fake_worker("w2", Behaviour::Ok).await;
+    let w3 = fake_worker("w3", Behaviour::Ok).await;
+    let r = router(&[("w1", &w1.url), ("w2", &w2.url), ("w3", &w3.url)], |_| {}).await;
+    let shared = prompt(400);
+    let mut seen = std::collections::BTreeSet::new();
+    for i in 0..6 {
+        let resp = r.complete(json!({"model": "m", "prompt": format!("{shared} question {i}")})).await;
+        seen.insert(resp.headers()["x-kvroute-worker"].to_str().unwrap().to_owned());
+    }
+    assert_eq!(seen.len(), 1, "speculative entries keep a new prefix together: {seen:?}");
+}
+
+#[tokio::test]
+async fn block_size_mismatch_is_refused_clearly() {
+    let r = router(&[], |_| {}).await;
+    let resp = r
+        .internal(
+            "/internal/sync",
+            json!({"worker_id": "w1", "url": "http://127.0.0.1:9", "block_size": 32, "hashes": []}),
+        )
+        .await;
+    let (status, body) = error_of(resp).await;
+    assert_eq!(status, 400);
+    assert_eq!(body["error"]["param"], "block_size");
+    assert!(body["error"]["message"].as_str().unwrap().contains("--block-size"));
+    let workers: Value = r.http.get(format!("{}/admin/workers", r.url)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(workers["workers"].as_array().unwrap().len(), 0);
+}
+
+#[tokio::test]
+async fn bad_internal_bodies_name_the_field_and_change_nothing() {
+    let r = router(&[], |_| {}).await;
+    let resp = r.internal("/internal/sync", json!({"worker_id": "w1", "url": "http://x", "hashes": ["nothex"]})).await;
+    let (status, body) = error_of(resp).await;
+    assert_eq!((status, body["error"]["param"].as_str()), (400, Some("hashes[0]")));
+    let workers: Value = r.http.get(format!("{}/admin/workers", r.url)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(workers["workers"].as_array().unwrap().len(), 0);
+    // An eviction for a worker the router does not know asks for a sync.
+    let resp = r.internal("/internal/eviction", json!({"worker_id": "ghost", "evicted_hashes": []})).await;
+    assert_eq!(resp.json::<Value>().await.unwrap()["outcome"], "unknown_worker");
+}
+
+#[tokio::test]
+async fn sessions_pin_a_conversation_and_the_context_api_manages_them() {
+    let w1 = fake_worker("w1", Behaviour::Ok).await;
+    let w2 = fake_worker("w2", Behaviour::Ok).await;
+    let r = router(&[("w1", &w1.url), ("w2", &w2.url)], |raw| raw.policy = "round_robin".into()).await;
+    let resp = r
+        .http
+        .post(format!("{}/v1/context", r.url))
+        .header("x-session-ttl", "60")
+        .json(&json!({"model": "m", "prompt": "start"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let id = resp.headers()["x-session-id"].to_str().unwrap().to_owned();
+    let pinned = resp.headers()["x-kvroute-worker"].to_str().unwrap().to_owned();
+    // Round robin would alternate; the session keeps every turn on one worker.
+    for _ in 0..4 {
+        let resp = r
+            .http
+            .post(format!("{}/v1/completions", r.url))
+            .header("x-session-id", &id)
+            .json(&json!({"model": "m", "prompt": "next turn"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.headers()["x-kvroute-worker"].to_str().unwrap(), pinned);
+    }
+    let del = r.http.delete(format!("{}/v1/context/{id}", r.url)).send().await.unwrap();
+    assert_eq!(del.status(), 204);
+    let del = r.http.delete(format!("{}/v1/context/{id}", r.url)).send().await.unwrap();
+    assert_eq!(del.status(), 404);
+    let bad = r
+        .http
+        .post(format!("{}/v1/completions", r.url))
+        .header("x-session-id", "has space")
+        .json(&json!({"model": "m", "prompt": "x"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad.status(), 400);
+}
+
+#[tokio::test]
+async fn load_shedding_answers_503_with_retry_after() {
+    let hang = fake_worker("hang", Behaviour::Hang).await;
+    let r = router(&[("hang", &hang.url)], |raw| raw.max_concurrent_requests = 1).await;
+    let http = r.http.clone();
+    let url = format!("{}/v1/completions", r.url);
+    let stuck = tokio::spawn(async move { http.post(url).json(&json!({"model": "m", "prompt": "x"})).send().await });
+    // Wait until the first request holds the only permit (it reached the upstream).
+    while hang.hits.load(Ordering::SeqCst) == 0 {
+        tokio::task::yield_now().await;
+    }
+    let resp = r.complete(json!({"model": "m", "prompt": "y"})).await;
+    assert_eq!(resp.status(), 503);
+    assert_eq!(resp.headers()["retry-after"], "1");
+    stuck.abort();
+}
+
+#[tokio::test]
+async fn metrics_are_exported() {
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let r = router(&[("w1", &w.url)], |_| {}).await;
+    r.complete(json!({"model": "m", "prompt": prompt(64)})).await.text().await.unwrap();
+    let text = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
+    for name in [
+        "kvroute_requests_total{worker=\"w1\",outcome=\"ok\"} 1",
+        "kvroute_decisions_total{policy=\"cache_aware\",reason=\"cold_placement\"} 1",
+        "kvroute_matched_prefix_ratio_bucket",
+        "kvroute_index_entries",
+        "kvroute_routing_duration_seconds_count 1",
+        "kvroute_upstream_ttft_seconds_count{worker=\"w1\"} 1",
+        "kvroute_worker_inflight{worker=\"w1\"} 0",
+    ] {
+        assert!(text.contains(name), "missing {name} in\n{text}");
+    }
+    assert!(!text.contains(TOKEN));
+}
