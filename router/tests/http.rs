@@ -33,8 +33,12 @@ enum Behaviour {
     Hang,
     /// SSE: chunks are sent when the test pushes them; dropping the response
     /// fires `cancelled`.
-    Stream(Arc<tokio::sync::Mutex<Option<(mpsc::Receiver<Option<&'static str>>, oneshot::Sender<()>)>>>),
+    Stream(StreamSlot),
 }
+
+/// Chunks to send (`None` = fail the stream) and the cancel signal, taken by
+/// the one streaming request a fake serves.
+type StreamSlot = Arc<tokio::sync::Mutex<Option<(mpsc::Receiver<Option<&'static str>>, oneshot::Sender<()>)>>>;
 
 struct Fake {
     url: String,
