@@ -42,6 +42,10 @@ impl FreeQueue {
         self.len
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     pub fn contains(&self, id: BlockId) -> bool {
         self.links[id.index()].queued
     }
