@@ -292,3 +292,59 @@ impl Args {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Config, ConfigError> {
+        let argv = std::iter::once("kvroute-sim").chain(args.iter().copied());
+        Args::try_parse_from(argv).expect("flags parse").into_config()
+    }
+
+    #[test]
+    fn flags_become_a_typed_config() {
+        let c = parse(&[
+            "--model",
+            "m",
+            "--lora",
+            "a",
+            "--lora",
+            "b",
+            "--kv-events-endpoint",
+            "tcp://*:5557",
+            "--kv-events-format",
+            "legacy",
+            "--kv-events-hash-bytes",
+            "32",
+            "--time-scale",
+            "10",
+        ])
+        .expect("valid");
+        assert_eq!(c.lora_id("b"), Some(2));
+        assert_eq!(c.lora_id("m"), None);
+        let ev = c.events.as_ref().expect("events on");
+        assert_eq!((ev.format, ev.hash_mode, ev.topic.as_str()), (EventFormat::Legacy, HashMode::Bytes32, "kv-events"));
+        assert_eq!(c.pace, Pace::Scaled(10.0));
+        // 5 ms + 100 × 70 µs + 10 × 40 µs = 12.4 ms, ten times faster.
+        let d = c.step_duration(100, 10, 1.0).expect("timed");
+        assert!((d.as_secs_f64() - 0.00124).abs() < 1e-9, "{d:?}");
+        assert!(parse(&["--instant"]).expect("valid").step_duration(100, 10, 1.0).is_none());
+    }
+
+    #[test]
+    fn bad_flags_name_themselves() {
+        for (args, flag) in [
+            (&["--kv-events-hash-bytes", "16"][..], "kv-events-hash-bytes"),
+            (&["--block-size", "0"][..], "block-size"),
+            (&["--time-scale", "0"][..], "time-scale"),
+            (&["--kv-events-replay-endpoint", "tcp://127.0.0.1:0"][..], "kv-events-replay-endpoint"),
+            (&["--fault-reject", "1.5"][..], "fault-*"),
+        ] {
+            let ConfigError::Invalid { flag: got, .. } = parse(args).expect_err("invalid");
+            assert_eq!(got, flag);
+        }
+    }
+}

@@ -1,64 +1,12 @@
 //! HTTP API tests against a real `Sim` on `127.0.0.1:0`: one per endpoint,
-//! SSE framing, errors, and KV events seen by a ZMQ subscriber.
+//! SSE framing, errors, metrics and the fault API.
 
-use std::time::Duration;
+mod common;
 
+use common::start;
+use kvroute_sim::Config;
 use kvroute_sim::http::bodies::filler_text;
-use kvroute_sim::{Config, Sim, SimInfo};
 use serde_json::{Value, json};
-use tokio::net::TcpListener;
-use zeromq::{Socket, SocketRecv, SubSocket};
-
-struct Running {
-    base: String,
-    info: SimInfo,
-    client: reqwest::Client,
-    _stop: tokio::sync::oneshot::Sender<()>,
-}
-
-async fn start(mut config: Config) -> Running {
-    config.loras = vec!["sql-adapter".into()];
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let sim = Sim::start(listener, config).await.expect("start");
-    let info = sim.info().clone();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(sim.serve(async {
-        let _ = rx.await;
-    }));
-    Running { base: info.listen.clone(), info, client: reqwest::Client::new(), _stop: tx }
-}
-
-fn with_events(mut config: Config) -> Config {
-    config.events = Some(kvroute_sim::config::EventsConfig {
-        endpoint: "tcp://127.0.0.1:0".into(),
-        topic: "kv-events".into(),
-        format: kvroute_sim::events::EventFormat::Current,
-        hash_mode: kvroute_sim::engine::hashing::HashMode::Int,
-        replay_endpoint: Some("tcp://127.0.0.1:0".into()),
-        buffer: 100,
-    });
-    config
-}
-
-impl Running {
-    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
-        let r = self.client.post(format!("{}{path}", self.base)).json(&body).send().await.expect("send");
-        let status = r.status().as_u16();
-        let text = r.text().await.expect("body");
-        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
-    }
-
-    async fn get(&self, path: &str) -> (u16, String) {
-        let r = self.client.get(format!("{}{path}", self.base)).send().await.expect("send");
-        (r.status().as_u16(), r.text().await.expect("body"))
-    }
-
-    async fn post_raw(&self, path: &str, body: Value) -> (u16, String, String) {
-        let r = self.client.post(format!("{}{path}", self.base)).json(&body).send().await.expect("send");
-        let ct = r.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
-        (r.status().as_u16(), ct, r.text().await.expect("body"))
-    }
-}
 
 #[tokio::test]
 async fn completion_reports_prefix_hits_in_usage() {
@@ -253,57 +201,4 @@ async fn faults_api_rejects_and_validates() {
     let (_, now) = sim.get("/sim/faults").await;
     let now: Value = serde_json::from_str(&now).expect("json");
     assert_eq!(now["reject_status"], 503);
-}
-
-async fn recv_batch(sub: &mut SubSocket, wait: Duration) -> Option<(u64, rmpv::Value)> {
-    let msg = tokio::time::timeout(wait, sub.recv()).await.ok()?.expect("recv");
-    let frames = msg.into_vec();
-    assert_eq!(frames.len(), 3);
-    assert_eq!(&frames[0][..], b"kv-events");
-    let seq = u64::from_be_bytes(frames[1][..].try_into().expect("8 bytes"));
-    Some((seq, rmpv::decode::read_value(&mut &frames[2][..]).expect("msgpack")))
-}
-
-fn event_type(batch: &rmpv::Value, i: usize) -> String {
-    let ev = batch[1][i].as_map().expect("map");
-    ev.iter().find(|(k, _)| k.as_str() == Some("type")).and_then(|(_, v)| v.as_str()).expect("type").to_owned()
-}
-
-#[tokio::test]
-async fn events_reach_a_subscriber() {
-    let sim = start(with_events(Config::for_model("m"))).await;
-    let endpoint = sim.info.kv_events.clone().expect("events on");
-    assert!(endpoint.starts_with("tcp://127.0.0.1:") && !endpoint.ends_with(":0"), "{endpoint}");
-    assert!(sim.info.kv_replay.is_some());
-    let mut sub = SubSocket::new();
-    sub.connect(&endpoint).await.expect("connect");
-    sub.subscribe("").await.expect("subscribe");
-    // Readiness: a PUB drops what it sends before the subscription arrives, so
-    // reset (which always publishes AllBlocksCleared) until one gets through.
-    let mut last_seq = None;
-    for _ in 0..50 {
-        sim.post("/reset_prefix_cache", json!({})).await;
-        if let Some((seq, batch)) = recv_batch(&mut sub, Duration::from_millis(100)).await {
-            assert_eq!(event_type(&batch, 0), "AllBlocksCleared");
-            last_seq = Some(seq);
-            break;
-        }
-    }
-    let mut seq = last_seq.expect("subscriber never received a batch");
-    // Drain the resets still in flight.
-    while let Some((s, _)) = recv_batch(&mut sub, Duration::from_millis(50)).await {
-        seq = s;
-    }
-    let prompt: Vec<u32> = (0..40).collect();
-    sim.post("/v1/completions", json!({"model": "m", "prompt": prompt})).await;
-    let (s, batch) = recv_batch(&mut sub, Duration::from_secs(5)).await.expect("stored batch");
-    assert_eq!(s, seq + 1);
-    assert_eq!(event_type(&batch, 0), "BlockStored");
-    let ev = batch[1][0].as_map().expect("map");
-    let field = |name: &str| ev.iter().find(|(k, _)| k.as_str() == Some(name)).map(|(_, v)| v.clone()).expect(name);
-    assert_eq!(field("block_hashes").as_array().expect("hashes").len(), 2);
-    assert_eq!(field("token_ids").as_array().expect("ids").len(), 32);
-    assert_eq!(field("block_size").as_u64(), Some(16));
-    assert!(field("parent_block_hash").is_nil());
-    assert_eq!(batch[2].as_u64(), Some(0), "data_parallel_rank");
 }

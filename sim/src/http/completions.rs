@@ -47,7 +47,12 @@ pub struct Prepared {
 /// server does before a request reaches the engine.
 pub fn prepare(s: &Shared, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, ApiError> {
     let req = PromptRequest::parse(endpoint, body)?;
-    let extras: StreamExtras = kvroute_shared::wire::decode(body)?;
+    // Plain serde here: the body already parsed once, so only `stream_options`
+    // can fail, and path tracking over a long token array costs real time.
+    let extras: StreamExtras = serde_json::from_slice(body).map_err(|e| ApiError::BadRequest {
+        message: format!("stream_options: {e}"),
+        param: Some("stream_options".into()),
+    })?;
     let model = req.model();
     let lora_id = s.config.lora_id(model);
     if model != s.config.model.as_str() && lora_id.is_none() {
