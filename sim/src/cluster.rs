@@ -1,0 +1,441 @@
+//! A local kvroute cluster as child processes on loopback: N simulated
+//! engines, one sidecar per engine, and one or more routers, every port chosen
+//! by the OS and read back from the children's `listening on …` lines.
+//!
+//! Used by `kvroute-sim cluster` (the README's first command), the end-to-end
+//! tests and the benchmark suite, so all three run the same topology.
+
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::mpsc;
+
+/// The internal token the local cluster's routers and sidecars share.
+pub const LOCAL_TOKEN: &str = "kvroute-local-cluster-token";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("cannot find {name} in {dir} (build it: cargo build --release --bins)")]
+    MissingBinary { name: String, dir: PathBuf },
+    #[error("building {0} failed")]
+    Build(String),
+    #[error("cannot start {name}: {source}")]
+    Spawn {
+        name: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{name} exited before it was ready; its last lines:\n{log}")]
+    DiedEarly { name: String, log: String },
+    #[error("{name} did not become ready within {secs} s; its last lines:\n{log}")]
+    NotReady { name: String, secs: u64, log: String },
+}
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct ClusterSpec {
+    pub workers: usize,
+    pub routers: usize,
+    /// Sidecars push engine events; without them routers index approximately.
+    pub sidecars: bool,
+    /// Port of the first router (0 = any free port).
+    pub port: u16,
+    pub policy: String,
+    pub model: String,
+    pub block_size: u32,
+    pub num_blocks: u32,
+    pub tokenizer: Option<PathBuf>,
+    /// Extra flags for every engine (e.g. `--time-scale 10`, `--instant`).
+    pub sim_args: Vec<String>,
+    pub router_args: Vec<String>,
+    pub sidecar_args: Vec<String>,
+    /// Where the three binaries are.
+    pub bin_dir: PathBuf,
+}
+
+impl Default for ClusterSpec {
+    fn default() -> Self {
+        ClusterSpec {
+            workers: 3,
+            routers: 1,
+            sidecars: true,
+            port: 0,
+            policy: "cache_aware".into(),
+            model: "sim-model".into(),
+            block_size: 16,
+            num_blocks: 2048,
+            tokenizer: None,
+            sim_args: Vec::new(),
+            router_args: Vec::new(),
+            sidecar_args: Vec::new(),
+            bin_dir: PathBuf::new(),
+        }
+    }
+}
+
+/// A running child with the tail of its output.
+#[derive(Debug)]
+pub struct Proc {
+    pub name: String,
+    bin: PathBuf,
+    args: Vec<String>,
+    child: Child,
+    tail: Arc<Mutex<VecDeque<String>>>,
+    lines: mpsc::UnboundedReceiver<String>,
+}
+
+const TAIL: usize = 40;
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+impl Proc {
+    pub async fn spawn(name: &str, bin: &Path, args: &[String]) -> Result<Proc, ClusterError> {
+        let mut child = Command::new(bin)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .env("KVROUTE_LOG", std::env::var("KVROUTE_LOG").unwrap_or_else(|_| "info".into()))
+            .spawn()
+            .map_err(|source| ClusterError::Spawn { name: name.into(), source })?;
+        let tail = Arc::new(Mutex::new(VecDeque::new()));
+        let (tx, lines) = mpsc::unbounded_channel();
+        for (stream, is_stdout) in [
+            (child.stdout.take().map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Send + Unpin>), true),
+            (child.stderr.take().map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Send + Unpin>), false),
+        ] {
+            let Some(stream) = stream else { continue };
+            let tail = tail.clone();
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let mut reader = BufReader::new(stream).lines();
+                while let Ok(Some(line)) = reader.next_line().await {
+                    {
+                        let mut t = tail.lock();
+                        if t.len() == TAIL {
+                            t.pop_front();
+                        }
+                        t.push_back(line.clone());
+                    }
+                    if is_stdout {
+                        let _ = tx.send(line);
+                    }
+                }
+            });
+        }
+        Ok(Proc { name: name.into(), bin: bin.into(), args: args.to_vec(), child, tail, lines })
+    }
+
+    /// The last lines the child printed.
+    pub fn log(&self) -> String {
+        self.tail.lock().iter().cloned().collect::<Vec<_>>().join("\n")
+    }
+
+    /// Waits for a stdout line starting with `prefix`; returns the rest.
+    pub async fn announced(&mut self, prefix: &str) -> Result<String, ClusterError> {
+        let deadline = tokio::time::Instant::now() + READY_TIMEOUT;
+        loop {
+            match tokio::time::timeout_at(deadline, self.lines.recv()).await {
+                Ok(Some(line)) => {
+                    if let Some(rest) = line.strip_prefix(prefix) {
+                        return Ok(rest.trim().to_owned());
+                    }
+                }
+                Ok(None) => {
+                    // Output closed: the child is gone. Give its reader a moment
+                    // to store the last lines by waiting for the exit.
+                    let _ = self.child.wait().await;
+                    return Err(ClusterError::DiedEarly { name: self.name.clone(), log: self.log() });
+                }
+                Err(_) => {
+                    return Err(ClusterError::NotReady {
+                        name: self.name.clone(),
+                        secs: READY_TIMEOUT.as_secs(),
+                        log: self.log(),
+                    });
+                }
+            }
+        }
+    }
+
+    /// SIGKILL, no goodbye (fault injection).
+    pub async fn kill(&mut self) {
+        let _ = self.child.start_kill();
+        let _ = self.child.wait().await;
+    }
+
+    /// Polite stop: SIGTERM, then SIGKILL after `grace`.
+    pub async fn stop(&mut self, grace: Duration) {
+        if let Some(pid) = self.child.id() {
+            let _ = std::process::Command::new("kill").arg("-TERM").arg(pid.to_string()).status();
+            if tokio::time::timeout(grace, self.child.wait()).await.is_ok() {
+                return;
+            }
+        }
+        self.kill().await;
+    }
+
+    /// A fresh child with the same binary and arguments.
+    pub async fn respawn(&self) -> Result<Proc, ClusterError> {
+        Proc::spawn(&self.name, &self.bin, &self.args).await
+    }
+
+    /// `Some(status)` once the child has exited.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+}
+
+/// One simulated engine with the endpoints it announced.
+#[derive(Debug)]
+pub struct Engine {
+    pub proc: Proc,
+    pub url: String,
+    pub events: String,
+    pub replay: String,
+}
+
+#[derive(Debug)]
+pub struct Sidecar {
+    pub proc: Proc,
+    pub url: String,
+}
+
+#[derive(Debug)]
+pub struct RouterProc {
+    pub proc: Proc,
+    pub url: String,
+}
+
+/// A running local cluster; children die with it.
+#[derive(Debug)]
+pub struct Cluster {
+    pub spec: ClusterSpec,
+    pub engines: Vec<Engine>,
+    pub sidecars: Vec<Sidecar>,
+    pub routers: Vec<RouterProc>,
+}
+
+pub fn worker_id(i: usize) -> String {
+    format!("w{}", i + 1)
+}
+
+fn bin(spec: &ClusterSpec, name: &str) -> Result<PathBuf, ClusterError> {
+    let path = spec.bin_dir.join(name);
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(ClusterError::MissingBinary { name: name.into(), dir: spec.bin_dir.clone() })
+    }
+}
+
+/// Under `cargo run`, builds the sibling binaries the cluster needs when they
+/// are missing (a fresh clone has only built kvroute-sim).
+pub fn ensure_binaries(bin_dir: &Path) -> Result<(), ClusterError> {
+    let missing: Vec<&str> =
+        ["kvroute-router", "kvroute-sidecar"].into_iter().filter(|n| !bin_dir.join(n).is_file()).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let Some(cargo) = std::env::var_os("CARGO") else {
+        return Err(ClusterError::MissingBinary { name: missing.join(", "), dir: bin_dir.into() });
+    };
+    let release = bin_dir.file_name().is_some_and(|n| n == "release");
+    eprintln!("building {} …", missing.join(" and "));
+    let mut cmd = std::process::Command::new(cargo);
+    cmd.args(["build", "-p", "kvroute-router", "-p", "kvroute-sidecar"]);
+    if release {
+        cmd.arg("--release");
+    }
+    match cmd.status() {
+        Ok(s) if s.success() => Ok(()),
+        _ => Err(ClusterError::Build(missing.join(", "))),
+    }
+}
+
+impl Cluster {
+    pub async fn start(spec: ClusterSpec) -> Result<Cluster, ClusterError> {
+        let sim_bin = bin(&spec, "kvroute-sim")?;
+        let router_bin = bin(&spec, "kvroute-router")?;
+        let sidecar_bin = bin(&spec, "kvroute-sidecar")?;
+
+        let mut engines = Vec::new();
+        for i in 0..spec.workers {
+            let mut args: Vec<String> = vec![
+                "--listen".into(),
+                "127.0.0.1:0".into(),
+                "--model".into(),
+                spec.model.clone(),
+                "--block-size".into(),
+                spec.block_size.to_string(),
+                "--num-blocks".into(),
+                spec.num_blocks.to_string(),
+                "--kv-events-endpoint".into(),
+                "tcp://127.0.0.1:0".into(),
+                "--kv-events-replay-endpoint".into(),
+                "tcp://127.0.0.1:0".into(),
+            ];
+            if let Some(t) = &spec.tokenizer {
+                args.extend(["--tokenizer".into(), t.display().to_string()]);
+            }
+            args.extend(spec.sim_args.iter().cloned());
+            let mut proc = Proc::spawn(&format!("engine {}", worker_id(i)), &sim_bin, &args).await?;
+            let url = proc.announced("listening on ").await?;
+            let events = proc.announced("kv-events on ").await?;
+            let replay = proc.announced("kv-replay on ").await?;
+            engines.push(Engine { proc, url, events, replay });
+        }
+
+        let mut routers = Vec::new();
+        for r in 0..spec.routers {
+            let port = if r == 0 { spec.port } else { 0 };
+            let mut args: Vec<String> = vec![
+                "--listen".into(),
+                format!("127.0.0.1:{port}"),
+                "--policy".into(),
+                spec.policy.clone(),
+                "--block-size".into(),
+                spec.block_size.to_string(),
+                "--internal-token".into(),
+                LOCAL_TOKEN.into(),
+            ];
+            if let Some(t) = &spec.tokenizer {
+                args.extend(["--tokenizer".into(), t.display().to_string()]);
+            }
+            if !spec.sidecars {
+                for (i, e) in engines.iter().enumerate() {
+                    args.extend(["--worker".into(), format!("{}={}", worker_id(i), e.url)]);
+                }
+            }
+            args.extend(spec.router_args.iter().cloned());
+            let mut proc = Proc::spawn(&format!("router {}", r + 1), &router_bin, &args).await?;
+            let url = proc.announced("listening on ").await?;
+            routers.push(RouterProc { proc, url });
+        }
+
+        let mut sidecars = Vec::new();
+        if spec.sidecars {
+            for (i, e) in engines.iter().enumerate() {
+                let mut args: Vec<String> = vec![
+                    "--worker-id".into(),
+                    worker_id(i),
+                    "--engine-url".into(),
+                    e.url.clone(),
+                    "--events".into(),
+                    e.events.clone(),
+                    "--replay".into(),
+                    e.replay.clone(),
+                    "--model".into(),
+                    spec.model.clone(),
+                    "--block-size".into(),
+                    spec.block_size.to_string(),
+                    "--internal-token".into(),
+                    LOCAL_TOKEN.into(),
+                    "--listen".into(),
+                    "127.0.0.1:0".into(),
+                ];
+                for r in &routers {
+                    args.extend(["--router".into(), r.url.clone()]);
+                }
+                args.extend(spec.sidecar_args.iter().cloned());
+                let mut proc = Proc::spawn(&format!("sidecar {}", worker_id(i)), &sidecar_bin, &args).await?;
+                let url = proc.announced("listening on ").await?;
+                sidecars.push(Sidecar { proc, url });
+            }
+        }
+
+        let cluster = Cluster { spec, engines, sidecars, routers };
+        for r in 0..cluster.routers.len() {
+            cluster.wait_router_ready(r).await?;
+        }
+        Ok(cluster)
+    }
+
+    pub fn router_url(&self, i: usize) -> &str {
+        &self.routers[i].url
+    }
+
+    /// Waits until router `i` lists every worker as healthy (for sidecar
+    /// clusters: every sidecar has registered by sync).
+    pub async fn wait_router_ready(&self, i: usize) -> Result<(), ClusterError> {
+        let client = reqwest::Client::new();
+        let url = format!("{}/admin/workers", self.routers[i].url);
+        let started = Instant::now();
+        let mut pause = Duration::from_millis(10);
+        loop {
+            if let Ok(resp) = client.get(&url).send().await
+                && let Ok(v) = resp.json::<serde_json::Value>().await
+            {
+                let healthy = v["workers"]
+                    .as_array()
+                    .map_or(0, |ws| ws.iter().filter(|w| w["healthy"] == serde_json::Value::Bool(true)).count());
+                if healthy >= self.engines.len() {
+                    return Ok(());
+                }
+            }
+            if started.elapsed() > READY_TIMEOUT {
+                return Err(ClusterError::NotReady {
+                    name: self.routers[i].proc.name.clone(),
+                    secs: READY_TIMEOUT.as_secs(),
+                    log: self.routers[i].proc.log(),
+                });
+            }
+            // Polling a readiness endpoint with backoff, not a fixed sleep.
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(200));
+        }
+    }
+
+    /// Restarts router `i` (after a kill) on the same port; sidecars notice
+    /// the new `router_epoch` and resync.
+    pub async fn restart_router(&mut self, i: usize) -> Result<(), ClusterError> {
+        let url = self.routers[i].url.clone();
+        let port = url.rsplit(':').next().unwrap_or("0").to_owned();
+        let mut args = self.routers[i].proc.args.clone();
+        if let Some(pos) = args.iter().position(|a| a == "--listen") {
+            args[pos + 1] = format!("127.0.0.1:{port}");
+        }
+        let bin = self.routers[i].proc.bin.clone();
+        let mut proc = Proc::spawn(&self.routers[i].proc.name, &bin, &args).await?;
+        let url = proc.announced("listening on ").await?;
+        self.routers[i] = RouterProc { proc, url };
+        Ok(())
+    }
+
+    /// Stops everything: routers first (they drain), then sidecars (they
+    /// flush), then engines.
+    pub async fn shutdown(mut self) {
+        let grace = Duration::from_secs(5);
+        for r in &mut self.routers {
+            r.proc.stop(grace).await;
+        }
+        for s in &mut self.sidecars {
+            s.proc.stop(grace).await;
+        }
+        for e in &mut self.engines {
+            e.proc.stop(grace).await;
+        }
+    }
+
+    /// The first child that has exited, with its log.
+    pub fn dead_child(&mut self) -> Option<(String, String)> {
+        let procs = self
+            .engines
+            .iter_mut()
+            .map(|e| &mut e.proc)
+            .chain(self.sidecars.iter_mut().map(|s| &mut s.proc))
+            .chain(self.routers.iter_mut().map(|r| &mut r.proc));
+        for p in procs {
+            if let Some(status) = p.exited() {
+                return Some((format!("{} ({status})", p.name), p.log()));
+            }
+        }
+        None
+    }
+}
