@@ -35,18 +35,20 @@ async fn subscribe(sim: &Running) -> (SubSocket, u64) {
     let mut sub = SubSocket::new();
     sub.connect(&endpoint).await.expect("connect");
     sub.subscribe("").await.expect("subscribe");
-    let mut seq = None;
-    for _ in 0..50 {
+    // In a fresh simulator only these resets publish, so reset i has seq i.
+    let mut posted = 0u64;
+    let mut seen = None;
+    while seen.is_none() && posted < 50 {
         sim.post("/reset_prefix_cache", json!({})).await;
-        if let Some((s, batch)) = recv_batch(&mut sub, Duration::from_millis(100)).await {
-            assert_eq!(event_type(&batch, 0), "AllBlocksCleared");
-            seq = Some(s);
-            break;
-        }
+        posted += 1;
+        seen = recv_batch(&mut sub, Duration::from_millis(100)).await;
     }
-    let mut seq = seq.expect("subscriber never received a batch");
-    // Drain the resets still in flight.
-    while let Some((s, _)) = recv_batch(&mut sub, Duration::from_millis(50)).await {
+    let (mut seq, batch) = seen.expect("subscriber never received a batch");
+    assert_eq!(event_type(&batch, 0), "AllBlocksCleared");
+    // Drain the resets still in flight, up to the last one posted.
+    while seq + 1 < posted {
+        let (s, batch) = recv_batch(&mut sub, Duration::from_secs(5)).await.expect("a posted reset");
+        assert_eq!(event_type(&batch, 0), "AllBlocksCleared");
         seq = s;
     }
     (sub, seq)
@@ -85,14 +87,29 @@ async fn paused_batches_arrive_on_resume_and_dropped_ones_replay() {
 
     sim.post("/sim/faults", json!({"drop_events": 1.0})).await;
     sim.post("/v1/completions", json!({"model": "m", "prompt": vec![2; 40]})).await;
+    let mut dealer = DealerSocket::new();
+    dealer.connect(sim.info.kv_replay.as_deref().expect("replay on")).await.expect("connect");
+    // The request has finished, but its batch may still be on its way to the
+    // publisher: wait until replay has it (its drop is decided by then).
+    let mut replayed = Vec::new();
+    for _ in 0..500 {
+        replayed = replay(&mut dealer, seq + 2).await;
+        if !replayed.is_empty() {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(replayed, vec![seq + 2]);
     sim.post("/sim/faults", json!({"drop_events": 0.0})).await;
     sim.post("/v1/completions", json!({"model": "m", "prompt": vec![3; 40]})).await;
     let (s, _) = recv_batch(&mut sub, Duration::from_secs(5)).await.expect("batch after the gap");
     assert_eq!(s, seq + 3, "the dropped batch leaves a gap");
+    assert_eq!(replay(&mut dealer, seq + 2).await, vec![seq + 2, seq + 3], "replay fills it");
+}
 
-    let mut dealer = DealerSocket::new();
-    dealer.connect(sim.info.kv_replay.as_deref().expect("replay on")).await.expect("connect");
-    let start = Bytes::copy_from_slice(&(seq + 2).to_be_bytes());
+/// One replay exchange: the seqs of the batches returned, checking the frames.
+async fn replay(dealer: &mut DealerSocket, start: u64) -> Vec<u64> {
+    let start = Bytes::copy_from_slice(&start.to_be_bytes());
     let req = ZmqMessage::try_from(vec![Bytes::new(), start]).expect("frames");
     dealer.send(req).await.expect("send");
     let mut seqs = Vec::new();
@@ -103,10 +120,9 @@ async fn paused_batches_arrive_on_resume_and_dropped_ones_replay() {
         let s = i64::from_be_bytes(frames[2][..].try_into().expect("8 bytes"));
         if s == -1 {
             assert!(frames[1].is_empty() && frames[3].is_empty(), "end marker");
-            break;
+            return seqs;
         }
         assert_eq!(&frames[1][..], b"kv-events");
         seqs.push(s as u64);
     }
-    assert_eq!(seqs, vec![seq + 2, seq + 3]);
 }

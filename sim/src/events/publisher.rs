@@ -55,6 +55,10 @@ pub async fn run(
         };
         let this_seq = seq;
         seq += 1;
+        // Decided before the batch becomes replayable, so whoever sees it in
+        // the replay buffer knows its fate is sealed (tests rely on this).
+        let drop_fraction = parts.faults.borrow().drop_events;
+        let dropped = drop_fraction > 0.0 && rand::thread_rng().r#gen::<f64>() < drop_fraction;
         parts.buffer.push(this_seq, payload.clone());
         while parts.faults.borrow().pause_events {
             tokio::select! {
@@ -62,8 +66,7 @@ pub async fn run(
                 changed = parts.faults.changed() => if changed.is_err() { return },
             }
         }
-        let drop_fraction = parts.faults.borrow().drop_events;
-        if drop_fraction > 0.0 && rand::thread_rng().r#gen::<f64>() < drop_fraction {
+        if dropped {
             tracing::debug!(seq = this_seq, "fault: event batch dropped");
             continue;
         }
