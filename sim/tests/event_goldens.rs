@@ -149,6 +149,35 @@ fn extra_keys_follow_lora_name_when_present() {
     assert_eq!(bytes[11..14], [0xde, 0x00, 0x09]);
 }
 
+#[test]
+fn legacy_appends_lora_name_and_extra_keys_only_when_set() {
+    let stored = |lora_name: Option<&str>, extra: bool| EventBatch {
+        ts: 1.0,
+        events: vec![KvEvent::BlockStored {
+            block_hashes: vec![BlockHash::Int(1)],
+            parent_block_hash: None,
+            token_ids: vec![1],
+            block_size: 1,
+            lora_id: lora_name.map(|_| 1),
+            medium: Medium::Gpu,
+            lora_name: lora_name.map(str::to_owned),
+            extra_keys: extra.then(|| vec![Some(vec![ExtraKey::Str("s".into())])]),
+        }],
+        data_parallel_rank: 0,
+    };
+    let arr = |b: &EventBatch| {
+        let bytes = encode_batch(b, EventFormat::Legacy).expect("encode");
+        rmpv::decode::read_value(&mut bytes.as_slice()).expect("msgpack")[1][0].as_array().expect("array").clone()
+    };
+    assert_eq!(arr(&stored(None, false)).len(), 7);
+    let named = arr(&stored(Some("sql"), false));
+    assert_eq!((named.len(), named[7].as_str()), (8, Some("sql")));
+    let salted = arr(&stored(None, true));
+    assert_eq!(salted.len(), 9);
+    assert!(salted[7].is_nil());
+    assert_eq!(salted[8][0][0].as_str(), Some("s"));
+}
+
 fn replay_capture(file: &str) -> (Vec<Vec<u8>>, Vec<Vec<Vec<u8>>>) {
     let v: Value =
         serde_json::from_str(&std::fs::read_to_string(events_dir().join(file)).expect("file")).expect("json");

@@ -11,7 +11,8 @@
 //!   entries (msgspec reserves it for structs with omittable defaulted fields),
 //!   while `BlockRemoved`/`AllBlocksCleared` use fixmaps; absent optional values
 //!   are `nil`, except `extra_keys`, which is left out when it would be `None`;
-//! - legacy format (vLLM 0.11): positional arrays tagged by the class name.
+//! - legacy format (vLLM 0.11): positional arrays tagged by the class name,
+//!   trailing default (`None`) fields dropped.
 
 use std::convert::Infallible;
 
@@ -98,9 +99,25 @@ fn current_event(w: &mut ByteBuf, event: &KvEvent) -> Result<(), EncodeError> {
 
 fn legacy_event(w: &mut ByteBuf, event: &KvEvent) -> Result<(), EncodeError> {
     match event {
-        // 0.11 has no lora_name / extra_keys: an adapter shows only as lora_id.
-        KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, .. } => {
-            ok(mp::write_array_len(w, 7));
+        // vLLM 0.11.0 ends at `medium`; later positional versions append
+        // `lora_name` and `extra_keys`, dropping them while they are defaults
+        // (None). Without them an adapter shows only as `lora_id`.
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id,
+            medium,
+            lora_name,
+            extra_keys,
+        } => {
+            let len = match (lora_name, extra_keys) {
+                (_, Some(_)) => 9,
+                (Some(_), None) => 8,
+                (None, None) => 7,
+            };
+            ok(mp::write_array_len(w, len));
             str(w, "BlockStored");
             hashes(w, block_hashes)?;
             opt_hash(w, parent_block_hash.as_ref());
@@ -108,6 +125,12 @@ fn legacy_event(w: &mut ByteBuf, event: &KvEvent) -> Result<(), EncodeError> {
             uint(w, u64::from(*block_size));
             opt_uint(w, lora_id.map(u64::from));
             str(w, medium.as_str());
+            if len >= 8 {
+                opt_str(w, lora_name.as_deref());
+            }
+            if let Some(keys) = extra_keys {
+                extra(w, keys)?;
+            }
         }
         KvEvent::BlockRemoved { block_hashes, medium } => {
             ok(mp::write_array_len(w, 3));
