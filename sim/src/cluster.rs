@@ -439,3 +439,109 @@ impl Cluster {
         None
     }
 }
+
+/// `kvroute-sim cluster`: flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ClusterArgs {
+    /// Simulated engines (each with its own sidecar).
+    #[arg(long, default_value_t = 3)]
+    pub workers: usize,
+    /// Port of the (first) router; 0 picks a free one.
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Router replicas fed by the same sidecars.
+    #[arg(long, default_value_t = 1)]
+    pub routers: usize,
+    #[arg(long, default_value = "cache_aware")]
+    pub policy: String,
+    /// Served model name.
+    #[arg(long, default_value = "sim-model")]
+    pub model: String,
+    /// HF tokenizer directory for engines and router (default: byte-level keys).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// KV-cache blocks per engine.
+    #[arg(long, default_value_t = 4096)]
+    pub num_blocks: u32,
+    /// Divide the engines' modelled latencies by this.
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Start no sidecars: routers index approximately.
+    #[arg(long)]
+    pub no_sidecars: bool,
+}
+
+/// Runs the cluster until Ctrl-C / SIGTERM or until a child dies.
+pub async fn run_cluster(args: ClusterArgs) -> Result<(), ClusterError> {
+    let bin_dir = std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(Path::to_path_buf))
+        .unwrap_or_default();
+    ensure_binaries(&bin_dir)?;
+    let spec = ClusterSpec {
+        workers: args.workers,
+        routers: args.routers,
+        sidecars: !args.no_sidecars,
+        port: args.port,
+        policy: args.policy.clone(),
+        model: args.model.clone(),
+        num_blocks: args.num_blocks,
+        tokenizer: args.tokenizer.clone(),
+        sim_args: vec!["--time-scale".into(), args.time_scale.to_string()],
+        bin_dir,
+        ..ClusterSpec::default()
+    };
+    let mut cluster = Cluster::start(spec).await?;
+    let url = cluster.router_url(0).to_owned();
+    println!(
+        "kvroute local cluster: {} simulated engines, {} sidecars, {} router(s), policy {}",
+        cluster.engines.len(),
+        cluster.sidecars.len(),
+        cluster.routers.len(),
+        args.policy
+    );
+    for (i, r) in cluster.routers.iter().enumerate() {
+        println!("router {} on {}", i + 1, r.url);
+    }
+    println!("try:");
+    println!(
+        "  curl -s {url}/v1/completions -H 'content-type: application/json' \\\n    -d '{{\"model\":\"{}\",\"prompt\":\"You are a helpful assistant. Hello!\",\"max_tokens\":8}}' -i",
+        args.model
+    );
+    println!("  curl -s {url}/admin/workers");
+    println!("Ctrl-C stops everything.");
+    let mut check = tokio::time::interval(Duration::from_millis(500));
+    let died = loop {
+        tokio::select! {
+            _ = shutdown_signal() => break None,
+            _ = check.tick() => {
+                if let Some(dead) = cluster.dead_child() {
+                    break Some(dead);
+                }
+            }
+        }
+    };
+    if let Some((name, log)) = &died {
+        eprintln!("{name} exited; its last lines:\n{log}");
+    }
+    eprintln!("stopping the cluster …");
+    cluster.shutdown().await;
+    match died {
+        Some((name, log)) => Err(ClusterError::DiedEarly { name, log }),
+        None => Ok(()),
+    }
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        if let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}
