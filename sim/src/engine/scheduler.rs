@@ -175,6 +175,9 @@ impl Scheduler {
     /// Applies the step's results: prefill progress, one token per request that
     /// reached decoding, and finished or abandoned requests freed.
     pub fn complete(&mut self, now: Instant) {
+        // Answered only after the gauges below are updated, so a client that
+        // scrapes `/metrics` right after its response sees itself finished.
+        let mut finished = Vec::new();
         let mut i = 0;
         while i < self.running.len() {
             let seq = &mut self.running[i];
@@ -203,7 +206,7 @@ impl Scheduler {
                         cached_tokens: seq.cached_tokens,
                         completion_tokens: seq.generated,
                     };
-                    seq.sub.sink.finish(outcome);
+                    finished.push((seq.sub.sink, outcome));
                 }
                 continue;
             }
@@ -212,6 +215,9 @@ impl Scheduler {
         self.metrics.running.store(self.running.len() as u64, Relaxed);
         self.metrics.waiting.store(self.waiting.len() as u64, Relaxed);
         self.metrics.set_kv_usage(self.pool.usage());
+        for (sink, outcome) in finished {
+            sink.finish(outcome);
+        }
     }
 }
 
