@@ -172,8 +172,13 @@ impl BlockPool {
     pub fn free(&mut self, blocks: &[BlockId]) {
         for &b in blocks.iter().rev() {
             let block = &mut self.blocks[b.index()];
-            debug_assert!(block.refs > 0, "block {b:?} freed with no reference");
-            block.refs = block.refs.saturating_sub(1);
+            if block.refs == 0 {
+                // A double free would corrupt the LRU; refuse it loudly in
+                // debug builds and harmlessly in release.
+                debug_assert!(false, "block {b:?} freed with no reference");
+                continue;
+            }
+            block.refs -= 1;
             if block.refs == 0 {
                 self.used -= 1;
                 self.free.push_back(b);
