@@ -473,10 +473,7 @@ pub struct ClusterArgs {
 
 /// Runs the cluster until Ctrl-C / SIGTERM or until a child dies.
 pub async fn run_cluster(args: ClusterArgs) -> Result<(), ClusterError> {
-    let bin_dir = std::env::current_exe()
-        .ok()
-        .and_then(|p| p.parent().map(Path::to_path_buf))
-        .unwrap_or_default();
+    let bin_dir = std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf)).unwrap_or_default();
     ensure_binaries(&bin_dir)?;
     let spec = ClusterSpec {
         workers: args.workers,

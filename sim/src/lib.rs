@@ -12,6 +12,7 @@
 //! addresses in [`Sim::info`]; [`Sim::serve`] runs until shutdown. [`run`]
 //! does both.
 
+pub mod cluster;
 pub mod config;
 pub mod engine;
 pub mod events;

@@ -1,18 +1,41 @@
 //! `kvroute-sim`: parse flags, bind, print the discovery lines, serve until
-//! Ctrl-C / SIGTERM.
+//! Ctrl-C / SIGTERM. `kvroute-sim cluster` starts a whole local cluster instead.
 
 use anyhow::Context;
-use clap::Parser;
+use clap::{Parser, Subcommand};
+use kvroute_sim::cluster::{ClusterArgs, run_cluster};
 use kvroute_sim::{Args, Sim};
 use tracing_subscriber::EnvFilter;
 
+#[derive(Debug, Parser)]
+#[command(name = "kvroute-sim", version, about = "A simulated vLLM engine", args_conflicts_with_subcommands = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    engine: Args,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Start a local cluster: simulated engines, a sidecar each, and a router.
+    Cluster(ClusterArgs),
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    if let Some(Command::Cluster(args)) = cli.command {
+        // The cluster's children log for themselves; this process only prints
+        // where things are.
+        run_cluster(args).await?;
+        return Ok(());
+    }
     tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
         .with_writer(std::io::stderr)
         .init();
-    let args = Args::parse();
+    let args = cli.engine;
     let listen = args.listen.clone();
     let config = args.into_config()?;
     let listener =

@@ -1,1 +1,140 @@
-//! placeholder
+//! Harness for kvroute's end-to-end tests: starts the real binaries (engines,
+//! sidecars, routers) as a local cluster on loopback and talks HTTP to them.
+//!
+//! Binaries come from the workspace's `target/debug` (`scripts/test.sh` builds
+//! them first); a test run without them builds them once.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use kvroute_sim::cluster::{Cluster, ClusterSpec};
+use serde_json::{Value, json};
+
+/// Where cargo puts this profile's binaries.
+pub fn bin_dir() -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| kvroute_shared::testdata::workspace_root().join("target"));
+    target.join("debug")
+}
+
+/// Makes sure the three binaries exist (built once per test process).
+pub fn ensure_built() -> PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let dir = bin_dir();
+            let missing = ["kvroute-sim", "kvroute-router", "kvroute-sidecar"].iter().any(|b| !dir.join(b).is_file());
+            if missing {
+                let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+                let ok = std::process::Command::new(cargo)
+                    .args(["build", "-p", "kvroute-sim", "-p", "kvroute-router", "-p", "kvroute-sidecar", "--bins"])
+                    .current_dir(kvroute_shared::testdata::workspace_root())
+                    .status()
+                    .is_ok_and(|s| s.success());
+                assert!(ok, "could not build the kvroute binaries (run `cargo build --workspace --bins`)");
+            }
+            dir
+        })
+        .clone()
+}
+
+/// A cluster spec for tests: fast simulated engines, fast sidecar pushes.
+pub fn spec(workers: usize) -> ClusterSpec {
+    ClusterSpec {
+        workers,
+        bin_dir: ensure_built(),
+        // Real-time costs divided by 50: prefills take milliseconds.
+        sim_args: vec!["--time-scale".into(), "50".into()],
+        sidecar_args: vec!["--sync-interval".into(), "1s".into()],
+        ..ClusterSpec::default()
+    }
+}
+
+pub async fn start(spec: ClusterSpec) -> Cluster {
+    match Cluster::start(spec).await {
+        Ok(c) => c,
+        Err(e) => panic!("cluster did not start: {e}"),
+    }
+}
+
+/// Polls `check` until it returns `Some`, for at most `within`; the poll
+/// backs off from 10 ms to 200 ms. Panics with `what` on timeout.
+pub async fn eventually<T, F, Fut>(what: &str, within: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let started = Instant::now();
+    let mut pause = Duration::from_millis(10);
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(started.elapsed() < within, "timed out after {within:?} waiting for: {what}");
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(200));
+    }
+}
+
+/// A prompt of about `words` words, distinct per `seed`.
+pub fn text(seed: u64, words: usize) -> String {
+    (0..words).map(|i| format!("w{}x{}", seed, i % 97)).collect::<Vec<_>>().join(" ")
+}
+
+#[derive(Clone, Debug)]
+pub struct Client {
+    pub http: reqwest::Client,
+}
+
+impl Default for Client {
+    fn default() -> Self {
+        Client { http: reqwest::Client::new() }
+    }
+}
+
+impl Client {
+    /// Sends a completion; returns (worker, body).
+    pub async fn complete(&self, base: &str, prompt: &str, max_tokens: u32) -> (String, Value) {
+        let resp = self
+            .http
+            .post(format!("{base}/v1/completions"))
+            .json(&json!({"model": "sim-model", "prompt": prompt, "max_tokens": max_tokens}))
+            .send()
+            .await
+            .expect("router answers");
+        assert!(resp.status().is_success(), "status {}", resp.status());
+        let worker = resp.headers()["x-kvroute-worker"].to_str().expect("ascii").to_owned();
+        (worker, resp.json().await.expect("json body"))
+    }
+
+    pub async fn debug_route(&self, base: &str, prompt: &str) -> Value {
+        self.http
+            .post(format!("{base}/debug/route"))
+            .json(&json!({"model": "sim-model", "prompt": prompt}))
+            .send()
+            .await
+            .expect("router answers")
+            .json()
+            .await
+            .expect("json")
+    }
+
+    pub async fn get(&self, url: &str) -> Value {
+        self.http.get(url).send().await.expect("answers").json().await.expect("json")
+    }
+
+    pub async fn post(&self, url: &str, body: Value) -> reqwest::Response {
+        self.http.post(url).json(&body).send().await.expect("answers")
+    }
+}
+
+/// A worker's matched blocks in a `/debug/route` answer.
+pub fn matched(debug: &Value, worker: &str) -> u64 {
+    debug["workers"]
+        .as_array()
+        .and_then(|ws| ws.iter().find(|w| w["id"] == worker))
+        .and_then(|w| w["matched_blocks"].as_u64())
+        .unwrap_or(0)
+}
