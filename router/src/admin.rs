@@ -6,13 +6,14 @@ use std::sync::atomic::Ordering;
 
 use axum::Json;
 use axum::body::Body;
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use kvroute_shared::openai::Endpoint;
 use serde_json::{Value, json};
 
 use crate::error::RouterError;
+use crate::index::Kind;
 use crate::proxy::{parse, read_body};
 use crate::routing;
 use crate::state::{AppState, now_ms};
@@ -95,10 +96,34 @@ pub async fn debug_route(State(state): State<Arc<AppState>>, body: Body) -> Resu
     })))
 }
 
-/// `GET /debug/index`: per-worker entry counts by kind.
-pub async fn debug_index(State(state): State<Arc<AppState>>) -> Json<Value> {
+#[derive(Debug, serde::Deserialize)]
+pub struct IndexQuery {
+    worker: Option<String>,
+}
+
+/// `GET /debug/index`: per-worker entry counts by kind; with `?worker=ID`,
+/// that worker's keys by kind (sorted).
+pub async fn debug_index(
+    State(state): State<Arc<AppState>>,
+    Query(q): Query<IndexQuery>,
+) -> Result<Json<Value>, RouterError> {
     let workers = state.workers.snapshot();
     let map = state.map.read();
+    if let Some(id) = q.worker {
+        let w = workers
+            .iter()
+            .find(|w| w.id.as_str() == id)
+            .ok_or_else(|| RouterError::NotFound(format!("no worker {id:?}")))?;
+        let mut keys = map.index.keys_of(w.slot);
+        keys.sort_by_key(|(k, _)| *k);
+        let of = |kind: Kind| keys.iter().filter(|(_, k)| *k == kind).map(|(key, _)| *key).collect::<Vec<_>>();
+        return Ok(Json(json!({
+            "worker": id,
+            "confirmed": of(Kind::Confirmed),
+            "speculative": of(Kind::Speculative),
+            "approximate": of(Kind::Approximate),
+        })));
+    }
     let per: serde_json::Map<String, Value> = workers
         .iter()
         .map(|w| {
@@ -106,7 +131,7 @@ pub async fn debug_index(State(state): State<Arc<AppState>>) -> Json<Value> {
             (w.id.to_string(), json!({"confirmed": c.confirmed, "speculative": c.speculative, "approximate": c.approximate, "approximate_index": map.index.is_approximate(w.slot)}))
         })
         .collect();
-    Json(json!({"keys": map.index.key_count(), "entries": map.index.entry_count(), "workers": per}))
+    Ok(Json(json!({"keys": map.index.key_count(), "entries": map.index.entry_count(), "workers": per})))
 }
 
 /// `GET /admin/workers`: every worker with health, load, index size, last sync.

@@ -73,6 +73,7 @@ pub enum Rejected {
 enum Command {
     Submit(Submission),
     ResetPrefixCache(oneshot::Sender<()>),
+    RouterKeys(oneshot::Sender<Vec<kvroute_shared::BlockKey>>),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -97,7 +98,7 @@ impl Engine {
         events: Option<mpsc::UnboundedSender<Vec<KvEvent>>>,
     ) -> std::io::Result<Engine> {
         let (tx, rx) = mpsc::unbounded_channel();
-        let pool = BlockPool::new(config.num_blocks, config.block_size.get());
+        let pool = BlockPool::new(config.num_blocks, config.block_size.get()).with_model(config.model.as_str());
         let limits =
             Limits { max_num_seqs: config.max_num_seqs, max_num_batched_tokens: config.max_num_batched_tokens };
         let sched = Scheduler::new(pool, limits, config.hash_mode, metrics);
@@ -110,6 +111,13 @@ impl Engine {
 
     pub fn submit(&self, sub: Submission) -> Result<(), EngineGone> {
         self.tx.send(Command::Submit(sub)).map_err(|_| EngineGone)
+    }
+
+    /// kvroute router keys of every cached block, for `GET /sim/cache`.
+    pub async fn router_keys(&self) -> Result<Vec<kvroute_shared::BlockKey>, EngineGone> {
+        let (tx, rx) = oneshot::channel();
+        self.tx.send(Command::RouterKeys(tx)).map_err(|_| EngineGone)?;
+        rx.await.map_err(|_| EngineGone)
     }
 
     /// Forgets every cached block (publishes `AllBlocksCleared`).
@@ -132,6 +140,9 @@ fn step_loop(
         Command::ResetPrefixCache(done) => {
             sched.reset_prefix_cache();
             let _ = done.send(());
+        }
+        Command::RouterKeys(reply) => {
+            let _ = reply.send(sched.pool().router_keys());
         }
     };
     loop {

@@ -75,6 +75,7 @@ pub fn app(state: AppState) -> Router {
         .route("/reset_prefix_cache", post(admin::reset_prefix_cache))
         .route("/metrics", get(metrics::metrics))
         .route("/sim/info", get(admin::info))
+        .route("/sim/cache", get(admin::cache))
         .route("/sim/faults", get(admin::get_faults).post(admin::set_faults))
         .with_state(state)
 }

@@ -234,3 +234,25 @@ async fn timed_mode_streams_and_frees_blocks_when_the_client_leaves() {
         tokio::task::yield_now().await;
     }
 }
+
+#[tokio::test]
+async fn cache_lists_cached_blocks_as_router_keys() {
+    use kvroute_shared::{BlockKey, BlockSize, KeyRoot, block_keys};
+    let sim = start(Config::for_model("m")).await;
+    let prompt: Vec<u32> = (0..40).collect();
+    sim.post("/v1/completions", json!({"model": "m", "prompt": prompt})).await;
+    sim.post("/v1/completions", json!({"model": "sql-adapter", "prompt": &prompt[..16], "cache_salt": "t"})).await;
+    let (st, v) = sim.get("/sim/cache").await;
+    assert_eq!(st, 200);
+    let v: Value = serde_json::from_str(&v).unwrap();
+    let mut want = block_keys(KeyRoot::new("m", None), &prompt, BlockSize::DEFAULT);
+    want.extend(block_keys(KeyRoot::new("sql-adapter", Some("t")), &prompt[..16], BlockSize::DEFAULT));
+    want.sort();
+    let got: Vec<BlockKey> = serde_json::from_value(v["block_keys"].clone()).unwrap();
+    assert_eq!(got, want);
+    assert_eq!(v["count"], 3);
+    sim.post("/reset_prefix_cache", json!({})).await;
+    let (_, v) = sim.get("/sim/cache").await;
+    let v: Value = serde_json::from_str(&v).unwrap();
+    assert_eq!(v["count"], 0);
+}

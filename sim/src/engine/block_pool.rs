@@ -15,6 +15,8 @@
 
 use std::collections::HashMap;
 
+use kvroute_shared::{BlockKey, KeyRoot};
+
 use super::free_queue::FreeQueue;
 use super::hashing::BlockExtras;
 use crate::events::{BlockHash, KvEvent, Medium};
@@ -47,6 +49,12 @@ pub struct BlockPool {
     blocks: Vec<Block>,
     free: FreeQueue,
     cached: HashMap<BlockHash, BlockId>,
+    /// kvroute's router key of every cached block: the ground truth tests
+    /// compare the router's map against (`GET /sim/cache`). One SHA-256 per
+    /// newly stored block.
+    router_keys: HashMap<BlockHash, BlockKey>,
+    /// The served model: the key root of blocks without a LoRA adapter.
+    model: String,
     events: Vec<KvEvent>,
     block_size: usize,
     used: usize,
@@ -58,10 +66,23 @@ impl BlockPool {
             blocks: vec![Block::default(); num_blocks as usize],
             free: FreeQueue::full(num_blocks),
             cached: HashMap::new(),
+            router_keys: HashMap::new(),
+            model: String::new(),
             events: Vec::new(),
             block_size,
             used: 0,
         }
+    }
+
+    /// Names the served model (the key root of blocks without an adapter).
+    pub fn with_model(mut self, model: &str) -> Self {
+        self.model = model.to_owned();
+        self
+    }
+
+    /// Router keys of every cached block.
+    pub fn router_keys(&self) -> Vec<BlockKey> {
+        self.router_keys.values().copied().collect()
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -114,6 +135,7 @@ impl BlockPool {
             let block = &mut self.blocks[b.index()];
             if let Some(h) = block.hash.take() {
                 self.cached.remove(&h);
+                self.router_keys.remove(&h);
                 self.events.push(KvEvent::BlockRemoved { block_hashes: vec![h], medium: Medium::Gpu });
             }
             block.refs = 1;
@@ -153,6 +175,18 @@ impl BlockPool {
 
     fn stored(&mut self, hashes: &[BlockHash], tokens: &[u32], run: std::ops::Range<usize>, meta: StoreMeta<'_>) {
         let bs = self.block_size;
+        let root =
+            KeyRoot::new(meta.extras.lora_name.as_deref().unwrap_or(&self.model), meta.extras.cache_salt.as_deref());
+        let mut parent = match run.start.checked_sub(1) {
+            None => Some(root.0),
+            Some(p) => self.router_keys.get(&hashes[p]).copied(),
+        };
+        for i in run.clone() {
+            if let Some(key) = parent.map(|p| BlockKey::chain(p, &tokens[i * bs..(i + 1) * bs])) {
+                self.router_keys.insert(hashes[i], key);
+                parent = Some(key);
+            }
+        }
         let extra_keys: Vec<_> = run.clone().map(|i| meta.extras.keys_for(i)).collect();
         let any_extra = extra_keys.iter().any(Option::is_some);
         self.events.push(KvEvent::BlockStored {
@@ -194,6 +228,7 @@ impl BlockPool {
             block.hash = None;
         }
         self.cached.clear();
+        self.router_keys.clear();
         self.events.push(KvEvent::AllBlocksCleared);
     }
 

@@ -48,6 +48,18 @@ pub async fn reset_prefix_cache(State(s): State<AppState>) -> Response {
     }
 }
 
+/// `GET /sim/cache`: the kvroute router keys of every cached block — what a
+/// router's map for this worker must equal once the sidecar caught up.
+pub async fn cache(State(s): State<AppState>) -> Response {
+    match s.engine.router_keys().await {
+        Ok(mut keys) => {
+            keys.sort();
+            Json(serde_json::json!({"count": keys.len(), "block_keys": keys})).into_response()
+        }
+        Err(_) => ApiError::EngineGone.into_response(),
+    }
+}
+
 pub async fn info(State(s): State<AppState>) -> Json<super::SimInfo> {
     Json(s.info.clone())
 }

@@ -1,0 +1,95 @@
+//! The router's map against the engines' truth: sim → sidecar → router, with
+//! evictions, resets and faults. "Truth" is `GET /sim/cache` (the engine's
+//! cached blocks as router keys); the router's side is
+//! `GET /debug/index?worker=ID`.
+
+use std::time::Duration;
+
+use kvroute_tests::{Client, eventually, spec, start};
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+async fn truth(c: &Client, engine: &str) -> Vec<Value> {
+    c.get(&format!("{engine}/sim/cache")).await["block_keys"].as_array().cloned().unwrap_or_default()
+}
+
+async fn confirmed(c: &Client, router: &str, worker: &str) -> Vec<Value> {
+    c.get(&format!("{router}/debug/index?worker={worker}")).await["confirmed"].as_array().cloned().unwrap_or_default()
+}
+
+/// Waits until every worker's confirmed keys on `router` equal its engine's.
+async fn converge(c: &Client, router: &str, engines: &[String], what: &str) {
+    eventually(what, WAIT, || {
+        let (c, router, engines) = (c.clone(), router.to_owned(), engines.to_vec());
+        async move {
+            for (i, e) in engines.iter().enumerate() {
+                let want = truth(&c, e).await;
+                if confirmed(&c, &router, &format!("w{}", i + 1)).await != want {
+                    return None;
+                }
+            }
+            Some(())
+        }
+    })
+    .await;
+}
+
+/// Token-id prompts: shared prefixes of various lengths, so the small caches
+/// evict and prefixes overlap.
+fn prompt(i: u32) -> Vec<u32> {
+    let group = i % 5;
+    (0..16 * (4 + group)).map(|t| group * 100_000 + t).chain((0..40).map(|t| i * 1000 + t)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_traffic_the_map_equals_the_engines_cache_exactly() {
+    let mut s = spec(2);
+    // 48 blocks per engine: the traffic below needs far more, so engines evict.
+    s.num_blocks = 48;
+    let cluster = start(s).await;
+    let c = Client::default();
+    let r = cluster.router_url(0).to_owned();
+    for i in 0..60 {
+        let resp = c
+            .post(&format!("{r}/v1/completions"), json!({"model": "sim-model", "prompt": prompt(i), "max_tokens": 2}))
+            .await;
+        assert!(resp.status().is_success(), "{}", resp.status());
+    }
+    let engines: Vec<String> = cluster.engines.iter().map(|e| e.url.clone()).collect();
+    converge(&c, &r, &engines, "the router's map to equal each engine's cache").await;
+    // Evictions happened: the truth is smaller than what was ever stored.
+    let index = c.get(&format!("{r}/debug/index")).await;
+    assert!(index["entries"].as_u64().unwrap() <= 96, "{index}");
+
+    // /reset_prefix_cache (vLLM's AllBlocksCleared): the worker's entries go.
+    let resp = c.post(&format!("{}/reset_prefix_cache", engines[0]), json!({})).await;
+    assert!(resp.status().is_success());
+    eventually("w1's entries gone after the reset", WAIT, || {
+        let (c, r) = (c.clone(), r.clone());
+        async move { confirmed(&c, &r, "w1").await.is_empty().then_some(()) }
+    })
+    .await;
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_engine_events_are_healed() {
+    let mut s = spec(1);
+    s.num_blocks = 64;
+    let cluster = start(s).await;
+    let c = Client::default();
+    let r = cluster.router_url(0).to_owned();
+    let engine = cluster.engines[0].url.clone();
+    // The engine loses 30 % of its event batches (they stay replayable, as
+    // in vLLM's buffer): the sidecar sees the gaps and replays them.
+    let resp = c.post(&format!("{engine}/sim/faults"), json!({"drop_events": 0.3})).await;
+    assert!(resp.status().is_success());
+    for i in 0..40 {
+        c.post(&format!("{r}/v1/completions"), json!({"model": "sim-model", "prompt": prompt(i), "max_tokens": 2}))
+            .await;
+    }
+    c.post(&format!("{engine}/sim/faults"), json!({"drop_events": 0.0})).await;
+    converge(&c, &r, &[engine], "the map to heal from dropped event batches").await;
+    cluster.shutdown().await;
+}
