@@ -326,9 +326,8 @@ def test_worker_http_port_matches_sidecar_engine_and_advertise_urls(compose, pro
         names = {owner, *w.get("networks", {}).get("default", {}).get("aliases", [])}
         assert advertise.hostname in names and advertise.port == port, (name, advertise, names)
         assert flag(sc["command"], "--listen").startswith("0.0.0.0:"), "sidecar /metrics must be scrapeable"
-        # The sidecar's worker id is unique across the profile.
     ids = [flag(sc["command"], "--worker-id") for sc in sidecars(compose, profile).values()]
-    assert len(set(ids)) == len(ids), ids
+    assert len(set(ids)) == len(ids), f"worker ids must be unique: {ids}"
 
 
 @pytest.mark.parametrize("profile", PROFILES)
