@@ -59,16 +59,35 @@ impl Entry {
     }
 }
 
-/// One worker's side of the index.
+/// One worker's side of the index: the reverse map.
+///
+/// Memory is what bounds the index (millions of entries), so the reverse map
+/// is a plain vector of keys with lazy deletion — 8 bytes an entry instead of
+/// a hash-table slot with up to 2× slack. Whether the worker still holds a
+/// key is the forward map's bit; stale items are dropped when the vector
+/// grows past twice the live count. Only non-confirmed entries (speculative,
+/// approximate: a minority) keep an [`Entry`] with their stamp.
 #[derive(Debug, Default)]
 struct WorkerKeys {
-    keys: KeyMap<Entry>,
+    /// Every key the worker holds, plus stale (since removed) items and
+    /// possibly duplicates of re-added keys.
+    keys: Vec<BlockKey>,
+    /// Keys the worker holds.
+    live: usize,
+    /// Kind and stamp of every non-confirmed entry.
+    marks: KeyMap<Entry>,
     /// Speculative insertions in time order; an item is stale (skipped) when
     /// its entry has since been confirmed, refreshed or removed.
     speculative: VecDeque<(u64, BlockKey)>,
     /// Present for workers indexed approximately.
     approx: Option<ApproxLru>,
     counts: Counts,
+}
+
+impl WorkerKeys {
+    fn kind_of(&self, key: &BlockKey) -> Kind {
+        self.marks.get(key).map_or(Kind::Confirmed, |e| e.kind())
+    }
 }
 
 /// Entry counts of one worker, by kind.
@@ -101,9 +120,64 @@ pub struct SyncOutcome {
     pub kept_speculative: usize,
 }
 
+/// The forward map: key → bitset of holders. Slots 0..64 live inline (8
+/// bytes a key); slots 64..128 in a side map that exists only in clusters
+/// that large, so most deployments pay 8 bytes, not 16, per key.
+#[derive(Debug, Default)]
+struct Forward {
+    low: KeyMap<u64>,
+    high: KeyMap<u64>,
+}
+
+impl Forward {
+    fn part(&mut self, slot: Slot) -> (&mut KeyMap<u64>, u64) {
+        let bit = 1u64 << (slot.0 % 64);
+        if slot.0 < 64 { (&mut self.low, bit) } else { (&mut self.high, bit) }
+    }
+
+    fn holds(&self, slot: Slot, key: &BlockKey) -> bool {
+        let (map, bit) = if slot.0 < 64 { (&self.low, 1u64 << slot.0) } else { (&self.high, 1u64 << (slot.0 - 64)) };
+        map.get(key).is_some_and(|b| b & bit != 0)
+    }
+
+    /// Sets the bit; false if it was set already.
+    fn set(&mut self, slot: Slot, key: BlockKey) -> bool {
+        let (map, bit) = self.part(slot);
+        let bits = map.entry(key).or_insert(0);
+        let fresh = *bits & bit == 0;
+        *bits |= bit;
+        fresh
+    }
+
+    /// Clears the bit; false if it was not set.
+    fn clear(&mut self, slot: Slot, key: &BlockKey) -> bool {
+        let (map, bit) = self.part(slot);
+        let Some(bits) = map.get_mut(key) else { return false };
+        let was = *bits & bit != 0;
+        *bits &= !bit;
+        if *bits == 0 {
+            map.remove(key);
+        }
+        was
+    }
+
+    fn holders(&self, key: &BlockKey) -> SlotSet {
+        let low = self.low.get(key).copied().unwrap_or(0);
+        let high = if self.high.is_empty() { 0 } else { self.high.get(key).copied().unwrap_or(0) };
+        SlotSet::from_words(low, high)
+    }
+
+    fn key_count(&self) -> usize {
+        if self.high.is_empty() {
+            return self.low.len();
+        }
+        self.low.len() + self.high.keys().filter(|k| !self.low.contains_key(k)).count()
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct Index {
-    forward: KeyMap<SlotSet>,
+    forward: Forward,
     workers: HashMap<Slot, WorkerKeys>,
 }
 
@@ -114,12 +188,12 @@ impl Index {
 
     /// Distinct keys held by any worker.
     pub fn key_count(&self) -> usize {
-        self.forward.len()
+        self.forward.key_count()
     }
 
     /// (key, worker) entries over all workers.
     pub fn entry_count(&self) -> usize {
-        self.workers.values().map(|w| w.keys.len()).sum()
+        self.workers.values().map(|w| w.live).sum()
     }
 
     pub fn counts(&self, slot: Slot) -> Counts {
@@ -144,44 +218,67 @@ impl Index {
 
     fn put(&mut self, slot: Slot, key: BlockKey, entry: Entry) {
         let w = self.workers.entry(slot).or_default();
-        match w.keys.insert(key, entry) {
-            Some(old) => w.counts.add(old.kind(), -1),
-            None => self.forward.entry(key).or_default().insert(slot),
+        if self.forward.set(slot, key) {
+            w.keys.push(key);
+            w.live += 1;
+        } else {
+            w.counts.add(w.kind_of(&key), -1);
+        }
+        match entry.kind() {
+            Kind::Confirmed => {
+                w.marks.remove(&key);
+            }
+            _ => {
+                w.marks.insert(key, entry);
+            }
         }
         w.counts.add(entry.kind(), 1);
     }
 
     fn remove(&mut self, slot: Slot, key: BlockKey) -> bool {
+        let removed = self.remove_uncompacted(slot, key);
+        self.compact(slot);
+        removed
+    }
+
+    /// Removes without compacting the reverse vector (bulk removals compact once).
+    fn remove_uncompacted(&mut self, slot: Slot, key: BlockKey) -> bool {
         let Some(w) = self.workers.get_mut(&slot) else { return false };
-        let Some(old) = w.keys.remove(&key) else { return false };
-        w.counts.add(old.kind(), -1);
-        if let Some(set) = self.forward.get_mut(&key) {
-            set.remove(slot);
-            if set.is_empty() {
-                self.forward.remove(&key);
-            }
+        if !self.forward.clear(slot, &key) {
+            return false;
         }
+        w.live -= 1;
+        let kind = w.marks.remove(&key).map_or(Kind::Confirmed, |e| e.kind());
+        w.counts.add(kind, -1);
         true
+    }
+
+    /// Drops stale and duplicate items once they outnumber the live keys.
+    fn compact(&mut self, slot: Slot) {
+        let Some(w) = self.workers.get_mut(&slot) else { return };
+        if w.keys.len() > 2 * w.live + 64 {
+            let forward = &self.forward;
+            w.keys.retain(|k| forward.holds(slot, k));
+            w.keys.sort_unstable();
+            w.keys.dedup();
+        }
     }
 
     /// Drops every entry of `slot` (engine cleared, worker dead or removed).
     pub fn clear_worker(&mut self, slot: Slot) -> usize {
         let Some(w) = self.workers.get_mut(&slot) else { return 0 };
-        let keys = std::mem::take(&mut w.keys);
+        let removed = w.live;
+        for key in std::mem::take(&mut w.keys) {
+            self.forward.clear(slot, &key);
+        }
+        w.live = 0;
+        w.marks = KeyMap::default();
         w.speculative.clear();
         w.counts = Counts::default();
         if let Some(lru) = &mut w.approx {
             lru.clear();
         }
-        for key in keys.keys() {
-            if let Some(set) = self.forward.get_mut(key) {
-                set.remove(slot);
-                if set.is_empty() {
-                    self.forward.remove(key);
-                }
-            }
-        }
-        keys.len()
+        removed
     }
 
     /// Forgets `slot` entirely (the worker left the cluster).
@@ -211,27 +308,30 @@ impl Index {
         fresh.extend(hashes.iter().map(|&k| (k, ())));
         let mut out = SyncOutcome::default();
         let w = self.workers.entry(slot).or_default();
-        let stale: Vec<BlockKey> = w
-            .keys
-            .iter()
-            .filter(|(k, e)| {
-                if fresh.contains_key(k) {
-                    return false;
-                }
-                let keep = e.kind() == Kind::Speculative && e.stamp() > as_of_ms;
-                out.kept_speculative += usize::from(keep);
-                !keep
-            })
-            .map(|(k, _)| *k)
-            .collect();
-        for k in stale {
-            out.removed += usize::from(self.remove(slot, k));
+        let before = w.live;
+        let forward = &self.forward;
+        let mut stale: Vec<BlockKey> = Vec::new();
+        for k in &w.keys {
+            if fresh.contains_key(k) || !forward.holds(slot, k) {
+                continue;
+            }
+            let keep = w.marks.get(k).is_some_and(|e| e.kind() == Kind::Speculative && e.stamp() > as_of_ms);
+            if keep {
+                out.kept_speculative += 1;
+            } else {
+                stale.push(*k);
+            }
         }
-        let before = self.workers.get(&slot).map_or(0, |w| w.keys.len());
+        for k in stale {
+            out.removed += usize::from(self.remove_uncompacted(slot, k));
+        }
+        let after_removal = self.workers.get(&slot).map_or(0, |w| w.live);
         for &k in fresh.keys() {
             self.put(slot, k, Entry::new(Kind::Confirmed, 0));
         }
-        out.added = self.workers.get(&slot).map_or(0, |w| w.keys.len()) - before;
+        self.compact(slot);
+        out.added = self.workers.get(&slot).map_or(0, |w| w.live) - after_removal;
+        debug_assert!(before >= out.removed);
         out
     }
 
@@ -241,8 +341,11 @@ impl Index {
     pub fn record_routed(&mut self, slot: Slot, keys: &[BlockKey], now_ms: u64) {
         let approximate = self.is_approximate(slot);
         for &k in keys {
-            let existing = self.workers.get(&slot).and_then(|w| w.keys.get(&k)).copied();
-            match (approximate, existing.map(Entry::kind)) {
+            let existing = self
+                .forward
+                .holds(slot, &k)
+                .then(|| self.workers.get(&slot).map_or(Kind::Confirmed, |w| w.kind_of(&k)));
+            match (approximate, existing) {
                 (_, Some(Kind::Confirmed)) => {}
                 (true, _) => {
                     let lru = self.workers.get_mut(&slot).and_then(|w| w.approx.as_mut());
@@ -269,8 +372,8 @@ impl Index {
     fn enforce_capacity(&mut self, slot: Slot) {
         loop {
             let victim = match self.workers.get_mut(&slot) {
-                Some(WorkerKeys { approx: Some(lru), keys, .. }) => lru.pop_over_capacity(keys.len(), |k, stamp| {
-                    keys.get(&k).is_some_and(|e| e.kind() == Kind::Approximate && e.stamp() == stamp)
+                Some(WorkerKeys { approx: Some(lru), marks, live, .. }) => lru.pop_over_capacity(*live, |k, stamp| {
+                    marks.get(&k).is_some_and(|e| e.kind() == Kind::Approximate && e.stamp() == stamp)
                 }),
                 _ => None,
             };
@@ -292,13 +395,17 @@ impl Index {
                     break;
                 }
                 w.speculative.pop_front();
-                if w.keys.get(&key).is_some_and(|e| e.kind() == Kind::Speculative && e.stamp() == at) {
+                if w.marks.get(&key).is_some_and(|e| e.kind() == Kind::Speculative && e.stamp() == at) {
                     expired.push((slot, key));
                 }
             }
         }
         for &(slot, key) in &expired {
-            self.remove(slot, key);
+            self.remove_uncompacted(slot, key);
+        }
+        let slots: Vec<Slot> = self.workers.keys().copied().collect();
+        for slot in slots {
+            self.compact(slot);
         }
         expired.len()
     }
@@ -327,7 +434,7 @@ impl Index {
     }
 
     fn holders(&self, key: BlockKey) -> SlotSet {
-        self.forward.get(&key).copied().unwrap_or(SlotSet::EMPTY)
+        self.forward.holders(&key)
     }
 
     /// Workers in `set_lo` (holding keys[lo]) but not `set_hi` (holding
@@ -355,41 +462,52 @@ impl Index {
         self.bisect(keys, mid, set_mid, hi, set_hi, out);
     }
 
-    /// All keys of `slot` (for tests and the property checks).
+    /// All keys of `slot` with their kinds (for debug views and tests).
     pub fn keys_of(&self, slot: Slot) -> Vec<(BlockKey, Kind)> {
-        self.workers.get(&slot).map(|w| w.keys.iter().map(|(k, e)| (*k, e.kind())).collect()).unwrap_or_default()
+        let Some(w) = self.workers.get(&slot) else { return Vec::new() };
+        let mut keys: Vec<BlockKey> = w.keys.iter().copied().filter(|k| self.forward.holds(slot, k)).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        keys.into_iter().map(|k| (k, w.kind_of(&k))).collect()
     }
 
     /// Checks that forward and reverse agree (tests and debug builds).
     pub fn check_consistency(&self) -> Result<(), String> {
-        let mut entries = 0;
-        for (key, set) in &self.forward {
-            if set.is_empty() {
-                return Err(format!("{key} has an empty worker set"));
-            }
-            for slot in set.iter() {
-                entries += 1;
-                if !self.workers.get(&slot).is_some_and(|w| w.keys.contains_key(key)) {
-                    return Err(format!("{key} → {slot:?} has no reverse entry"));
+        let mut from_forward: HashMap<Slot, usize> = HashMap::new();
+        for (map, base) in [(&self.forward.low, 0u16), (&self.forward.high, 64)] {
+            for (key, bits) in map {
+                if *bits == 0 {
+                    return Err(format!("{key} has an empty worker set"));
+                }
+                for b in 0..64u16 {
+                    if bits & (1 << b) == 0 {
+                        continue;
+                    }
+                    let slot = Slot(base + b);
+                    *from_forward.entry(slot).or_default() += 1;
+                    if !self.workers.get(&slot).is_some_and(|w| w.keys.contains(key)) {
+                        return Err(format!("{key} → {slot:?} has no reverse entry"));
+                    }
                 }
             }
         }
         for (slot, w) in &self.workers {
-            for key in w.keys.keys() {
-                if !self.holders(*key).contains(*slot) {
-                    return Err(format!("reverse {slot:?} → {key} has no forward entry"));
+            let held = self.keys_of(*slot);
+            if held.len() != w.live || from_forward.get(slot).copied().unwrap_or(0) != w.live {
+                return Err(format!("{slot:?}: live {} but {} keys held", w.live, held.len()));
+            }
+            for key in w.marks.keys() {
+                if !self.forward.holds(*slot, key) {
+                    return Err(format!("{slot:?}: mark for {key} which it does not hold"));
                 }
             }
             let mut c = Counts::default();
-            for e in w.keys.values() {
-                c.add(e.kind(), 1);
+            for (_, kind) in &held {
+                c.add(*kind, 1);
             }
             if c != w.counts {
                 return Err(format!("{slot:?}: counts {:?} but entries say {c:?}", w.counts));
             }
-        }
-        if entries != self.entry_count() {
-            return Err(format!("forward has {entries} entries, reverse {}", self.entry_count()));
         }
         Ok(())
     }

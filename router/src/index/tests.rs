@@ -124,12 +124,8 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     let keys = || proptest::collection::vec(0u64..40, 0..8);
     prop_oneof![
-        (0u16..4, any::<bool>(), keys(), keys()).prop_map(|(slot, c, evicted, stored)| Op::Events {
-            slot,
-            cleared: c && slot == 0,
-            evicted,
-            stored
-        }),
+        (prop_oneof![0u16..4, 64u16..66], any::<bool>(), keys(), keys())
+            .prop_map(|(slot, c, evicted, stored)| Op::Events { slot, cleared: c && slot == 0, evicted, stored }),
         (0u16..4, keys()).prop_map(|(slot, keys)| Op::Sync { slot, keys }),
         (0u16..4, keys(), 0u64..100).prop_map(|(slot, keys, at)| Op::Routed { slot, keys, at }),
         (0u64..200).prop_map(|at| Op::Expire { at }),
@@ -202,4 +198,36 @@ proptest! {
         let keys = &chain[..len];
         prop_assert_eq!(depths(&ix, keys), linear_depths(&ix, keys));
     }
+}
+
+#[test]
+fn workers_beyond_slot_64_use_the_side_map() {
+    let mut ix = Index::new();
+    let chain: Vec<_> = (1..=6).map(k).collect();
+    ix.apply_events(Slot(100), false, &[], &chain);
+    ix.apply_events(Slot(3), false, &[], &chain[..2]);
+    ix.record_routed(Slot(127), &chain[..4], 5);
+    assert_eq!(depths(&ix, &chain), vec![(Slot(3), 2), (Slot(100), 6), (Slot(127), 4)]);
+    assert_eq!(ix.key_count(), 6);
+    assert_eq!(ix.entry_count(), 12);
+    ix.sync(Slot(100), &chain[..1], 0);
+    assert_eq!(depths(&ix, &chain), vec![(Slot(3), 2), (Slot(100), 1), (Slot(127), 4)]);
+    ix.remove_worker(Slot(127));
+    assert_eq!(ix.key_count(), 2);
+    ix.check_consistency().unwrap();
+}
+
+#[test]
+fn reverse_vector_is_compacted() {
+    let mut ix = Index::new();
+    for round in 0..50u64 {
+        let keys: Vec<_> = (0..100).map(|i| k(round * 1000 + i)).collect();
+        ix.apply_events(Slot(0), false, &[], &keys);
+        ix.apply_events(Slot(0), false, &keys, &[]);
+    }
+    ix.apply_events(Slot(0), false, &[], &[k(1), k(1)]);
+    let w = ix.workers.get(&Slot(0)).unwrap();
+    assert!(w.keys.len() <= 2 * w.live + 64 + 1, "{} items for {} live", w.keys.len(), w.live);
+    assert_eq!(ix.keys_of(Slot(0)), vec![(k(1), Kind::Confirmed)]);
+    ix.check_consistency().unwrap();
 }

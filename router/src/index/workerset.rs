@@ -17,6 +17,11 @@ pub struct SlotSet([u64; 2]);
 impl SlotSet {
     pub const EMPTY: SlotSet = SlotSet([0; 2]);
 
+    /// Slots 0..64 from `low`, 64..128 from `high`.
+    pub fn from_words(low: u64, high: u64) -> SlotSet {
+        SlotSet([low, high])
+    }
+
     pub fn insert(&mut self, s: Slot) {
         self.0[s.0 as usize / 64] |= 1 << (s.0 % 64);
     }
