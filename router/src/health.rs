@@ -145,6 +145,10 @@ pub fn housekeeping_gauges(state: &AppState) {
         m.worker_pending_tokens.get_or_create(&label).set(load.pending_prefill_tokens as i64);
         m.worker_kv_usage.get_or_create(&label).set(load.kv_usage);
         m.worker_healthy.get_or_create(&label).set(i64::from(w.live.is_healthy()));
+        let last_sync = w.live.last_sync_ms.load(Ordering::Relaxed);
+        if last_sync > 0 {
+            m.worker_sync_age.get_or_create(&label).set(now_ms().saturating_sub(last_sync) as f64 / 1000.0);
+        }
         m.worker_engine_requests
             .get_or_create(&WorkerKind { worker: id.clone(), kind: "running" })
             .set(i64::from(load.running));

@@ -59,6 +59,7 @@ pub struct Metrics {
     pub worker_engine_requests: Family<WorkerKind, Gauge>,
     pub worker_kv_usage: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
     pub worker_healthy: Family<WorkerLabel, Gauge>,
+    pub worker_sync_age: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
     pub ttft: HistFamily<WorkerLabel>,
     pub routing_seconds: Histogram,
     pub retries: Counter,
@@ -118,6 +119,12 @@ impl Metrics {
         registry.register("worker_kv_usage", "vLLM's KV-cache usage (0..1) as last reported", worker_kv_usage.clone());
         let worker_healthy = Family::<WorkerLabel, Gauge>::default();
         registry.register("worker_healthy", "1 when the worker takes traffic", worker_healthy.clone());
+        let worker_sync_age = Family::<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        registry.register(
+            "worker_last_sync_age_seconds",
+            "Seconds since the worker's sidecar last synced (absent for workers without a sidecar)",
+            worker_sync_age.clone(),
+        );
         let ttft: HistFamily<WorkerLabel> = Family::new_with_constructor(ttft_histogram);
         registry.register(
             "upstream_ttft_seconds",
@@ -161,6 +168,7 @@ impl Metrics {
             worker_engine_requests,
             worker_kv_usage,
             worker_healthy,
+            worker_sync_age,
             ttft,
             routing_seconds,
             retries,
@@ -189,6 +197,7 @@ impl Metrics {
         self.worker_pending_tokens.remove(&w);
         self.worker_kv_usage.remove(&w);
         self.worker_healthy.remove(&w);
+        self.worker_sync_age.remove(&w);
         self.ttft.remove(&w);
         for kind in ["running", "waiting"] {
             self.worker_engine_requests.remove(&WorkerKind { worker: worker.to_owned(), kind });
