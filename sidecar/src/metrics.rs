@@ -4,7 +4,7 @@
 //! message kinds are closed enums, and `router` takes one value per router
 //! address the sidecar pushes to (a handful).
 
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -12,17 +12,10 @@ use prometheus_client::registry::Registry;
 
 use crate::translate::SkipReason;
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
-pub enum EventKind {
-    BlockStored,
-    BlockRemoved,
-    AllBlocksCleared,
-    Unknown,
-}
-
+/// `kind` is one of `block_stored`, `block_removed`, `all_blocks_cleared`, `unknown`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabels {
-    pub kind: EventKind,
+    pub kind: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -30,7 +23,7 @@ pub struct ReasonLabels {
     pub reason: &'static str,
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum ReplayOutcome {
     /// The replay covered the gap.
     Recovered,
@@ -40,21 +33,40 @@ pub enum ReplayOutcome {
     Failed,
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ReplayLabels {
-    pub outcome: ReplayOutcome,
+impl ReplayOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReplayOutcome::Recovered => "recovered",
+            ReplayOutcome::Lost => "lost",
+            ReplayOutcome::Failed => "failed",
+        }
+    }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReplayLabels {
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum MessageKind {
     Eviction,
     Sync,
 }
 
+impl MessageKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MessageKind::Eviction => "eviction",
+            MessageKind::Sync => "sync",
+        }
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PushLabels {
     pub router: String,
-    pub kind: MessageKind,
+    pub kind: &'static str,
 }
 
 /// Counter handles the translator bumps on its hot path (fetched once, so no
@@ -77,6 +89,11 @@ impl TranslateCounters {
         let i = SkipReason::ALL.iter().position(|r| *r == reason).unwrap_or(0);
         &self.skipped[i]
     }
+}
+
+fn counter<L: Clone + std::hash::Hash + Eq>(family: &Family<L, Counter>, labels: &L) -> Counter {
+    let guard = family.get_or_create(labels);
+    guard.clone()
 }
 
 /// All of the sidecar's metrics and the registry that renders them.
@@ -109,12 +126,15 @@ impl Metrics {
         let mut registry = Registry::with_prefix("kvroute_sidecar");
         let events = Family::<KindLabels, Counter>::default();
         let skipped = Family::<ReasonLabels, Counter>::default();
+        // One statement per handle: a `get_or_create` guard lives to the end of
+        // its statement, and a second creation in the same one would deadlock.
+        let kind = |k: &'static str| counter(&events, &KindLabels { kind: k });
         let translate = TranslateCounters {
-            stored: events.get_or_create(&KindLabels { kind: EventKind::BlockStored }).clone(),
-            removed: events.get_or_create(&KindLabels { kind: EventKind::BlockRemoved }).clone(),
-            cleared: events.get_or_create(&KindLabels { kind: EventKind::AllBlocksCleared }).clone(),
-            unknown_events: events.get_or_create(&KindLabels { kind: EventKind::Unknown }).clone(),
-            skipped: SkipReason::ALL.map(|r| skipped.get_or_create(&ReasonLabels { reason: r.as_str() }).clone()),
+            stored: kind("block_stored"),
+            removed: kind("block_removed"),
+            cleared: kind("all_blocks_cleared"),
+            unknown_events: kind("unknown"),
+            skipped: SkipReason::ALL.map(|r| counter(&skipped, &ReasonLabels { reason: r.as_str() })),
             ..TranslateCounters::default()
         };
         registry.register("events", "KV-cache events received, by kind", events);

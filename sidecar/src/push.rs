@@ -127,7 +127,7 @@ impl Pusher {
     }
 
     fn labels(target: &RouterTarget, kind: MessageKind) -> PushLabels {
-        PushLabels { router: target.0.clone(), kind }
+        PushLabels { router: target.0.clone(), kind: kind.as_str() }
     }
 
     /// Handles an accepted message; `true` when a sync must follow at once.

@@ -172,7 +172,7 @@ impl Stream {
             }
             None => ReplayOutcome::Failed,
         };
-        self.state.metrics().replays.get_or_create(&ReplayLabels { outcome: outcome.clone() }).inc();
+        self.state.metrics().replays.get_or_create(&ReplayLabels { outcome: outcome.as_str() }).inc();
         if outcome == ReplayOutcome::Recovered {
             return;
         }

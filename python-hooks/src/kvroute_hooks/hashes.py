@@ -1,0 +1,96 @@
+"""Reading the cached block hashes out of a vLLM ``BlockPool``.
+
+``BlockPool.cached_block_hash_to_block`` changed shape across vLLM versions:
+
+- current: a ``BlockHashToBlockMap`` whose ``_cache`` dict is keyed by
+  ``BlockHashWithGroupId`` (hash bytes + 4-byte big-endian group id);
+- mid-2025: a plain dict with the same bytes keys;
+- early v1: a list (one per KV-cache manager) of dicts keyed by a
+  ``BlockHashType`` named tuple whose ``hash_value`` is an int.
+
+Events publish ``maybe_convert_block_hash(get_block_hash(key))``: with
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` (the default) the big-endian integer of
+the hash bytes masked to 64 bits, i.e. its last 8 bytes; otherwise the raw
+bytes. We use vLLM's own functions when they exist, and the same rule when not.
+"""
+
+import os
+from typing import Any, Iterable, List, Set, Union
+
+ExternalHash = Union[int, bytes]
+
+_MASK64 = (1 << 64) - 1
+# Lengths of BlockHashWithGroupId keys: sha256 (32) or xxhash128 (16), + 4.
+_GROUPED_LENGTHS = (36, 20)
+
+
+def _vllm_helpers():
+    try:
+        from vllm.v1.core import kv_cache_utils as u  # type: ignore
+    except Exception:  # vLLM absent or a version without these helpers
+        return None, None
+    return getattr(u, "get_block_hash", None), getattr(u, "maybe_convert_block_hash", None)
+
+
+def _use_int_hashes() -> bool:
+    return os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").lower() not in ("0", "false", "no")
+
+
+def convert_key(key: Any, get_block_hash=None, maybe_convert=None) -> ExternalHash:
+    """One cache-map key as vLLM's KV events would publish it."""
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        raw = bytes(key)
+        # Bytes keys are BlockHashWithGroupId (hash + 4-byte group id); a bare
+        # digest length means a version that keyed by the hash alone.
+        if len(raw) in _GROUPED_LENGTHS:
+            raw = bytes(get_block_hash(raw)) if get_block_hash is not None else raw[:-4]
+        if maybe_convert is not None:
+            return maybe_convert(raw)
+        if _use_int_hashes():
+            return int.from_bytes(raw, "big") & _MASK64
+        return raw
+    inner = getattr(key, "block_hash", None)  # NamedTuple BlockHashWithGroupId (vLLM 0.9)
+    if inner is not None:
+        return convert_key(inner, get_block_hash, maybe_convert)
+    hash_value = getattr(key, "hash_value", None)  # NamedTuple BlockHashType
+    if hash_value is not None:
+        return _as_wire_int(hash_value) if isinstance(hash_value, int) else convert_key(hash_value)
+    if isinstance(key, int):
+        return _as_wire_int(key)
+    raise TypeError(f"unsupported block hash key type {type(key).__name__}")
+
+
+def _as_wire_int(n: int) -> int:
+    # Python's hash() is signed 64-bit; msgpack carries it as int64 and the
+    # sidecar keeps the bits, exactly as for events.
+    return n if -(1 << 63) <= n <= _MASK64 else n & _MASK64
+
+
+def _keys_of(cache_map: Any) -> List[Any]:
+    # list(dict) copies the keys in one C call under the GIL: a consistent
+    # snapshot even while the scheduler thread mutates the map. Retry anyway
+    # in case an implementation iterates in Python.
+    for _ in range(5):
+        try:
+            inner = getattr(cache_map, "_cache", None)
+            if inner is not None:
+                return list(inner)
+            if isinstance(cache_map, (list, tuple)):
+                return [k for d in list(cache_map) for k in list(d)]
+            return list(cache_map)
+        except RuntimeError:  # "dictionary changed size during iteration"
+            continue
+    return []
+
+
+def collect_hashes(pools: Iterable[Any]) -> Set[ExternalHash]:
+    """The union of cached block hashes of ``pools``, converted for the wire."""
+    get_block_hash, maybe_convert = _vllm_helpers()
+    out: Set[ExternalHash] = set()
+    for pool in pools:
+        cache_map = getattr(pool, "cached_block_hash_to_block", None)
+        if cache_map is None:
+            continue
+        for key in _keys_of(cache_map):
+            out.add(convert_key(key, get_block_hash, maybe_convert))
+    return out

@@ -1,0 +1,58 @@
+import hashlib
+
+from kvroute_hooks import collect_hashes, convert_key
+
+from fakes import BlockHashType, BlockPool, EarlyBlockPool, grouped
+
+
+def vllm_int(hash_bytes: bytes) -> int:
+    """vLLM's maybe_convert_block_hash with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1."""
+    return int.from_bytes(hash_bytes, byteorder="big") & ((1 << 64) - 1)
+
+
+def digest(i: int) -> bytes:
+    return hashlib.sha256(str(i).encode()).digest()
+
+
+def test_current_map_strips_group_and_converts_like_events():
+    pool = BlockPool()
+    for i in range(5):
+        pool.cached_block_hash_to_block.insert(grouped(digest(i)), object())
+    # The same hash in a second KV-cache group (hybrid models) counts once.
+    pool.cached_block_hash_to_block.insert(grouped(digest(0), 1), object())
+    assert collect_hashes([pool]) == {vllm_int(digest(i)) for i in range(5)}
+
+
+def test_bytes_mode_sends_raw_digests(monkeypatch):
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    pool = BlockPool()
+    pool.cached_block_hash_to_block.insert(grouped(digest(1)), object())
+    assert collect_hashes([pool]) == {digest(1)}
+
+
+def test_xxhash128_keys():
+    h = bytes(range(16))
+    assert convert_key(grouped(h)) == vllm_int(h)
+
+
+def test_early_v1_named_tuple_keys_and_signed_hashes():
+    pool = EarlyBlockPool()
+    pool.cached_block_hash_to_block[0][BlockHashType(-5, (1, 2))] = {}
+    pool.cached_block_hash_to_block[1][BlockHashType(2**64 - 1, (3,))] = {}
+    assert collect_hashes([pool]) == {-5, 2**64 - 1}
+
+
+def test_evicted_blocks_disappear():
+    pool = BlockPool()
+    m = pool.cached_block_hash_to_block
+    m.insert(grouped(digest(1)), object())
+    m.insert(grouped(digest(2)), object())
+    m.pop(grouped(digest(1)))
+    assert collect_hashes([pool]) == {vllm_int(digest(2))}
+
+
+def test_union_over_pools_and_pools_without_cache():
+    a, b = BlockPool(), BlockPool()
+    a.cached_block_hash_to_block.insert(grouped(digest(1)), object())
+    b.cached_block_hash_to_block.insert(grouped(digest(2)), object())
+    assert collect_hashes([a, b, object()]) == {vllm_int(digest(1)), vllm_int(digest(2))}

@@ -1,0 +1,317 @@
+//! Test harness: a fake engine + router HTTP server (axum on 127.0.0.1:0), a
+//! fake vLLM ZMQ publisher (PUB bound on tcp://127.0.0.1:0) and the sidecar's
+//! `run` on an ephemeral listener. Waits poll conditions under a deadline.
+
+#![allow(dead_code)]
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use kvroute_shared::{BlockKey, BlockSize, KeyRoot, block_keys};
+use kvroute_sidecar::RawConfig;
+use parking_lot::Mutex;
+use rmpv::Value as M;
+use serde_json::{Value, json};
+use tokio::sync::oneshot;
+use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
+
+pub const TOKEN: &str = "test-token";
+pub const BS: u32 = 4;
+pub const TOPIC: &str = "kv-events";
+
+/// One message the fake router accepted.
+#[derive(Clone, Debug)]
+pub struct Received {
+    pub path: String,
+    pub body: Value,
+}
+
+impl Received {
+    pub fn is_sync(&self) -> bool {
+        self.path == "/internal/sync"
+    }
+}
+
+#[derive(Debug)]
+pub struct FakeState {
+    pub received: Mutex<Vec<Received>>,
+    pub router_epoch: Mutex<String>,
+    pub down: AtomicBool,
+}
+
+async fn internal(
+    State(s): State<Arc<FakeState>>,
+    headers: HeaderMap,
+    path: axum::extract::OriginalUri,
+    Json(body): Json<Value>,
+) -> (StatusCode, Json<Value>) {
+    if s.down.load(Ordering::SeqCst) {
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({})));
+    }
+    if headers.get("authorization").and_then(|v| v.to_str().ok()) != Some(&format!("Bearer {TOKEN}")) {
+        return (StatusCode::UNAUTHORIZED, Json(json!({})));
+    }
+    s.received.lock().push(Received { path: path.path().to_owned(), body });
+    let epoch = s.router_epoch.lock().clone();
+    (StatusCode::OK, Json(json!({"router_epoch": epoch, "outcome": "applied"})))
+}
+
+async fn models() -> Json<Value> {
+    Json(json!({"object": "list", "data": [{"id": "m"}, {"id": "sql-adapter"}]}))
+}
+
+async fn engine_metrics() -> String {
+    "vllm:num_requests_running{engine=\"0\"} 3.0\nvllm:num_requests_waiting{engine=\"0\"} 1.0\n\
+     vllm:kv_cache_usage_perc{engine=\"0\"} 0.5\n"
+        .to_owned()
+}
+
+/// A fake engine HTTP API and router on one ephemeral port.
+pub async fn fake_server() -> (SocketAddr, Arc<FakeState>) {
+    let state = Arc::new(FakeState {
+        received: Mutex::new(Vec::new()),
+        router_epoch: Mutex::new("r1".into()),
+        down: AtomicBool::new(false),
+    });
+    let app = axum::Router::new()
+        .route("/internal/eviction", post(internal))
+        .route("/internal/sync", post(internal))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(engine_metrics))
+        .with_state(state.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (addr, state)
+}
+
+/// A fake vLLM publisher.
+pub struct Publisher {
+    socket: PubSocket,
+    pub endpoint: String,
+    pub seq: u64,
+}
+
+impl Publisher {
+    pub async fn bind() -> Self {
+        let mut socket = PubSocket::new();
+        let endpoint = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        Publisher { socket, endpoint, seq: 0 }
+    }
+
+    /// Publishes one batch with the next seq.
+    pub async fn publish(&mut self, events: Vec<M>) {
+        let seq = self.seq;
+        self.seq += 1;
+        self.publish_at(seq, events).await;
+    }
+
+    pub async fn publish_at(&mut self, seq: u64, events: Vec<M>) {
+        let payload = M::Array(vec![M::F64(1.7e9), M::Array(events), M::from(0)]);
+        let mut buf = Vec::new();
+        rmpv::encode::write_value(&mut buf, &payload).unwrap();
+        let frames = vec![Bytes::from_static(TOPIC.as_bytes()), Bytes::copy_from_slice(&seq.to_be_bytes()), buf.into()];
+        self.socket.send(ZmqMessage::try_from(frames).unwrap()).await.unwrap();
+    }
+}
+
+pub fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> M {
+    M::Map(vec![
+        (M::from("type"), M::from("BlockStored")),
+        (M::from("block_hashes"), M::Array(hashes.iter().map(|h| M::from(*h)).collect())),
+        (M::from("parent_block_hash"), parent.map_or(M::Nil, M::from)),
+        (M::from("token_ids"), M::Array(tokens.iter().map(|t| M::from(*t)).collect())),
+        (M::from("block_size"), M::from(BS)),
+        (M::from("lora_id"), M::Nil),
+        (M::from("medium"), M::from("GPU")),
+        (M::from("lora_name"), M::Nil),
+    ])
+}
+
+pub fn removed(hashes: &[u64]) -> M {
+    M::Map(vec![
+        (M::from("type"), M::from("BlockRemoved")),
+        (M::from("block_hashes"), M::Array(hashes.iter().map(|h| M::from(*h)).collect())),
+        (M::from("medium"), M::from("GPU")),
+    ])
+}
+
+fn probe() -> M {
+    M::Map(vec![(M::from("type"), M::from("KvrouteTestProbe"))])
+}
+
+/// Router keys of every full block of `tokens` under model "m".
+pub fn keys(tokens: &[u32]) -> Vec<BlockKey> {
+    block_keys(KeyRoot::new("m", None), tokens, BlockSize::new(BS).unwrap())
+}
+
+pub fn hex_set(keys: &[BlockKey]) -> HashSet<String> {
+    keys.iter().map(|k| k.to_hex()).collect()
+}
+
+/// A running sidecar wired to the fakes.
+pub struct Harness {
+    pub fake: Arc<FakeState>,
+    pub publisher: Publisher,
+    pub sidecar: SocketAddr,
+    pub http: reqwest::Client,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Harness {
+    pub async fn start(sync_interval: &str) -> Self {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+        let (addr, fake) = fake_server().await;
+        let publisher = Publisher::bind().await;
+        let raw = RawConfig {
+            worker_id: Some("w1".into()),
+            engine_url: Some(format!("http://{addr}")),
+            advertise_url: Some("http://10.0.0.7:8000".into()),
+            model: Some("m".into()),
+            events: Some(publisher.endpoint.clone()),
+            router: vec![format!("http://{addr}")],
+            internal_token: Some(TOKEN.into()),
+            fast_interval: Some(Duration::from_millis(20)),
+            sync_interval: Some(humantime_serde::re::humantime::parse_duration(sync_interval).unwrap()),
+            block_size: Some(BS),
+            ..RawConfig::default()
+        };
+        let config = raw.validate("unused").unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let sidecar = listener.local_addr().unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            kvroute_sidecar::run(listener, config, async {
+                let _ = stopped.await;
+            })
+            .await
+            .unwrap();
+        });
+        let mut h = Harness {
+            fake,
+            publisher,
+            sidecar,
+            http: reqwest::Client::builder().timeout(Duration::from_secs(2)).build().unwrap(),
+            stop: Some(stop),
+            task: Some(task),
+        };
+        h.warm_up().await;
+        h
+    }
+
+    pub async fn metrics(&self) -> String {
+        let url = format!("http://{}/metrics", self.sidecar);
+        match self.http.get(url).send().await {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(_) => String::new(),
+        }
+    }
+
+    pub async fn metric(&self, series: &str) -> f64 {
+        let text = self.metrics().await;
+        text.lines().find_map(|l| l.strip_prefix(series).and_then(|rest| rest.trim().parse().ok())).unwrap_or(0.0)
+    }
+
+    pub async fn health(&self) -> Option<Value> {
+        let r = self.http.get(format!("http://{}/health", self.sidecar)).send().await.ok()?;
+        if !r.status().is_success() {
+            return None;
+        }
+        r.json().await.ok()
+    }
+
+    pub async fn epoch(&self) -> String {
+        self.health().await.unwrap()["epoch"].as_str().unwrap().to_owned()
+    }
+
+    /// PUB/SUB joins late: publish probes until the sidecar counts one, then
+    /// wait for the router to have a sync of the current epoch, so later
+    /// events arrive as eviction pushes.
+    async fn warm_up(&mut self) {
+        let mut probes = 0u32;
+        loop {
+            self.publisher.publish(vec![probe()]).await;
+            if self.metric("kvroute_sidecar_events_total{kind=\"unknown\"}").await >= 1.0 {
+                break;
+            }
+            probes += 1;
+            assert!(probes < 500, "sidecar never received an event");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let epoch = self.epoch().await;
+        self.wait_for("a sync of the current epoch", |r| {
+            r.iter().any(|m| m.is_sync() && m.body["epoch"] == epoch.as_str())
+        })
+        .await;
+    }
+
+    pub fn received(&self) -> Vec<Received> {
+        self.fake.received.lock().clone()
+    }
+
+    /// Polls the fake router's log until `cond` holds (10 s deadline).
+    pub async fn wait_for(&self, what: &str, cond: impl Fn(&[Received]) -> bool) {
+        wait(what, || async { cond(&self.received()) }).await;
+    }
+
+    /// The router's view: syncs replace, evictions apply (in arrival order).
+    pub fn router_view(&self) -> HashSet<String> {
+        view(&self.received())
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+        }
+    }
+}
+
+pub fn view(received: &[Received]) -> HashSet<String> {
+    let mut set = HashSet::new();
+    let strings = |v: &Value| -> Vec<String> {
+        v.as_array().map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_owned)).collect()).unwrap_or_default()
+    };
+    for m in received {
+        if m.is_sync() {
+            set = strings(&m.body["hashes"]).into_iter().collect();
+        } else {
+            if m.body["cleared"] == true {
+                set.clear();
+            }
+            for k in strings(&m.body["evicted_hashes"]) {
+                set.remove(&k);
+            }
+            set.extend(strings(&m.body["stored_hashes"]));
+        }
+    }
+    set
+}
+
+/// Polls `cond` every 10 ms until it holds; panics after 10 s.
+pub async fn wait<F, Fut>(what: &str, cond: F)
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !cond().await {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
