@@ -82,6 +82,15 @@ pub struct ServeArgs {
     /// Requests in flight before new ones are shed with 503 [default: 4096].
     #[arg(long)]
     pub max_concurrent_requests: Option<u64>,
+    /// Serve HTTPS: PEM certificate chain (with --tls-key).
+    #[arg(long, value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
+    /// PEM CA bundle trusted for https:// workers.
+    #[arg(long, value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
 }
 
 /// Top-level keys that `KVROUTE_<KEY>` may set (lists are comma-separated).
@@ -108,6 +117,9 @@ const ENV_KEYS: &[&str] = &[
     "approx_capacity_blocks",
     "session_ttl",
     "head_tokens",
+    "tls_cert",
+    "tls_key",
+    "tls_ca",
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -155,6 +167,9 @@ impl ServeArgs {
         set("first_byte_timeout", self.first_byte_timeout.clone().map(Into::into))?;
         set("max_body_bytes", self.max_body_bytes.map(|n| (n as i64).into()))?;
         set("max_concurrent_requests", self.max_concurrent_requests.map(|n| (n as i64).into()))?;
+        for (key, path) in [("tls_cert", &self.tls_cert), ("tls_key", &self.tls_key), ("tls_ca", &self.tls_ca)] {
+            set(key, path.as_ref().map(|p| p.display().to_string().into()))?;
+        }
         for spec in &self.model_tokenizers {
             let (model, dir) = spec.split_once('=').ok_or_else(|| CliError::ModelTokenizer(spec.clone()))?;
             set(&format!("tokenizers.{model}"), Some(dir.to_owned().into()))?;

@@ -93,6 +93,11 @@ pub struct RawConfig {
     pub max_sync_keys: usize,
     #[serde(with = "humantime_serde")]
     pub shutdown_grace: Duration,
+    /// PEM certificate chain and private key: serve HTTPS instead of HTTP.
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    /// PEM CA bundle trusted for `https://` workers, besides the web PKI roots.
+    pub tls_ca: Option<PathBuf>,
 }
 
 impl Default for RawConfig {
@@ -128,6 +133,9 @@ impl Default for RawConfig {
             max_sessions: 100_000,
             max_sync_keys: 4_000_000,
             shutdown_grace: Duration::from_secs(30),
+            tls_cert: None,
+            tls_key: None,
+            tls_ca: None,
         }
     }
 }
@@ -231,6 +239,9 @@ impl RawConfig {
         }
         if self.internal_token.as_ref().is_some_and(|t| t.expose().len() < 16) {
             return Err(invalid("internal_token", "must be at least 16 characters"));
+        }
+        if self.tls_cert.is_some() != self.tls_key.is_some() {
+            return Err(invalid("tls_cert", "tls_cert and tls_key go together"));
         }
         if self.internal_token.is_none() && !self.listen.ip().is_loopback() && !self.allow_insecure_internal {
             return Err(ConfigError::InsecureInternal { listen: self.listen });

@@ -20,6 +20,7 @@ pub mod proxy;
 pub mod routing;
 pub mod sessions;
 pub mod state;
+pub mod tls;
 pub mod workers;
 
 use std::future::Future;
@@ -51,6 +52,10 @@ pub enum RunError {
     Worker(#[from] workers::RegistryError),
     #[error("server failed: {0}")]
     Serve(#[from] std::io::Error),
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
+    #[error("cannot read CA bundle {path}: {message}")]
+    Ca { path: std::path::PathBuf, message: String },
 }
 
 /// Loads tokenizers, registers static workers: the state `app` serves.
@@ -74,12 +79,31 @@ pub fn build_state(config: Config, shutdown: CancellationToken) -> Result<Arc<Ap
     }
     let statics = config.workers.clone();
     let capacity = config.raw.approx_capacity_blocks;
-    let state = Arc::new(AppState::new(config, Tokenizers { by_model, default }, shutdown)?);
+    let client = upstream_client(&config)?;
+    let state = Arc::new(AppState::new(config, Tokenizers { by_model, default }, shutdown, client));
     for w in statics {
         let (worker, _) = state.workers.upsert(&w.id, Some(&w.url), None, Source::Static)?;
         state.map.write().index.set_approximate(worker.slot, Some(capacity));
     }
     Ok(state)
+}
+
+/// The client for workers: pooled keep-alive connections, no overall timeout
+/// (answers stream for minutes), extra CA roots for `https://` workers.
+fn upstream_client(config: &Config) -> Result<reqwest::Client, RunError> {
+    let mut b = reqwest::Client::builder()
+        .connect_timeout(config.raw.connect_timeout)
+        .pool_idle_timeout(std::time::Duration::from_secs(90))
+        .tcp_nodelay(true);
+    if let Some(path) = &config.raw.tls_ca {
+        let pem = std::fs::read(path).map_err(|e| RunError::Ca { path: path.clone(), message: e.to_string() })?;
+        let certs = reqwest::Certificate::from_pem_bundle(&pem)
+            .map_err(|e| RunError::Ca { path: path.clone(), message: e.to_string() })?;
+        for cert in certs {
+            b = b.add_root_certificate(cert);
+        }
+    }
+    Ok(b.build()?)
 }
 
 /// The router's HTTP surface.
@@ -116,6 +140,11 @@ pub async fn run(
 ) -> Result<(), RunError> {
     let token = CancellationToken::new();
     let grace = config.raw.shutdown_grace;
+    // Misconfigured TLS fails before anything starts.
+    let tls = match (&config.raw.tls_cert, &config.raw.tls_key) {
+        (Some(cert), Some(key)) => Some(tls::server_config(cert, key)?),
+        _ => None,
+    };
     let state = build_state(config, token.clone())?;
     tokio::spawn(health::run_health_checks(state.clone()).instrument(tracing::info_span!("health_checks")));
     tokio::spawn(health::run_housekeeping(state.clone()).instrument(tracing::info_span!("housekeeping")));
@@ -126,8 +155,15 @@ pub async fn run(
         stop.cancel();
     });
     let drained = token.clone();
-    let serve = axum::serve(listener, app(state)).with_graceful_shutdown(async move { drained.cancelled().await });
-    let mut serve = tokio::spawn(async move { serve.await });
+    let router = app(state.clone());
+    let until = async move { drained.cancelled().await };
+    let mut serve = match tls {
+        Some(config) => {
+            let listener = tls::TlsListener::new(listener, config)?;
+            tokio::spawn(async move { axum::serve(listener, router).with_graceful_shutdown(until).await })
+        }
+        None => tokio::spawn(async move { axum::serve(listener, router).with_graceful_shutdown(until).await }),
+    };
     let flatten = |r: Result<std::io::Result<()>, tokio::task::JoinError>| match r {
         Ok(result) => result.map_err(RunError::Serve),
         Err(join) => Err(RunError::Serve(std::io::Error::other(join))),

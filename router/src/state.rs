@@ -86,16 +86,11 @@ pub struct AppState {
 }
 
 impl AppState {
-    pub fn new(config: Config, tokenizers: Tokenizers, shutdown: CancellationToken) -> Result<Self, reqwest::Error> {
-        let client = reqwest::Client::builder()
-            .connect_timeout(config.raw.connect_timeout)
-            .pool_idle_timeout(std::time::Duration::from_secs(90))
-            .tcp_nodelay(true)
-            .build()?;
+    pub fn new(config: Config, tokenizers: Tokenizers, shutdown: CancellationToken, client: reqwest::Client) -> Self {
         let policy = config.policy.build();
         let concurrency = Arc::new(Semaphore::new(config.raw.max_concurrent_requests));
         let sessions = Sessions::new(config.raw.max_sessions);
-        Ok(AppState {
+        AppState {
             workers: Registry::default(),
             map: RwLock::new(MapState::default()),
             tokenizers,
@@ -109,7 +104,7 @@ impl AppState {
             started: Instant::now(),
             shutdown,
             config,
-        })
+        }
     }
 
     pub fn mean_prompt_tokens(&self) -> f64 {
