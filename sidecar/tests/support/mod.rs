@@ -94,18 +94,19 @@ pub async fn fake_server() -> (SocketAddr, Arc<FakeState>) {
     (addr, state)
 }
 
-/// A fake vLLM publisher.
+/// A fake vLLM publisher, with the history a replay endpoint serves from.
 pub struct Publisher {
     socket: PubSocket,
     pub endpoint: String,
     pub seq: u64,
+    pub history: Arc<Mutex<Vec<(u64, Vec<u8>)>>>,
 }
 
 impl Publisher {
     pub async fn bind() -> Self {
         let mut socket = PubSocket::new();
         let endpoint = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
-        Publisher { socket, endpoint, seq: 0 }
+        Publisher { socket, endpoint, seq: 0, history: Arc::new(Mutex::new(Vec::new())) }
     }
 
     /// Publishes one batch with the next seq.
@@ -116,11 +117,96 @@ impl Publisher {
     }
 
     pub async fn publish_at(&mut self, seq: u64, events: Vec<M>) {
+        let buf = self.record(seq, events);
+        let frames = vec![Bytes::from_static(TOPIC.as_bytes()), Bytes::copy_from_slice(&seq.to_be_bytes()), buf.into()];
+        self.socket.send(ZmqMessage::try_from(frames).unwrap()).await.unwrap();
+    }
+
+    /// Encodes a batch and keeps it for replay, without sending it.
+    pub fn record(&mut self, seq: u64, events: Vec<M>) -> Vec<u8> {
         let payload = M::Array(vec![M::F64(1.7e9), M::Array(events), M::from(0)]);
         let mut buf = Vec::new();
         rmpv::encode::write_value(&mut buf, &payload).unwrap();
-        let frames = vec![Bytes::from_static(TOPIC.as_bytes()), Bytes::copy_from_slice(&seq.to_be_bytes()), buf.into()];
-        self.socket.send(ZmqMessage::try_from(frames).unwrap()).await.unwrap();
+        self.history.lock().push((seq, buf.clone()));
+        buf
+    }
+
+    /// Takes the next seq without sending the batch: a message lost in transit.
+    pub fn drop_next(&mut self, events: Vec<M>) {
+        let seq = self.seq;
+        self.seq += 1;
+        self.record(seq, events);
+    }
+}
+
+/// A fake vLLM replay endpoint (ROUTER) serving `history`, current reply
+/// format `[topic, seq, payload]`; `keep_last` models a bounded buffer.
+pub async fn replay_server(history: Arc<Mutex<Vec<(u64, Vec<u8>)>>>, keep_last: usize) -> String {
+    let mut socket = zeromq::RouterSocket::new();
+    let endpoint = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+    tokio::spawn(async move {
+        while let Ok(req) = zeromq::SocketRecv::recv(&mut socket).await {
+            let frames = req.into_vec();
+            let identity = frames[0].clone();
+            let start = u64::from_be_bytes(frames[2][..8].try_into().unwrap());
+            let held: Vec<(u64, Vec<u8>)> = {
+                let h = history.lock();
+                h.iter().skip(h.len().saturating_sub(keep_last)).filter(|(s, _)| *s >= start).cloned().collect()
+            };
+            for (seq, payload) in held {
+                let msg = vec![
+                    identity.clone(),
+                    Bytes::new(),
+                    Bytes::from_static(TOPIC.as_bytes()),
+                    Bytes::copy_from_slice(&seq.to_be_bytes()),
+                    payload.into(),
+                ];
+                let _ = socket.send(ZmqMessage::try_from(msg).unwrap()).await;
+            }
+            let end = vec![
+                identity,
+                Bytes::new(),
+                Bytes::new(),
+                Bytes::copy_from_slice(&(-1i64).to_be_bytes()),
+                Bytes::new(),
+            ];
+            let _ = socket.send(ZmqMessage::try_from(end).unwrap()).await;
+        }
+    });
+    endpoint
+}
+
+/// A fake `kvroute_hooks` snapshot endpoint (REP) answering with `held`.
+pub async fn snapshot_server(held: Arc<Mutex<Vec<u64>>>) -> String {
+    let mut socket = zeromq::RepSocket::new();
+    let endpoint = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+    tokio::spawn(async move {
+        while zeromq::SocketRecv::recv(&mut socket).await.is_ok() {
+            let hashes = M::Array(held.lock().iter().map(|h| M::from(*h)).collect());
+            let reply = M::Map(vec![(M::from("ok"), M::Boolean(true)), (M::from("hashes"), hashes)]);
+            let mut buf = Vec::new();
+            rmpv::encode::write_value(&mut buf, &reply).unwrap();
+            if socket.send(ZmqMessage::from(buf)).await.is_err() {
+                break;
+            }
+        }
+    });
+    endpoint
+}
+
+/// How a test wants the sidecar wired.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub sync_interval: &'static str,
+    /// Serve replays, keeping the last N batches.
+    pub replay_keep_last: Option<usize>,
+    /// Serve engine snapshots holding these hashes.
+    pub snapshot: Option<Arc<Mutex<Vec<u64>>>>,
+}
+
+impl Options {
+    pub fn sync(sync_interval: &'static str) -> Self {
+        Options { sync_interval, replay_keep_last: None, snapshot: None }
     }
 }
 
@@ -169,14 +255,28 @@ pub struct Harness {
 }
 
 impl Harness {
-    pub async fn start(sync_interval: &str) -> Self {
+    pub async fn start(sync_interval: &'static str) -> Self {
+        Self::start_with(Options::sync(sync_interval)).await
+    }
+
+    pub async fn start_with(opts: Options) -> Self {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
             .with_test_writer()
             .try_init();
         let (addr, fake) = fake_server().await;
         let publisher = Publisher::bind().await;
+        let replay = match opts.replay_keep_last {
+            Some(n) => Some(replay_server(publisher.history.clone(), n).await),
+            None => None,
+        };
+        let engine_snapshot = match &opts.snapshot {
+            Some(held) => Some(snapshot_server(held.clone()).await),
+            None => None,
+        };
         let raw = RawConfig {
+            replay,
+            engine_snapshot,
             worker_id: Some("w1".into()),
             engine_url: Some(format!("http://{addr}")),
             advertise_url: Some("http://10.0.0.7:8000".into()),
@@ -185,7 +285,7 @@ impl Harness {
             router: vec![format!("http://{addr}")],
             internal_token: Some(TOKEN.into()),
             fast_interval: Some(Duration::from_millis(20)),
-            sync_interval: Some(humantime_serde::re::humantime::parse_duration(sync_interval).unwrap()),
+            sync_interval: Some(humantime_serde::re::humantime::parse_duration(opts.sync_interval).unwrap()),
             block_size: Some(BS),
             ..RawConfig::default()
         };

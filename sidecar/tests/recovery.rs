@@ -1,0 +1,61 @@
+//! Gap recovery through the engine's replay endpoint, and anti-entropy through
+//! the engine snapshot hook.
+
+mod support;
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use support::{Harness, Options, hex_set, keys, removed, stored};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_is_replayed_in_order() {
+    let mut h = Harness::start_with(Options { replay_keep_last: Some(10_000), ..Options::sync("60s") }).await;
+    let epoch = h.epoch().await;
+    let tokens: Vec<u32> = (0..12).collect();
+    h.publisher.publish(vec![stored(&[1], None, &tokens[..4])]).await;
+    h.publisher.drop_next(vec![stored(&[2], Some(1), &tokens[4..8])]);
+    h.publisher.drop_next(vec![removed(&[1])]);
+    h.publisher.publish(vec![stored(&[3], Some(2), &tokens[8..])]).await;
+    let k = keys(&tokens);
+    support::wait("the replayed chain", || async { h.router_view() == hex_set(&k[1..]) }).await;
+    assert!(h.metric("kvroute_sidecar_replays_total{outcome=\"recovered\"}").await >= 1.0);
+    assert_eq!(h.epoch().await, epoch, "a recovered gap keeps the epoch");
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_beyond_the_replay_buffer_clears_and_resyncs() {
+    let mut h = Harness::start_with(Options { replay_keep_last: Some(2), ..Options::sync("60s") }).await;
+    let old: Vec<u32> = (0..4).collect();
+    h.publisher.publish(vec![stored(&[1], None, &old)]).await;
+    support::wait("the first key", || async { h.router_view() == hex_set(&keys(&old)) }).await;
+    let epoch = h.epoch().await;
+    for _ in 0..5 {
+        h.publisher.drop_next(vec![removed(&[1])]);
+    }
+    let new: Vec<u32> = (10..14).collect();
+    h.publisher.publish(vec![stored(&[9], None, &new)]).await;
+    support::wait("a fresh view", || async { h.router_view() == hex_set(&keys(&new)) }).await;
+    assert_ne!(h.epoch().await, epoch, "lost events draw a new epoch");
+    assert!(h.metric("kvroute_sidecar_replays_total{outcome=\"lost\"}").await >= 1.0);
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_snapshot_drops_blocks_the_engine_lost() {
+    let held = Arc::new(Mutex::new(Vec::new()));
+    let mut h = Harness::start_with(Options { snapshot: Some(held.clone()), ..Options::sync("200ms") }).await;
+    let tokens: Vec<u32> = (0..8).collect();
+    *held.lock() = vec![1];
+    h.publisher.publish(vec![stored(&[1, 2], None, &tokens)]).await;
+    // The engine dropped block 2 without an event reaching us: the next
+    // snapshot removes it.
+    let k = keys(&tokens);
+    support::wait("only the block the engine holds", || async {
+        h.router_view() == hex_set(&k[..1]) && h.health().await.is_some_and(|v| v["keys"] == 1)
+    })
+    .await;
+    assert!(h.metric("kvroute_sidecar_snapshot_dropped_blocks_total").await >= 1.0);
+    h.stop().await;
+}
