@@ -44,7 +44,7 @@ fn payloads(base: u64) -> (Vec<u8>, Vec<u8>) {
             })
             .collect();
         let tokens: Vec<M> =
-            (0..BLOCKS_PER_EVENT as u32 * BLOCK).map(|t| M::from(t * 7 + e as u32 + base as u32 % 1000)).collect();
+            (0..BLOCKS_PER_EVENT as u32 * BLOCK).map(|t| M::from((base as u32).wrapping_add(t * 7 + e as u32))).collect();
         stores.push(M::Map(vec![
             (M::from("type"), M::from("BlockStored")),
             (M::from("block_hashes"), M::Array(hashes.iter().map(|h| M::from(*h)).collect())),

@@ -197,3 +197,65 @@ impl WorkerState {
         (inner.translator.block_count(), inner.translator.key_count())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use kvroute_shared::{BlockSize, ModelName};
+
+    use super::*;
+    use crate::decode::{BlockStored, EngineHash, KvEvent};
+
+    fn store(hash: u64) -> KvEvent {
+        KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![EngineHash::Int(hash)],
+            parent_block_hash: None,
+            token_ids: vec![hash as u32; 4],
+            block_size: 4,
+            lora_id: None,
+            medium: None,
+            lora_name: None,
+            extra_keys: None,
+        })
+    }
+
+    fn batch(events: Vec<KvEvent>) -> EventBatch {
+        EventBatch { ts: 0.0, events, data_parallel_rank: None, encoding: None, unknown_fields: 0 }
+    }
+
+    #[test]
+    fn an_unreachable_router_costs_no_memory_and_gets_a_full_sync() {
+        let metrics = Arc::new(Metrics::new());
+        let translator = Translator::new(ModelName::new("m"), BlockSize::new(4).unwrap(), metrics.translate.clone());
+        let state = WorkerState::new(translator, metrics, 1000);
+        let r = RouterTarget("http://r".into());
+        state.set_routers(std::slice::from_ref(&r));
+        assert!(state.take_sync(&r).unwrap().keys.is_empty());
+        // A push failed: the router is marked for a sync and keeps no delta.
+        state.require_sync(&r);
+        for h in 0..10_000 {
+            state.apply(Rank(0), &batch(vec![store(h)]));
+        }
+        assert_eq!(state.pending_len(&r), Some(0));
+        assert!(state.take_delta(&r).is_none(), "no delta while a sync is due");
+        let sync = state.take_sync(&r).unwrap();
+        assert_eq!(sync.keys.len(), 10_000);
+        assert!(!state.needs_sync(&r));
+        state.apply(Rank(0), &batch(vec![store(20_000)]));
+        assert_eq!(state.take_delta(&r).unwrap().1.stored.len(), 1);
+    }
+
+    #[test]
+    fn a_healthy_router_past_the_cap_switches_to_a_sync() {
+        let metrics = Arc::new(Metrics::new());
+        let translator = Translator::new(ModelName::new("m"), BlockSize::new(4).unwrap(), metrics.translate.clone());
+        let state = WorkerState::new(translator, metrics, 100);
+        let r = RouterTarget("http://r".into());
+        state.set_routers(std::slice::from_ref(&r));
+        state.take_sync(&r);
+        for h in 0..1_000 {
+            state.apply(Rank(0), &batch(vec![store(h)]));
+        }
+        assert!(state.needs_sync(&r));
+        assert_eq!(state.pending_len(&r), Some(0));
+    }
+}

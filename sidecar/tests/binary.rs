@@ -1,0 +1,49 @@
+//! The binary: layered configuration (file < env < flags), the
+//! `listening on http://ADDR` line tools parse, and `/health` + `/metrics`.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[test]
+fn binary_prints_its_address_and_serves_health() {
+    let dir = std::env::temp_dir().join(format!("kvroute-sidecar-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("sidecar.toml");
+    std::fs::write(&file, "worker_id = \"w-file\"\nsync_interval = \"2s\"\nblock_size = 32\n").unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-sidecar"))
+        .args(["--config", file.to_str().unwrap(), "--listen", "127.0.0.1:0", "--model", "m"])
+        .args(["--events", "tcp://127.0.0.1:1", "--engine-url", "http://127.0.0.1:1"])
+        .env("KVROUTE_SIDECAR_WORKER_ID", "w-env")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let addr = line.trim().strip_prefix("listening on http://").unwrap_or_else(|| panic!("got {line:?}")).to_owned();
+
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let health = rt.block_on(async {
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(2)).build().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Ok(r) = http.get(format!("http://{addr}/health")).send().await
+                && r.status().is_success()
+            {
+                return r.json::<serde_json::Value>().await.unwrap();
+            }
+            assert!(Instant::now() < deadline, "sidecar never became healthy");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    assert_eq!(health["worker_id"], "w-env", "env overrides the config file");
+    let metrics = rt.block_on(async {
+        reqwest::get(format!("http://{addr}/metrics")).await.unwrap().text().await.unwrap()
+    });
+    assert!(metrics.contains("kvroute_sidecar_events_total"), "{metrics}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let _ = std::fs::remove_dir_all(dir);
+}
