@@ -199,15 +199,23 @@ fn splitmix64(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
-/// Bounded-load rendezvous: the highest-scoring candidate whose load is at
-/// most `factor` × the mean (+1, so an idle cluster accepts anyone). With
-/// `factor` > 1 a hot prefix spills to its second choice instead of piling up.
-pub fn bounded_rendezvous(view: &RouteView<'_>, request_hash: u64, among: &[usize], factor: f64) -> Option<usize> {
+/// Bounded-load rendezvous: the highest-scoring candidate whose load is below
+/// `factor` × the mean (+1, so an idle cluster accepts anyone) plus `slack`
+/// requests. With `factor` > 1 a hot prefix spills to its second choice
+/// instead of piling up; `slack` keeps a small burst together where the
+/// relative bound alone (1 request at an idle start) would scatter it.
+pub fn bounded_rendezvous(
+    view: &RouteView<'_>,
+    request_hash: u64,
+    among: &[usize],
+    factor: f64,
+    slack: u64,
+) -> Option<usize> {
     if among.is_empty() {
         return None;
     }
     let total: u64 = among.iter().map(|&i| view.candidates[i].load.requests()).sum();
-    let bound = (factor * (total as f64 + 1.0) / among.len() as f64).ceil() as u64;
+    let bound = (factor * (total as f64 + 1.0) / among.len() as f64).ceil() as u64 + slack;
     let by_score = |&i: &usize| rendezvous(request_hash, view.candidates[i].id_hash);
     among
         .iter()

@@ -46,9 +46,10 @@ async fn cold_start_stickiness_eviction_recovery() {
         let resp = c
             .post(
                 &format!("{r}/v1/completions"),
-                json!({"model": "sim-model", "prompt": format!("{shared} long {i}"), "max_tokens": 100000, "stream": true}),
+                json!({"model": "sim-model", "prompt": format!("{shared} long {i}"), "max_tokens": 20000, "stream": true}),
             )
             .await;
+        assert_eq!(resp.status(), 200);
         assert_eq!(resp.headers()["x-kvroute-worker"].to_str().unwrap(), holder);
         let mut body = resp.bytes_stream();
         body.next().await.expect("first chunk").expect("chunk");

@@ -75,7 +75,7 @@ impl Policy for ConsistentHash {
     }
     fn choose(&self, view: &RouteView<'_>) -> Decision {
         let all: Vec<usize> = (0..view.candidates.len()).collect();
-        let i = bounded_rendezvous(view, view.head_hash, &all, self.load_factor).unwrap_or(0);
+        let i = bounded_rendezvous(view, view.head_hash, &all, self.load_factor, 0).unwrap_or(0);
         Decision::with_fallbacks(view, i, Reason::ConsistentHash)
     }
 }

@@ -18,7 +18,11 @@ use super::{Decision, Policy, Reason, RouteView, bounded_rendezvous, rendezvous}
 #[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CacheAwareParams {
-    /// Tokens of cost per pending prefill token on the worker.
+    /// Tokens of cost per pending prefill token on the worker. Below 1: vLLM
+    /// batches prefills (up to `max_num_batched_tokens` a step), so a queued
+    /// token delays a new request less than one of its own uncached tokens;
+    /// at 1.0 the in-flight prefill of the very prefix being placed would tie
+    /// its holder with an idle worker and scatter a burst.
     pub load_weight: f64,
     /// A candidate with more than `spill_factor` × mean + `spill_slack`
     /// requests is not eligible (unless none is).
@@ -35,7 +39,7 @@ pub struct CacheAwareParams {
 impl Default for CacheAwareParams {
     fn default() -> Self {
         CacheAwareParams {
-            load_weight: 1.0,
+            load_weight: 0.5,
             spill_factor: 1.5,
             spill_slack: 4.0,
             imbalance_abs: 32,
@@ -99,7 +103,8 @@ impl Policy for CacheAware {
         }
 
         if eligible.iter().all(|&i| view.candidates[i].matched_blocks == 0) {
-            let chosen = bounded_rendezvous(view, first_key.0, &eligible, p.placement_factor).unwrap_or(0);
+            let slack = p.spill_slack as u64;
+            let chosen = bounded_rendezvous(view, first_key.0, &eligible, p.placement_factor, slack).unwrap_or(0);
             return by_cost(chosen, Reason::ColdPlacement);
         }
 
@@ -166,6 +171,30 @@ mod tests {
             })
             .collect();
         assert_eq!(chosen.len(), 4);
+    }
+
+    #[test]
+    fn a_burst_in_flight_stays_on_its_holder() {
+        let k = keys(100);
+        // The holder has the prefix's first prefill (1,600 tokens) and seven
+        // more requests in flight; the others are idle.
+        let mut holder = cand(0, 100, 8);
+        holder.load.pending_prefill_tokens = 1_600 + 7 * 5;
+        let c = [holder, cand(1, 0, 0), cand(2, 0, 0)];
+        let d = CacheAware::default().choose(&view(&k, &c));
+        assert_eq!((d.chosen(), d.reason), (Some(0), Reason::BestCost));
+        // A cold burst's first requests, before any is recorded, share a worker.
+        let cold = [cand(0, 0, 2), cand(1, 0, 0), cand(2, 0, 0)];
+        let first = CacheAware::default().choose(&view(&k, &[cand(0, 0, 0), cand(1, 0, 0), cand(2, 0, 0)])).chosen();
+        let again = CacheAware::default().choose(&view(&k, &{
+            let mut c = cold;
+            for (i, x) in c.iter_mut().enumerate() {
+                x.load.inflight = if Some(i) == first { 2 } else { 0 };
+                x.load.pending_prefill_tokens = 0;
+            }
+            c
+        }));
+        assert_eq!(again.chosen(), first);
     }
 
     #[test]
