@@ -43,8 +43,9 @@ fn payloads(base: u64) -> (Vec<u8>, Vec<u8>) {
                 hash(n)
             })
             .collect();
-        let tokens: Vec<M> =
-            (0..BLOCKS_PER_EVENT as u32 * BLOCK).map(|t| M::from((base as u32).wrapping_add(t * 7 + e as u32))).collect();
+        let tokens: Vec<M> = (0..BLOCKS_PER_EVENT as u32 * BLOCK)
+            .map(|t| M::from((base as u32).wrapping_add(t * 7 + e as u32)))
+            .collect();
         stores.push(M::Map(vec![
             (M::from("type"), M::from("BlockStored")),
             (M::from("block_hashes"), M::Array(hashes.iter().map(|h| M::from(*h)).collect())),
@@ -115,7 +116,7 @@ fn memory(_: &mut Criterion) {
     let mut t = translator();
     let mut tracked = 0usize;
     let mut base = 0u64;
-    for target in [100_000usize, 500_000, 1_000_000, 2_000_000] {
+    for target in [100_000usize, 300_000, 500_000, 700_000, 1_000_000, 1_500_000, 2_000_000] {
         while tracked < target {
             let (store, _) = payloads(base);
             base += (EVENTS * BLOCKS_PER_EVENT) as u64;

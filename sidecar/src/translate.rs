@@ -7,10 +7,12 @@
 //! of the set of *router keys* to a [`KeySink`]: a key appears when its first
 //! engine block is stored and leaves when its last one is removed.
 //!
-//! Memory: one 16-byte slot per engine hash (hash → key) plus one 16-byte slot
-//! per distinct key (key → count). Duplicate stores of one engine hash (vLLM
-//! does not de-duplicate physical blocks) are rare, so their extra counts live
-//! in a side map instead of widening every slot.
+//! Memory: one 16-byte slot per engine hash (hash → key) plus one 8-byte slot
+//! per distinct key (the key set). Counts above one — duplicate physical copies
+//! of an engine hash (vLLM does not de-duplicate blocks), or several engine
+//! blocks with the same key (data-parallel ranks) — are rare, so they live in
+//! side maps instead of widening every slot: ≈ 26 bytes per tracked block at
+//! full table load, ≈ 59 just after the tables double.
 
 mod extras;
 mod fast_hash;
@@ -21,7 +23,7 @@ use std::collections::HashSet;
 use kvroute_shared::{BlockKey, BlockSize, KeyRoot, ModelName};
 
 pub use extras::SkipReason;
-pub use fast_hash::FastMap;
+pub use fast_hash::{FastMap, FastSet};
 
 use crate::decode::{BlockRemoved, BlockStored, KvEvent, Medium};
 use crate::metrics::TranslateCounters;
@@ -63,8 +65,10 @@ pub struct Translator {
     base_root: KeyRoot,
     block_size: BlockSize,
     ranks: BTreeMap<Rank, RankBlocks>,
-    /// router key → number of (rank, engine hash) entries holding it.
-    key_counts: FastMap<BlockKey, u32>,
+    /// Every router key held by at least one (rank, engine hash) entry.
+    key_set: FastSet<BlockKey>,
+    /// router key → entries holding it beyond the first.
+    key_extra: FastMap<BlockKey, u32>,
     /// Engine hashes stored while an engine snapshot is in flight: the snapshot
     /// may predate them, so reconciliation must not drop them.
     fresh: Option<FastMap<u64, ()>>,
@@ -79,7 +83,8 @@ impl Translator {
             base_root,
             block_size,
             ranks: BTreeMap::new(),
-            key_counts: FastMap::default(),
+            key_set: FastSet::default(),
+            key_extra: FastMap::default(),
             fresh: None,
             counters,
         }
@@ -177,10 +182,10 @@ impl Translator {
                     }
                 }
             }
-            let count = self.key_counts.entry(key).or_insert(0);
-            *count += 1;
-            if *count == 1 {
+            if self.key_set.insert(key) {
                 sink.stored(key);
+            } else {
+                *self.key_extra.entry(key).or_insert(0) += 1;
             }
             parent = Some(key);
         }
@@ -204,7 +209,7 @@ impl Translator {
                 continue;
             }
             match blocks.keys.remove(&id) {
-                Some(key) => release(&mut self.key_counts, key, sink),
+                Some(key) => release(&mut self.key_set, &mut self.key_extra, key, sink),
                 None => {
                     self.counters.unknown_removals.inc();
                 }
@@ -218,12 +223,13 @@ impl Translator {
             return;
         };
         if self.ranks.is_empty() {
-            self.key_counts.clear();
+            self.key_set.clear();
+            self.key_extra.clear();
             sink.cleared();
             return;
         }
         for key in blocks.keys.into_values() {
-            release(&mut self.key_counts, key, sink);
+            self.release(key, sink);
         }
     }
 
@@ -246,7 +252,7 @@ impl Translator {
         for id in &gone {
             blocks.extra_copies.remove(id);
             if let Some(key) = blocks.keys.remove(id) {
-                release(&mut self.key_counts, key, sink);
+                release(&mut self.key_set, &mut self.key_extra, key, sink);
             }
         }
         gone.len()
@@ -254,16 +260,20 @@ impl Translator {
 
     /// Every router key the worker currently holds.
     pub fn keys(&self) -> impl Iterator<Item = BlockKey> + '_ {
-        self.key_counts.keys().copied()
+        self.key_set.iter().copied()
     }
 
     pub fn contains_key(&self, key: BlockKey) -> bool {
-        self.key_counts.contains_key(&key)
+        self.key_set.contains(&key)
     }
 
     /// Distinct router keys held.
     pub fn key_count(&self) -> usize {
-        self.key_counts.len()
+        self.key_set.len()
+    }
+
+    fn release(&mut self, key: BlockKey, sink: &mut impl KeySink) {
+        release(&mut self.key_set, &mut self.key_extra, key, sink);
     }
 
     /// Engine blocks tracked across ranks.
@@ -286,17 +296,25 @@ impl Translator {
             .values()
             .map(|r| slot_bytes::<u64, BlockKey>(r.keys.capacity()) + slot_bytes::<u64, u32>(r.extra_copies.capacity()))
             .sum();
-        ranks + slot_bytes::<BlockKey, u32>(self.key_counts.capacity())
+        ranks
+            + slot_bytes::<BlockKey, ()>(self.key_set.capacity())
+            + slot_bytes::<BlockKey, u32>(self.key_extra.capacity())
     }
 }
 
-fn release(key_counts: &mut FastMap<BlockKey, u32>, key: BlockKey, sink: &mut impl KeySink) {
-    if let Some(count) = key_counts.get_mut(&key) {
-        *count -= 1;
-        if *count == 0 {
-            key_counts.remove(&key);
-            sink.evicted(key);
+fn release(
+    key_set: &mut FastSet<BlockKey>,
+    key_extra: &mut FastMap<BlockKey, u32>,
+    key: BlockKey,
+    sink: &mut impl KeySink,
+) {
+    if let Some(extra) = key_extra.get_mut(&key) {
+        *extra -= 1;
+        if *extra == 0 {
+            key_extra.remove(&key);
         }
+    } else if key_set.remove(&key) {
+        sink.evicted(key);
     }
 }
 

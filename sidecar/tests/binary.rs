@@ -39,9 +39,8 @@ fn binary_prints_its_address_and_serves_health() {
         }
     });
     assert_eq!(health["worker_id"], "w-env", "env overrides the config file");
-    let metrics = rt.block_on(async {
-        reqwest::get(format!("http://{addr}/metrics")).await.unwrap().text().await.unwrap()
-    });
+    let metrics =
+        rt.block_on(async { reqwest::get(format!("http://{addr}/metrics")).await.unwrap().text().await.unwrap() });
     assert!(metrics.contains("kvroute_sidecar_events_total"), "{metrics}");
     child.kill().unwrap();
     child.wait().unwrap();

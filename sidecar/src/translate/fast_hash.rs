@@ -30,3 +30,5 @@ impl Hasher for FoldHasher {
 }
 
 pub type FastMap<K, V> = std::collections::HashMap<K, V, BuildHasherDefault<FoldHasher>>;
+
+pub type FastSet<K> = std::collections::HashSet<K, BuildHasherDefault<FoldHasher>>;
