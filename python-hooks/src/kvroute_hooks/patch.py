@@ -34,6 +34,16 @@ def endpoint_for_rank(endpoint: str, rank: int) -> str:
 
 
 def _dp_rank() -> int:
+    """This engine core's data-parallel rank: from vLLM's current config when
+    the BlockPool is built inside it, else ``VLLM_DP_RANK``, else 0."""
+    try:
+        from vllm.config import get_current_vllm_config  # type: ignore
+
+        rank = get_current_vllm_config().parallel_config.data_parallel_rank
+        if isinstance(rank, int):
+            return rank
+    except Exception:
+        pass
     try:
         return int(os.environ.get("VLLM_DP_RANK", "0"))
     except ValueError:
@@ -55,13 +65,14 @@ def install(block_pool_cls: Any, endpoint: Optional[str] = None) -> None:
     """Wraps ``block_pool_cls.__init__`` (idempotent)."""
     if getattr(block_pool_cls, "_kvroute_patched", False):
         return
-    endpoint = endpoint or endpoint_for_rank(os.environ.get("KVROUTE_SNAPSHOT_ENDPOINT", DEFAULT_ENDPOINT), _dp_rank())
     original = block_pool_cls.__init__
 
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         _pools.add(self)
-        _ensure_server(endpoint)
+        # Resolved here, inside the engine core, where the rank is known.
+        base = os.environ.get("KVROUTE_SNAPSHOT_ENDPOINT", DEFAULT_ENDPOINT)
+        _ensure_server(endpoint or endpoint_for_rank(base, _dp_rank()))
 
     __init__.__wrapped__ = original  # type: ignore[attr-defined]
     block_pool_cls.__init__ = __init__
