@@ -94,19 +94,26 @@ pub async fn fake_server() -> (SocketAddr, Arc<FakeState>) {
     (addr, state)
 }
 
+/// Every batch published (or dropped), as a replay endpoint serves them.
+#[derive(Clone, Debug, Default)]
+pub struct History(Arc<Mutex<Vec<Published>>>);
+
+/// One batch: its seq and msgpack payload.
+pub type Published = (u64, Vec<u8>);
+
 /// A fake vLLM publisher, with the history a replay endpoint serves from.
 pub struct Publisher {
     socket: PubSocket,
     pub endpoint: String,
     pub seq: u64,
-    pub history: Arc<Mutex<Vec<(u64, Vec<u8>)>>>,
+    pub history: History,
 }
 
 impl Publisher {
     pub async fn bind() -> Self {
         let mut socket = PubSocket::new();
         let endpoint = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
-        Publisher { socket, endpoint, seq: 0, history: Arc::new(Mutex::new(Vec::new())) }
+        Publisher { socket, endpoint, seq: 0, history: History::default() }
     }
 
     /// Publishes one batch with the next seq.
@@ -127,7 +134,7 @@ impl Publisher {
         let payload = M::Array(vec![M::F64(1.7e9), M::Array(events), M::from(0)]);
         let mut buf = Vec::new();
         rmpv::encode::write_value(&mut buf, &payload).unwrap();
-        self.history.lock().push((seq, buf.clone()));
+        self.history.0.lock().push((seq, buf.clone()));
         buf
     }
 
@@ -141,7 +148,7 @@ impl Publisher {
 
 /// A fake vLLM replay endpoint (ROUTER) serving `history`, current reply
 /// format `[topic, seq, payload]`; `keep_last` models a bounded buffer.
-pub async fn replay_server(history: Arc<Mutex<Vec<(u64, Vec<u8>)>>>, keep_last: usize) -> String {
+pub async fn replay_server(history: History, keep_last: usize) -> String {
     let mut socket = zeromq::RouterSocket::new();
     let endpoint = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
     tokio::spawn(async move {
@@ -149,8 +156,8 @@ pub async fn replay_server(history: Arc<Mutex<Vec<(u64, Vec<u8>)>>>, keep_last: 
             let frames = req.into_vec();
             let identity = frames[0].clone();
             let start = u64::from_be_bytes(frames[2][..8].try_into().unwrap());
-            let held: Vec<(u64, Vec<u8>)> = {
-                let h = history.lock();
+            let held: Vec<Published> = {
+                let h = history.0.lock();
                 h.iter().skip(h.len().saturating_sub(keep_last)).filter(|(s, _)| *s >= start).cloned().collect()
             };
             for (seq, payload) in held {
