@@ -408,6 +408,61 @@ impl Cluster {
         Ok(())
     }
 
+    /// Restarts engine `i` (after a kill) on the same HTTP and ZMQ ports, as
+    /// a restarted vLLM pod would come back: empty cache, event sequence from 0.
+    pub async fn restart_engine(&mut self, i: usize) -> Result<(), ClusterError> {
+        let e = &self.engines[i];
+        let port = e.url.rsplit(':').next().unwrap_or("0").to_owned();
+        let mut args = e.proc.args.clone();
+        for (flag, value) in [
+            ("--listen", format!("127.0.0.1:{port}")),
+            ("--kv-events-endpoint", e.events.clone()),
+            ("--kv-events-replay-endpoint", e.replay.clone()),
+        ] {
+            if let Some(pos) = args.iter().position(|a| a == flag) {
+                args[pos + 1] = value;
+            }
+        }
+        let bin = e.proc.bin.clone();
+        let mut proc = Proc::spawn(&e.proc.name, &bin, &args).await?;
+        let url = proc.announced("listening on ").await?;
+        let events = proc.announced("kv-events on ").await?;
+        let replay = proc.announced("kv-replay on ").await?;
+        self.engines[i] = Engine { proc, url, events, replay };
+        Ok(())
+    }
+
+    /// Restarts sidecar `i` (after a kill) with the same arguments.
+    pub async fn restart_sidecar(&mut self, i: usize) -> Result<(), ClusterError> {
+        let mut proc = self.sidecars[i].proc.respawn().await?;
+        let url = proc.announced("listening on ").await?;
+        self.sidecars[i] = Sidecar { proc, url };
+        Ok(())
+    }
+
+    /// Replaces sidecar `i` with one pushing to `routers` instead (e.g. a
+    /// fault-injecting proxy in front of the real router).
+    pub async fn repoint_sidecar(&mut self, i: usize, routers: &[String]) -> Result<(), ClusterError> {
+        self.sidecars[i].proc.kill().await;
+        let old = &self.sidecars[i].proc;
+        let mut args = Vec::new();
+        let mut it = old.args.iter();
+        while let Some(a) = it.next() {
+            if a == "--router" {
+                it.next();
+            } else {
+                args.push(a.clone());
+            }
+        }
+        for r in routers {
+            args.extend(["--router".to_owned(), r.clone()]);
+        }
+        let mut proc = Proc::spawn(&old.name, &old.bin.clone(), &args).await?;
+        let url = proc.announced("listening on ").await?;
+        self.sidecars[i] = Sidecar { proc, url };
+        Ok(())
+    }
+
     /// Stops everything: routers first (they drain), then sidecars (they
     /// flush), then engines.
     pub async fn shutdown(mut self) {

@@ -4,6 +4,8 @@
 //! Binaries come from the workspace's `target/debug` (`scripts/test.sh` builds
 //! them first); a test run without them builds them once.
 
+pub mod lossy;
+
 use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -127,6 +129,45 @@ impl Client {
 
     pub async fn post(&self, url: &str, body: Value) -> reqwest::Response {
         self.http.post(url).json(&body).send().await.expect("answers")
+    }
+}
+
+/// An engine's cached blocks as router keys (`GET /sim/cache`): the truth.
+pub async fn truth(c: &Client, engine: &str) -> Vec<Value> {
+    c.get(&format!("{engine}/sim/cache")).await["block_keys"].as_array().cloned().unwrap_or_default()
+}
+
+pub async fn confirmed(c: &Client, router: &str, worker: &str) -> Vec<Value> {
+    c.get(&format!("{router}/debug/index?worker={worker}")).await["confirmed"].as_array().cloned().unwrap_or_default()
+}
+
+/// Waits until every worker's entries on `router` are exactly its engine's
+/// cached blocks: all confirmed, none speculative left over.
+pub async fn converge(c: &Client, router: &str, engines: &[String], within: Duration, what: &str) {
+    let started = Instant::now();
+    loop {
+        let mut diffs = Vec::new();
+        for (i, e) in engines.iter().enumerate() {
+            let worker = format!("w{}", i + 1);
+            let want = truth(c, e).await;
+            let index = c.get(&format!("{router}/debug/index?worker={worker}")).await;
+            let got = index["confirmed"].as_array().cloned().unwrap_or_default();
+            let speculative = index["speculative"].as_array().map_or(0, Vec::len);
+            if got != want || speculative > 0 {
+                let missing = want.iter().filter(|k| !got.contains(k)).count();
+                let extra = got.iter().filter(|k| !want.contains(k)).count();
+                diffs.push(format!(
+                    "{worker}: engine {} keys, router {} (+{extra} −{missing}), {speculative} speculative",
+                    want.len(),
+                    got.len()
+                ));
+            }
+        }
+        if diffs.is_empty() {
+            return;
+        }
+        assert!(started.elapsed() < within, "timed out waiting for {what}: {}", diffs.join("; "));
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

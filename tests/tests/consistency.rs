@@ -7,48 +7,10 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use kvroute_shared::{BlockKey, BlockSize, KeyRoot, block_keys};
-use kvroute_tests::{Client, eventually, spec, start};
-use serde_json::{Value, json};
+use kvroute_tests::{Client, confirmed, converge, eventually, spec, start, truth};
+use serde_json::json;
 
 const WAIT: Duration = Duration::from_secs(30);
-
-async fn truth(c: &Client, engine: &str) -> Vec<Value> {
-    c.get(&format!("{engine}/sim/cache")).await["block_keys"].as_array().cloned().unwrap_or_default()
-}
-
-async fn confirmed(c: &Client, router: &str, worker: &str) -> Vec<Value> {
-    c.get(&format!("{router}/debug/index?worker={worker}")).await["confirmed"].as_array().cloned().unwrap_or_default()
-}
-
-/// Waits until every worker's entries on `router` are exactly its engine's
-/// cached blocks: all confirmed, none speculative left over.
-async fn converge(c: &Client, router: &str, engines: &[String], what: &str) {
-    let started = std::time::Instant::now();
-    loop {
-        let mut diffs = Vec::new();
-        for (i, e) in engines.iter().enumerate() {
-            let worker = format!("w{}", i + 1);
-            let want = truth(c, e).await;
-            let index = c.get(&format!("{router}/debug/index?worker={worker}")).await;
-            let got = index["confirmed"].as_array().cloned().unwrap_or_default();
-            let speculative = index["speculative"].as_array().map_or(0, Vec::len);
-            if got != want || speculative > 0 {
-                let missing = want.iter().filter(|k| !got.contains(k)).count();
-                let extra = got.iter().filter(|k| !want.contains(k)).count();
-                diffs.push(format!(
-                    "{worker}: engine {} keys, router {} (+{extra} −{missing}), {speculative} speculative",
-                    want.len(),
-                    got.len()
-                ));
-            }
-        }
-        if diffs.is_empty() {
-            return;
-        }
-        assert!(started.elapsed() < WAIT, "timed out waiting for {what}: {}", diffs.join("; "));
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 /// Token-id prompts: shared prefixes of various lengths, so the small caches
 /// evict and prefixes overlap.
@@ -72,7 +34,7 @@ async fn after_traffic_the_map_equals_the_engines_cache_exactly() {
         assert!(resp.status().is_success(), "{}", resp.status());
     }
     let engines: Vec<String> = cluster.engines.iter().map(|e| e.url.clone()).collect();
-    converge(&c, &r, &engines, "the router's map to equal each engine's cache").await;
+    converge(&c, &r, &engines, WAIT, "the router's map to equal each engine's cache").await;
     // Evictions happened: 60 prompts of 6 to 11 blocks do not fit 2 × 48 blocks.
     let root = KeyRoot::new("sim-model", None);
     let created: BTreeSet<BlockKey> = (0..60).flat_map(|i| block_keys(root, &prompt(i), BlockSize::DEFAULT)).collect();
@@ -110,6 +72,6 @@ async fn dropped_engine_events_are_healed() {
             .await;
     }
     c.post(&format!("{engine}/sim/faults"), json!({"drop_events": 0.0})).await;
-    converge(&c, &r, &[engine], "the map to heal from dropped event batches").await;
+    converge(&c, &r, &[engine], WAIT, "the map to heal from dropped event batches").await;
     cluster.shutdown().await;
 }

@@ -1,0 +1,142 @@
+//! Faults injected into a real cluster: lost pushes, engine restarts, a
+//! worker dying mid-stream. Each asserts the behaviour, never a timing (the
+//! benchmark reports how long recovery takes).
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use kvroute_tests::lossy::LossyProxy;
+use kvroute_tests::{Client, converge, eventually, spec, start, text};
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn prompt(i: u32) -> Vec<u32> {
+    let group = i % 4;
+    (0..16 * (3 + group)).map(|t| group * 100_000 + t).chain((0..40).map(|t| i * 1000 + t)).collect()
+}
+
+async fn traffic(c: &Client, router: &str, n: u32) {
+    for i in 0..n {
+        let resp = c
+            .post(
+                &format!("{router}/v1/completions"),
+                json!({"model": "sim-model", "prompt": prompt(i), "max_tokens": 2}),
+            )
+            .await;
+        assert!(resp.status().is_success(), "{}", resp.status());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_fast_path_pushes_are_healed_by_the_next_sync() {
+    let mut s = spec(1);
+    s.num_blocks = 48;
+    let mut cluster = start(s).await;
+    let c = Client::default();
+    let r = cluster.router_url(0).to_owned();
+    // 10 % of the sidecar's eviction/store pushes vanish on the way.
+    let proxy = LossyProxy::start(&r, 0.1).await;
+    cluster.repoint_sidecar(0, &[proxy.url.clone()]).await.expect("sidecar restarts");
+    // Traffic until a push was lost (bounded: at most 5,000 requests; a push
+    // nets 100 ms of events, so there are far fewer pushes than requests).
+    let mut sent = 0;
+    while proxy.dropped() < 1 && sent < 5000 {
+        traffic(&c, &r, 20).await;
+        sent += 20;
+    }
+    assert!(
+        proxy.dropped() >= 1,
+        "the proxy dropped only {} pushes in {sent} requests; saw (evictions, syncs, other) = {:?}",
+        proxy.dropped(),
+        proxy.seen()
+    );
+    let engines = vec![cluster.engines[0].url.clone()];
+    converge(&c, &r, &engines, WAIT, "the map to equal the engine after lost pushes").await;
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restart_drops_its_entries() {
+    let mut s = spec(1);
+    // No health-check ejection: the sidecar's sequence handling must do it.
+    s.router_args = vec!["--health-check-interval".into(), "1h".into()];
+    let mut cluster = start(s).await;
+    let c = Client::default();
+    let r = cluster.router_url(0).to_owned();
+    traffic(&c, &r, 10).await;
+    let engines = vec![cluster.engines[0].url.clone()];
+    converge(&c, &r, &engines, WAIT, "the map to hold the engine's blocks").await;
+    let before = kvroute_tests::confirmed(&c, &r, "w1").await;
+    assert!(!before.is_empty());
+
+    cluster.engines[0].proc.kill().await;
+    cluster.restart_engine(0).await.expect("engine restarts");
+    // The restarted engine starts empty and its event sequence from 0.
+    let fresh: Vec<u32> = (0..64).map(|t| 900_000 + t).collect();
+    let resp =
+        c.post(&format!("{r}/v1/completions"), json!({"model": "sim-model", "prompt": fresh, "max_tokens": 2})).await;
+    assert!(resp.status().is_success());
+    converge(&c, &r, &engines, WAIT, "the old engine's entries gone, the new ones in").await;
+    let after = kvroute_tests::confirmed(&c, &r, "w1").await;
+    assert!(before.iter().all(|k| !after.contains(k)), "no entry of the dead engine survives");
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_mid_stream_is_ejected_and_readmitted() {
+    let mut s = spec(2);
+    s.router_args = vec!["--health-check-interval".into(), "200ms".into()];
+    let mut cluster = start(s).await;
+    let c = Client::default();
+    let r = cluster.router_url(0).to_owned();
+    let p = text(5, 200);
+    let resp = c
+        .post(
+            &format!("{r}/v1/completions"),
+            json!({"model": "sim-model", "prompt": p, "max_tokens": 20000, "stream": true}),
+        )
+        .await;
+    assert_eq!(resp.status(), 200);
+    let victim = resp.headers()["x-kvroute-worker"].to_str().unwrap().to_owned();
+    let i = victim.trim_start_matches('w').parse::<usize>().unwrap() - 1;
+    let mut body = resp.bytes_stream();
+    body.next().await.expect("first chunk").expect("chunk");
+
+    cluster.engines[i].proc.kill().await;
+    // The stream ends — with an error event, not a hang.
+    let mut rest = String::new();
+    while let Some(chunk) = body.next().await {
+        match chunk {
+            Ok(b) => rest.push_str(&String::from_utf8_lossy(&b)),
+            Err(_) => break,
+        }
+    }
+    assert!(
+        rest.contains("upstream_error"),
+        "stream ended without an error event: …{}",
+        &rest[rest.len().saturating_sub(300)..]
+    );
+
+    // New requests go elsewhere (retried before the first byte if need be).
+    let (w, _) = c.complete(&r, &p, 2).await;
+    assert_ne!(w, victim);
+    let healthy = |v: &Value| {
+        v["workers"].as_array().unwrap().iter().find(|x| x["id"] == victim.as_str()).map(|x| x["healthy"] == true)
+    };
+    eventually("the dead worker to be ejected", WAIT, || {
+        let (c, r) = (c.clone(), r.clone());
+        async move { (healthy(&c.get(&format!("{r}/admin/workers")).await) == Some(false)).then_some(()) }
+    })
+    .await;
+    let index = c.get(&format!("{r}/debug/index")).await;
+    assert_eq!(index["workers"][&victim]["confirmed"], 0, "an ejected worker's entries are purged: {index}");
+
+    cluster.restart_engine(i).await.expect("engine restarts");
+    eventually("the worker to be re-admitted", WAIT, || {
+        let (c, r) = (c.clone(), r.clone());
+        async move { (healthy(&c.get(&format!("{r}/admin/workers")).await) == Some(true)).then_some(()) }
+    })
+    .await;
+    cluster.shutdown().await;
+}
