@@ -37,7 +37,7 @@ async fn lost_fast_path_pushes_are_healed_by_the_next_sync() {
     let r = cluster.router_url(0).to_owned();
     // 10 % of the sidecar's eviction/store pushes vanish on the way.
     let proxy = LossyProxy::start(&r, 0.1).await;
-    cluster.repoint_sidecar(0, &[proxy.url.clone()]).await.expect("sidecar restarts");
+    cluster.repoint_sidecar(0, std::slice::from_ref(&proxy.url)).await.expect("sidecar restarts");
     // Traffic until a push was lost (bounded: at most 5,000 requests; a push
     // nets 100 ms of events, so there are far fewer pushes than requests).
     let mut sent = 0;
