@@ -140,3 +140,54 @@ async fn a_worker_killed_mid_stream_is_ejected_and_readmitted() {
     .await;
     cluster.shutdown().await;
 }
+
+/// A metric's value from Prometheus text (first sample whose line starts with `name`).
+async fn metric(c: &Client, url: &str, name: &str) -> f64 {
+    let text = c.http.get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
+    text.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_down_while_events_flow_is_exact_after_its_first_sync() {
+    let mut s = spec(1);
+    s.num_blocks = 64;
+    let mut cluster = start(s).await;
+    let c = Client::default();
+    let engine = cluster.engines[0].url.clone();
+    let sidecar = cluster.sidecars[0].url.clone();
+    cluster.routers[0].proc.kill().await;
+
+    // Events flow with nobody to push them to: 1,500 requests straight to the
+    // engine, churning its 64-block cache many times over.
+    for round in 0..75u32 {
+        let reqs = (0..20u32).map(|i| {
+            let (c, engine) = (c.clone(), engine.clone());
+            async move {
+                c.post(
+                    &format!("{engine}/v1/completions"),
+                    json!({"model": "sim-model", "prompt": prompt(round * 20 + i), "max_tokens": 1}),
+                )
+                .await
+            }
+        });
+        for r in futures::future::join_all(reqs).await {
+            assert!(r.status().is_success());
+        }
+    }
+    // The sidecar keeps the engine's state, not a queue of what it missed.
+    let tracked = metric(&c, &sidecar, "kvroute_sidecar_tracked_blocks").await;
+    assert!(tracked <= 64.0, "the sidecar tracks {tracked} blocks for a 64-block engine");
+    assert!(
+        metric(&c, &sidecar, "kvroute_sidecar_push_failures_total").await > 0.0,
+        "pushes failed while the router was down"
+    );
+
+    cluster.restart_router(0).await.expect("router restarts");
+    let r = cluster.router_url(0).to_owned();
+    converge(&c, &r, &[engine], WAIT, "the restarted router to equal the engine").await;
+    cluster.shutdown().await;
+}
