@@ -40,7 +40,7 @@ pub use config::{Config, RawConfig};
 
 use crate::engine::{EngineClient, EngineView};
 use crate::metrics::Metrics;
-use crate::push::Pusher;
+use crate::push::{HttpRouterClient, Pusher};
 use crate::state::WorkerState;
 use crate::subscribe::RankSource;
 use crate::supervisor::Supervisor;
@@ -140,8 +140,7 @@ async fn start(
     }
     tasks.push(tokio::spawn(engine::watch(engine, view.clone(), metrics, config.sync_interval, cancel.clone())));
     let pusher = Arc::new(Pusher {
-        http,
-        token: config.internal_token.clone(),
+        client: Arc::new(HttpRouterClient::new(http, config.internal_token.clone())),
         worker_id: config.worker_id.clone(),
         advertise_url: config.advertise_url.clone(),
         block_size,

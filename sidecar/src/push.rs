@@ -4,48 +4,37 @@
 //! Failure handling keeps memory bounded: a failed message is never queued for
 //! retry. The router's pending delta is dropped and it is marked for a full
 //! sync, so the first message after recovery is the complete key set.
+//!
+//! The HTTP side is behind [`RouterClient`] so the timing logic can be tested
+//! with a paused clock.
+
+mod client;
+
+pub use client::{HttpRouterClient, PushError, RouterClient};
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvroute_shared::wire::{AckOutcome, EVICTION_PATH, EvictionBatch, InternalAck, Load, SYNC_PATH, SyncSnapshot};
+use kvroute_shared::wire::{AckOutcome, EvictionBatch, InternalAck, Load, SyncSnapshot};
 use kvroute_shared::{BlockSize, WorkerId};
 use rand::Rng;
-use serde::Serialize;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::config::Secret;
 use crate::engine::EngineView;
 use crate::metrics::{MessageKind, PushLabels};
 use crate::state::{RouterTarget, WorkerState};
 
-/// Timeout of one HTTP call to a router.
-const CALL_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long the last batch may take at shutdown.
 const FLUSH_DEADLINE: Duration = Duration::from_secs(1);
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
-/// A push that the router did not accept.
-#[derive(Debug, thiserror::Error)]
-pub enum PushError {
-    #[error("request to {url} failed")]
-    Http {
-        url: String,
-        #[source]
-        source: reqwest::Error,
-    },
-    #[error("{url} answered {status}")]
-    Status { url: String, status: u16 },
-}
-
 /// Everything the per-router tasks share.
 #[derive(Debug)]
 pub struct Pusher {
-    pub http: reqwest::Client,
-    pub token: Option<Secret>,
+    pub client: Arc<dyn RouterClient>,
     pub worker_id: WorkerId,
     pub advertise_url: String,
     pub block_size: BlockSize,
@@ -69,20 +58,6 @@ struct Link {
 }
 
 impl Pusher {
-    async fn post<T: Serialize>(&self, target: &RouterTarget, path: &str, body: &T) -> Result<InternalAck, PushError> {
-        let url = format!("{}{path}", target.0);
-        let mut req = self.http.post(&url).json(body).timeout(CALL_TIMEOUT);
-        if let Some(token) = &self.token {
-            req = req.bearer_auth(&token.0);
-        }
-        let http = |source| PushError::Http { url: url.clone(), source };
-        let resp = req.send().await.map_err(http)?;
-        if !resp.status().is_success() {
-            return Err(PushError::Status { url, status: resp.status().as_u16() });
-        }
-        resp.json::<InternalAck>().await.map_err(http)
-    }
-
     async fn round(&self, link: &mut Link) -> Result<Round, (MessageKind, PushError)> {
         let load = self.engine.load();
         if self.state.needs_sync(&link.target) {
@@ -101,7 +76,7 @@ impl Pusher {
                 hashes: content.keys,
                 load,
             };
-            let ack = self.post(&link.target, SYNC_PATH, &body).await.map_err(|e| (MessageKind::Sync, e))?;
+            let ack = self.client.sync(&link.target, &body).await.map_err(|e| (MessageKind::Sync, e))?;
             link.last_load = load;
             return Ok(Round::Sent(MessageKind::Sync, ack));
         }
@@ -121,7 +96,7 @@ impl Pusher {
             cleared: delta.cleared,
             load,
         };
-        let ack = self.post(&link.target, EVICTION_PATH, &body).await.map_err(|e| (MessageKind::Eviction, e))?;
+        let ack = self.client.eviction(&link.target, &body).await.map_err(|e| (MessageKind::Eviction, e))?;
         link.last_load = load;
         Ok(Round::Sent(MessageKind::Eviction, ack))
     }
@@ -190,3 +165,6 @@ fn jitter(base: Duration) -> Duration {
     let half = base / 2;
     half + half.mul_f64(rand::thread_rng().r#gen::<f64>())
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,184 @@
+//! The push loop's timing, with a paused clock and an in-memory router.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use kvroute_shared::wire::{AckOutcome, EvictionBatch, InternalAck, SyncSnapshot};
+use kvroute_shared::{BlockKey, BlockSize, KeyRoot, ModelName, WorkerId, block_keys};
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::*;
+use crate::decode::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent};
+use crate::engine::EngineView;
+use crate::metrics::Metrics;
+use crate::state::{RouterTarget, WorkerState};
+use crate::translate::{Rank, Translator};
+
+#[derive(Clone, Debug)]
+enum Sent {
+    Eviction(EvictionBatch),
+    Sync(SyncSnapshot),
+}
+
+#[derive(Debug)]
+struct FakeRouter {
+    log: Mutex<Vec<(Instant, Sent)>>,
+    attempts: Mutex<Vec<Instant>>,
+    failures_left: Mutex<usize>,
+    epoch: Mutex<String>,
+}
+
+impl FakeRouter {
+    fn new() -> Arc<Self> {
+        Arc::new(FakeRouter {
+            log: Mutex::new(Vec::new()),
+            attempts: Mutex::new(Vec::new()),
+            failures_left: Mutex::new(0),
+            epoch: Mutex::new("r1".into()),
+        })
+    }
+
+    fn answer(&self, sent: Sent) -> Result<InternalAck, PushError> {
+        self.attempts.lock().push(Instant::now());
+        let mut left = self.failures_left.lock();
+        if *left > 0 {
+            *left -= 1;
+            return Err(PushError::Status { url: "fake".into(), status: 503 });
+        }
+        self.log.lock().push((Instant::now(), sent));
+        Ok(InternalAck { router_epoch: self.epoch.lock().clone(), outcome: AckOutcome::Applied })
+    }
+
+    fn sent(&self) -> Vec<Sent> {
+        self.log.lock().iter().map(|(_, s)| s.clone()).collect()
+    }
+}
+
+impl RouterClient for FakeRouter {
+    fn eviction<'a>(
+        &'a self,
+        _: &'a RouterTarget,
+        body: &'a EvictionBatch,
+    ) -> BoxFuture<'a, Result<InternalAck, PushError>> {
+        Box::pin(std::future::ready(self.answer(Sent::Eviction(body.clone()))))
+    }
+    fn sync<'a>(
+        &'a self,
+        _: &'a RouterTarget,
+        body: &'a SyncSnapshot,
+    ) -> BoxFuture<'a, Result<InternalAck, PushError>> {
+        Box::pin(std::future::ready(self.answer(Sent::Sync(body.clone()))))
+    }
+}
+
+struct Setup {
+    router: Arc<FakeRouter>,
+    state: Arc<WorkerState>,
+    cancel: CancellationToken,
+}
+
+fn start() -> Setup {
+    let metrics = Arc::new(Metrics::new());
+    let translator = Translator::new(ModelName::new("m"), BlockSize::new(4).unwrap(), metrics.translate.clone());
+    let state = Arc::new(WorkerState::new(translator, metrics, 1 << 20));
+    let target = RouterTarget("http://r".into());
+    state.set_routers(std::slice::from_ref(&target));
+    let router = FakeRouter::new();
+    let pusher = Arc::new(Pusher {
+        client: router.clone(),
+        worker_id: WorkerId::new("w1"),
+        advertise_url: "http://w1:8000".into(),
+        block_size: BlockSize::new(4).unwrap(),
+        engine: Arc::new(EngineView::new(vec![ModelName::new("m")])),
+        state: state.clone(),
+        fast_interval: Duration::from_millis(100),
+    });
+    let cancel = CancellationToken::new();
+    tokio::spawn(run_target(pusher, target, Arc::new(Notify::new()), cancel.clone()));
+    Setup { router, state, cancel }
+}
+
+fn store(hash: u64, tokens: [u32; 4]) -> EventBatch {
+    let ev = KvEvent::BlockStored(BlockStored {
+        block_hashes: vec![EngineHash::Int(hash)],
+        parent_block_hash: None,
+        token_ids: tokens.to_vec(),
+        block_size: 4,
+        lora_id: None,
+        medium: None,
+        lora_name: None,
+        extra_keys: None,
+    });
+    EventBatch { ts: 0.0, events: vec![ev], data_parallel_rank: None, encoding: None, unknown_fields: 0 }
+}
+
+fn remove(hash: u64) -> EventBatch {
+    let ev = KvEvent::BlockRemoved(BlockRemoved { block_hashes: vec![EngineHash::Int(hash)], medium: None });
+    EventBatch { ts: 0.0, events: vec![ev], data_parallel_rank: None, encoding: None, unknown_fields: 0 }
+}
+
+fn key(tokens: [u32; 4]) -> BlockKey {
+    block_keys(KeyRoot::new("m", None), &tokens, BlockSize::new(4).unwrap())[0]
+}
+
+async fn advance(ms: u64) {
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_window_is_one_net_message() {
+    let s = start();
+    advance(1).await;
+    assert!(matches!(s.router.sent()[..], [Sent::Sync(_)]), "registration sync first");
+    s.state.apply(Rank(0), &store(1, [1, 1, 1, 1]));
+    s.state.apply(Rank(0), &store(2, [2, 2, 2, 2]));
+    s.state.apply(Rank(0), &remove(1));
+    advance(100).await;
+    let sent = s.router.sent();
+    assert_eq!(sent.len(), 2);
+    let Sent::Eviction(b) = &sent[1] else { panic!("{sent:?}") };
+    assert_eq!((b.stored_hashes.clone(), b.evicted_hashes.clone()), (vec![key([2, 2, 2, 2])], vec![]));
+    assert_eq!(b.seq, Some(2));
+    advance(1_000).await;
+    assert_eq!(s.router.sent().len(), 2, "nothing changed: nothing sent");
+    s.cancel.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn failures_back_off_and_recovery_starts_with_a_sync() {
+    let s = start();
+    *s.router.failures_left.lock() = 4;
+    for h in 0..50 {
+        s.state.apply(Rank(0), &store(h, [h as u32, 0, 0, 0]));
+        advance(20).await;
+        assert_eq!(s.state.pending_len(&RouterTarget("http://r".into())), Some(0), "no delta kept while failing");
+    }
+    advance(10_000).await;
+    let attempts = s.router.attempts.lock().clone();
+    let gaps: Vec<Duration> = attempts.windows(2).take(4).map(|w| w[1] - w[0]).collect();
+    // Backoff 100, 200, 400, 800 ms, each jittered into its upper half.
+    for (gap, base) in gaps.iter().zip([100u64, 200, 400, 800]) {
+        assert!(*gap >= Duration::from_millis(base / 2), "{gaps:?}");
+    }
+    let sent = s.router.sent();
+    let Sent::Sync(first) = &sent[0] else { panic!("first message after recovery must be a sync: {sent:?}") };
+    assert_eq!(first.hashes.len(), 50);
+    s.cancel.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_new_router_epoch_gets_a_sync_at_once() {
+    let s = start();
+    advance(1).await;
+    *s.router.epoch.lock() = "r2".into();
+    s.state.apply(Rank(0), &store(1, [1, 1, 1, 1]));
+    advance(100).await;
+    let log = s.router.log.lock().clone();
+    assert!(matches!(log[..], [(_, Sent::Sync(_)), (_, Sent::Eviction(_)), (_, Sent::Sync(_))]), "{log:?}");
+    assert_eq!(log[1].0, log[2].0, "the sync follows the eviction without waiting for a tick");
+    s.cancel.cancel();
+}
