@@ -23,7 +23,8 @@ pub struct RawConfig {
     pub replay: Option<String>,
     pub topic: Option<String>,
     pub data_parallel_size: Option<u32>,
-    #[serde(default)]
+    /// A list in a file; a comma-separated string from the environment.
+    #[serde(default, deserialize_with = "list_or_commas")]
     pub router: Vec<String>,
     pub internal_token: Option<String>,
     #[serde(default, with = "humantime_serde")]
@@ -114,6 +115,21 @@ impl RawConfig {
             max_pending_changes: self.max_pending_changes.unwrap_or(1 << 20),
         })
     }
+}
+
+/// Accepts `["a", "b"]` or `"a,b"`: the environment can only give a string,
+/// and parsing it generically would turn a numeric-looking token into a number.
+fn list_or_commas<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum ListOrString {
+        List(Vec<String>),
+        String(String),
+    }
+    Ok(match ListOrString::deserialize(d)? {
+        ListOrString::List(v) => v,
+        ListOrString::String(s) => s.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect(),
+    })
 }
 
 fn http_url(field: &'static str, s: String) -> Result<String, ConfigError> {

@@ -18,12 +18,9 @@ async fn main() -> anyhow::Result<()> {
         layers = layers.add_source(config::File::from(path));
     }
     let lower: RawConfig = layers
-        .add_source(
-            config::Environment::with_prefix("KVROUTE_SIDECAR")
-                .try_parsing(true)
-                .list_separator(",")
-                .with_list_parse_key("router"),
-        )
+        // No `try_parsing`: it would turn a numeric-looking token into a number.
+        // Typed fields parse their strings; `router` splits on commas.
+        .add_source(config::Environment::with_prefix("KVROUTE_SIDECAR"))
         .build()
         .context("reading the config file and KVROUTE_SIDECAR_* environment")?
         .try_deserialize()

@@ -15,6 +15,10 @@ fn binary_prints_its_address_and_serves_health() {
         .args(["--config", file.to_str().unwrap(), "--listen", "127.0.0.1:0", "--model", "m"])
         .args(["--events", "tcp://127.0.0.1:1", "--engine-url", "http://127.0.0.1:1"])
         .env("KVROUTE_SIDECAR_WORKER_ID", "w-env")
+        // Numeric-looking strings stay strings; numbers parse from strings.
+        .env("KVROUTE_SIDECAR_INTERNAL_TOKEN", "1e5678")
+        .env("KVROUTE_SIDECAR_DATA_PARALLEL_SIZE", "2")
+        .env("KVROUTE_SIDECAR_ROUTER", "http://127.0.0.1:2,http://127.0.0.1:3")
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -42,6 +46,18 @@ fn binary_prints_its_address_and_serves_health() {
     let metrics =
         rt.block_on(async { reqwest::get(format!("http://{addr}/metrics")).await.unwrap().text().await.unwrap() });
     assert!(metrics.contains("kvroute_sidecar_events_total"), "{metrics}");
+    // Both routers from the comma-separated env list are pushed to (and fail).
+    rt.block_on(async {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let m = reqwest::get(format!("http://{addr}/metrics")).await.unwrap().text().await.unwrap();
+            if m.contains("router=\"http://127.0.0.1:2\"") && m.contains("router=\"http://127.0.0.1:3\"") {
+                break;
+            }
+            assert!(Instant::now() < deadline, "routers from the env list not used: {m}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
     child.kill().unwrap();
     child.wait().unwrap();
     let _ = std::fs::remove_dir_all(dir);
