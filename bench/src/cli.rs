@@ -1,0 +1,105 @@
+//! kvroute-bench's command line: one subcommand per benchmark, each bringing
+//! up its own local cluster.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "kvroute-bench", version, about = "Whole-system benchmarks for kvroute on a local simulated cluster")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Cold start, stickiness, eviction, recovery and router restart: PASS/FAIL and latencies.
+    Lifecycle(LifecycleArgs),
+    /// Workloads × policies × worker counts: hit rate vs ceiling, TTFT, throughput, load spread.
+    Compare(CompareArgs),
+    /// Latency and throughput the router adds over talking to the engine directly.
+    Overhead(OverheadArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct CompareArgs {
+    /// One workload: shared_prefix, chat, rag or trace (default: all).
+    #[arg(long, conflicts_with = "trace")]
+    pub workload: Option<String>,
+    /// Replay a Mooncake-format JSONL trace instead.
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// Comma-separated policies (default: all; quick: cache_aware,round_robin).
+    #[arg(long, value_delimiter = ',')]
+    pub policies: Option<Vec<String>>,
+    /// Worker counts, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "4")]
+    pub workers: Vec<usize>,
+    /// Router replicas, comma-separated (1 or 2); clients alternate between replicas.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub routers: Vec<usize>,
+    /// Divide trace timestamps by this.
+    #[arg(long)]
+    pub speedup: Option<f64>,
+    /// Replay only the first N trace requests.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Override the engines' --time-scale for every workload.
+    #[arg(long)]
+    pub time_scale: Option<f64>,
+    /// A router TOML config passed to every router (`--config`), e.g. to try
+    /// `[cache_aware]` parameters; its file name is recorded with each run.
+    #[arg(long, value_name = "FILE")]
+    pub router_config: Option<PathBuf>,
+    /// Skip the extra cache_aware runs (2 replicas, no sidecars).
+    #[arg(long)]
+    pub no_variants: bool,
+    /// Requests in flight at most (open loop beyond that waits).
+    #[arg(long, default_value_t = 64)]
+    pub concurrency: usize,
+    /// Small workloads, two policies: a CI smoke run.
+    #[arg(long)]
+    pub quick: bool,
+    #[arg(long, default_value = "bench-out/compare")]
+    pub out: PathBuf,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct LifecycleArgs {
+    /// Engines' --time-scale (1 = the modelled H100 timings).
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Tokens of the prefix whose life is followed.
+    #[arg(long, default_value_t = 1024)]
+    pub prefix_len: usize,
+    /// Requests in the cold-start burst.
+    #[arg(long, default_value_t = 8)]
+    pub burst: usize,
+    /// Long requests that keep the holder busy during the stickiness check.
+    #[arg(long, default_value_t = 4)]
+    pub busy: usize,
+    /// Distinct prefixes in the map before the router is restarted.
+    #[arg(long, default_value_t = 24)]
+    pub restart_prefixes: usize,
+    /// Accepted for symmetry with the other subcommands (lifecycle is always short).
+    #[arg(long)]
+    pub quick: bool,
+    #[arg(long, default_value = "bench-out/lifecycle")]
+    pub out: PathBuf,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct OverheadArgs {
+    /// Requests per path at concurrency 1.
+    #[arg(long, default_value_t = 2000)]
+    pub requests: usize,
+    /// Seconds per path at concurrency 64.
+    #[arg(long, default_value_t = 10.0)]
+    pub seconds: f64,
+    /// 400 requests and 4 s per path.
+    #[arg(long)]
+    pub quick: bool,
+    #[arg(long, default_value = "bench-out/overhead")]
+    pub out: PathBuf,
+}

@@ -1,0 +1,338 @@
+//! `kvroute-bench compare`: workloads × policies × worker counts (× router
+//! replicas, × sidecars on/off for cache_aware), each run on a fresh cluster
+//! so every run starts with cold caches. Per run: token-level prefix hit rate
+//! from the engines' counters, the workload's infinite-cache ceiling, client
+//! TTFT percentiles, throughput and the load spread across workers.
+
+pub mod summary;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use kvroute_sim::cluster::Cluster;
+use serde::{Deserialize, Serialize};
+
+use crate::ceiling::{self, Ceiling};
+use crate::cli::CompareArgs;
+use crate::drive::{DriveOptions, drive};
+use crate::error::BenchError;
+use crate::setup::{self, Shape};
+use crate::stats::{max_mean_load, mean_ms, percentile_ms};
+use crate::workload::{self, Workload, chat, rag, shared_prefix, trace};
+use crate::{probe, report};
+
+/// Every policy the router has.
+pub const POLICIES: &[&str] = &[
+    "cache_aware",
+    "round_robin",
+    "least_loaded",
+    "power_of_two",
+    "consistent_hash",
+    "sticky_least_loaded",
+    "prefix_threshold",
+];
+
+/// Quick mode's default: the default policy and the simplest baseline.
+const QUICK_POLICIES: &[&str] = &["cache_aware", "round_robin"];
+
+/// One run's figures; `results.json` is a list of these.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Record {
+    pub workload: String,
+    pub policy: String,
+    pub workers: usize,
+    pub routers: usize,
+    pub sidecars: bool,
+    pub hit_rate: f64,
+    pub ceiling: f64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p90_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub ttft_mean_ms: f64,
+    pub latency_p50_ms: f64,
+    pub throughput_rps: f64,
+    pub max_mean_load: f64,
+    pub requests: usize,
+    pub errors: usize,
+    pub per_worker: BTreeMap<String, u64>,
+    pub num_blocks: u32,
+    pub time_scale: f64,
+    pub wall_s: f64,
+    /// The `--router-config` file every router ran with, if any.
+    pub router_config: Option<String>,
+}
+
+/// A workload with what the cluster must be sized for.
+struct Prepared {
+    workload: Workload,
+    ceiling: Ceiling,
+}
+
+/// Where the public Mooncake trace lives relative to the repo root or this
+/// crate, if it is there.
+fn default_trace() -> Option<PathBuf> {
+    let rel = "shared/testdata/traces/mooncake_synthetic_trace.jsonl";
+    [Path::new("..").join(rel), Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(rel)]
+        .into_iter()
+        .find(|p| p.is_file())
+}
+
+fn workloads(args: &CompareArgs) -> Result<Vec<Workload>, BenchError> {
+    let q = args.quick;
+    let trace_params = || {
+        let mut p = if q { trace::Params::quick() } else { trace::Params::full() };
+        if let Some(s) = args.speedup {
+            p.speedup = s;
+        }
+        if args.limit.is_some() {
+            p.limit = args.limit;
+        }
+        p
+    };
+    let named = |name: &str| -> Result<Option<Workload>, BenchError> {
+        Ok(Some(match name {
+            "shared_prefix" => {
+                shared_prefix::generate(&if q { shared_prefix::Params::quick() } else { shared_prefix::Params::full() })
+            }
+            "chat" => chat::generate(&if q { chat::Params::quick() } else { chat::Params::full() }),
+            "rag" => rag::generate(&if q { rag::Params::quick() } else { rag::Params::full() }),
+            "trace" => match args.trace.clone().or_else(default_trace) {
+                Some(path) => trace::load(&path, &trace_params())?,
+                None => {
+                    eprintln!("no trace file found (pass --trace FILE); skipping the trace workload");
+                    return Ok(None);
+                }
+            },
+            other => return Err(BenchError::UnknownWorkload(other.into())),
+        }))
+    };
+    let mut out = Vec::new();
+    if let Some(path) = &args.trace {
+        out.push(trace::load(path, &trace_params())?);
+    } else if let Some(name) = &args.workload {
+        out.extend(named(name)?);
+    } else {
+        for name in workload::NAMES {
+            out.extend(named(name)?);
+        }
+    }
+    if let Some(ts) = args.time_scale {
+        for w in &mut out {
+            w.time_scale = ts;
+        }
+    }
+    Ok(out)
+}
+
+/// KV blocks per engine: the cluster holds 1.5 × the working set, so one
+/// worker alone (with 3+ workers) cannot, and routing decides the hit rate;
+/// never fewer than what a handful of the longest prompts need at once.
+pub fn blocks_per_worker(c: &Ceiling, workers: usize, max_output: u32) -> u32 {
+    let share = (c.unique_blocks as f64 * 1.5 / workers.max(1) as f64).ceil() as u64;
+    let floor = 4 * (c.max_prompt_blocks + u64::from(max_output).div_ceil(16) + 1) + 256;
+    share.max(floor).min(u64::from(u32::MAX - 2)) as u32
+}
+
+fn sim_args(w: &Workload) -> Vec<String> {
+    let max_len = (w.max_prompt_len() + w.max_output() as usize + 16).max(32_768);
+    vec!["--time-scale".into(), w.time_scale.to_string(), "--max-model-len".into(), max_len.to_string()]
+}
+
+/// The runs for one workload and worker count: every policy at every
+/// requested replica count, plus cache_aware with 2 replicas and without
+/// sidecars unless those are off or already covered.
+fn shapes(args: &CompareArgs) -> Vec<(String, usize, bool)> {
+    let policies: Vec<String> = match &args.policies {
+        Some(p) => p.clone(),
+        None => (if args.quick { QUICK_POLICIES } else { POLICIES }).iter().map(|s| s.to_string()).collect(),
+    };
+    let routers: &[usize] = if args.routers.is_empty() { &[1] } else { &args.routers };
+    let mut out: Vec<(String, usize, bool)> =
+        routers.iter().flat_map(|&r| policies.iter().map(move |p| (p.clone(), r, true))).collect();
+    if !args.no_variants && policies.iter().any(|p| p == "cache_aware") {
+        if !routers.contains(&2) {
+            out.push(("cache_aware".into(), 2, true));
+        }
+        out.push(("cache_aware".into(), routers[0], false));
+    }
+    out
+}
+
+pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
+    let dir = setup::bin_dir();
+    setup::ensure_all(&dir)?;
+    let http = crate::client::http_client();
+    let prepared: Vec<Prepared> = workloads(&args)?
+        .into_iter()
+        .map(|workload| {
+            let ceiling =
+                ceiling::compute(workload.requests.iter().map(|r| r.prompt.tokens()), setup::BLOCK_SIZE as usize);
+            Prepared { workload, ceiling }
+        })
+        .collect();
+    let workers: &[usize] = if args.workers.is_empty() { &[4] } else { &args.workers };
+    let runs = shapes(&args);
+    let mut plan: Vec<(usize, usize, (String, usize, bool))> = Vec::new();
+    for wi in 0..prepared.len() {
+        for &n in workers {
+            plan.extend(runs.iter().cloned().map(|s| (wi, n, s)));
+        }
+    }
+    let mp = MultiProgress::new();
+    let overall = mp.add(ProgressBar::new(plan.len() as u64));
+    overall.set_style(
+        ProgressStyle::with_template("runs {bar:30} {pos}/{len} [{elapsed_precise}] {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let mut records = Vec::new();
+    for (wi, n, (policy, routers, sidecars)) in plan {
+        let p = &prepared[wi];
+        overall.set_message(format!(
+            "{} {policy} w{n} r{routers}{}",
+            p.workload.name,
+            if sidecars { "" } else { " no-sidecars" }
+        ));
+        let shape = Shape {
+            workers: n,
+            routers,
+            sidecars,
+            policy: policy.clone(),
+            num_blocks: blocks_per_worker(&p.ceiling, n, p.workload.max_output()),
+            sim_args: sim_args(&p.workload),
+            router_args: args.router_config.iter().flat_map(|c| ["--config".into(), c.display().to_string()]).collect(),
+        };
+        let rec = run_one(&http, &dir, p, &shape, args.concurrency, &mp).await?;
+        overall.suspend(|| eprintln!(
+            "{}",
+            format_args!(
+            "{:<14} {:<20} w{} r{} {:<11} hit {:.3} (ceiling {:.3})  TTFT p50 {} ms p99 {} ms  {:.1} req/s  max/mean {:.2}  errors {}",
+            rec.workload,
+            rec.policy,
+            rec.workers,
+            rec.routers,
+            if rec.sidecars { "sidecars" } else { "no-sidecars" },
+            rec.hit_rate,
+            rec.ceiling,
+            report::ms(rec.ttft_p50_ms),
+            report::ms(rec.ttft_p99_ms),
+            rec.throughput_rps,
+            rec.max_mean_load,
+            rec.errors
+        )));
+        records.push(rec);
+        overall.inc(1);
+        // Partial results survive an interrupted long run.
+        report::write_json(&args.out.join("results.json"), &records)?;
+    }
+    overall.finish_and_clear();
+    let descriptions: Vec<(String, String, Ceiling)> =
+        prepared.iter().map(|p| (p.workload.name.clone(), p.workload.description.clone(), p.ceiling)).collect();
+    report::write_json(&args.out.join("results.json"), &records)?;
+    let mut md = summary::markdown(&records, &descriptions, &args);
+    md.push_str(&report::plots_section("compare", &args.out));
+    report::write(&args.out.join("report.md"), md.as_bytes())?;
+    Ok(records)
+}
+
+async fn run_one(
+    http: &reqwest::Client,
+    bin_dir: &Path,
+    p: &Prepared,
+    shape: &Shape,
+    concurrency: usize,
+    mp: &MultiProgress,
+) -> Result<Record, BenchError> {
+    let cluster = Cluster::start(setup::spec(shape, bin_dir)).await?;
+    let result = measure(http, &cluster, p, shape, concurrency, mp).await;
+    cluster.shutdown().await;
+    result
+}
+
+async fn measure(
+    http: &reqwest::Client,
+    cluster: &Cluster,
+    p: &Prepared,
+    shape: &Shape,
+    concurrency: usize,
+    mp: &MultiProgress,
+) -> Result<Record, BenchError> {
+    let engines: Vec<String> = cluster.engines.iter().map(|e| e.url.clone()).collect();
+    let targets: Vec<String> = (0..shape.routers).map(|i| cluster.router_url(i).to_owned()).collect();
+    let before = probe::cache_counters(http, &engines).await?;
+    let pb = mp.add(ProgressBar::new(p.workload.requests.len() as u64));
+    pb.set_style(
+        ProgressStyle::with_template("  requests {bar:30} {pos}/{len} [{elapsed_precise}]")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let opts = DriveOptions { model: setup::MODEL.into(), concurrency, request_timeout: Duration::from_secs(120) };
+    let out = drive(http, &p.workload, &targets, &opts, &pb).await;
+    pb.finish_and_clear();
+    mp.remove(&pb);
+    let after = probe::cache_counters(http, &engines).await?;
+
+    let mut ttfts = Vec::new();
+    let mut lats = Vec::new();
+    let mut per_worker: BTreeMap<String, u64> =
+        (0..shape.workers).map(|i| (kvroute_sim::cluster::worker_id(i), 0)).collect();
+    let mut errors = 0;
+    let mut first_error = None;
+    for r in &out.results {
+        match r {
+            Ok(o) => {
+                ttfts.push(o.ttft);
+                lats.push(o.latency);
+                if let Some(w) = &o.worker {
+                    *per_worker.entry(w.clone()).or_default() += 1;
+                }
+            }
+            Err(e) => {
+                errors += 1;
+                first_error.get_or_insert_with(|| e.clone());
+            }
+        }
+    }
+    if let Some(e) = first_error {
+        eprintln!("{} / {}: {errors} errors, first: {e}", p.workload.name, shape.policy);
+    }
+    ttfts.sort();
+    lats.sort();
+    let wall = out.wall.as_secs_f64();
+    Ok(Record {
+        workload: p.workload.name.clone(),
+        policy: shape.policy.clone(),
+        workers: shape.workers,
+        routers: shape.routers,
+        sidecars: shape.sidecars,
+        hit_rate: after.rate_since(&before),
+        ceiling: p.ceiling.rate(),
+        ttft_p50_ms: percentile_ms(&ttfts, 50.0),
+        ttft_p90_ms: percentile_ms(&ttfts, 90.0),
+        ttft_p99_ms: percentile_ms(&ttfts, 99.0),
+        ttft_mean_ms: mean_ms(&ttfts),
+        latency_p50_ms: percentile_ms(&lats, 50.0),
+        throughput_rps: if wall > 0.0 { ttfts.len() as f64 / wall } else { 0.0 },
+        max_mean_load: max_mean_load(&per_worker, shape.workers),
+        requests: out.results.len(),
+        errors,
+        per_worker,
+        num_blocks: shape.num_blocks,
+        time_scale: p.workload.time_scale,
+        wall_s: wall,
+        router_config: shape.router_args.get(1).cloned(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_holds_the_working_set_but_one_worker_does_not() {
+        let c = Ceiling { hit_tokens: 0, query_tokens: 1, unique_blocks: 8_000, max_prompt_blocks: 136 };
+        let b = blocks_per_worker(&c, 4, 16);
+        assert!(u64::from(b) < c.unique_blocks);
+        assert!(u64::from(b) * 4 >= c.unique_blocks);
+    }
+}

@@ -1,0 +1,204 @@
+//! compare's Markdown report: one table per workload and worker count, then
+//! the project's expectations checked against the figures (PASS/FAIL), so a
+//! reader sees at once where cache_aware falls short and by how much.
+
+use crate::ceiling::Ceiling;
+use crate::cli::CompareArgs;
+use crate::report::{self, ms};
+
+use super::Record;
+
+fn label(r: &Record) -> String {
+    let mut s = r.policy.clone();
+    if r.routers > 1 {
+        s.push_str(&format!(" ×{} routers", r.routers));
+    }
+    if !r.sidecars {
+        s.push_str(" (no sidecars)");
+    }
+    if let Some(c) = &r.router_config {
+        let name = std::path::Path::new(c).file_stem().map_or(c.clone(), |n| n.to_string_lossy().into_owned());
+        s.push_str(&format!(" [{name}]"));
+    }
+    s
+}
+
+/// The plain one-router-with-sidecars run of each policy.
+fn baseline_runs<'a>(rs: &'a [&'a Record]) -> impl Iterator<Item = &'a Record> + 'a {
+    rs.iter().copied().filter(|r| r.routers == 1 && r.sidecars)
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok { "PASS" } else { "FAIL" }
+}
+
+/// The expectations of issue 6 for one workload's runs, as table rows.
+pub fn checks(workload: &str, rs: &[&Record]) -> Vec<Vec<String>> {
+    let mut rows = Vec::new();
+    let Some(ca) = baseline_runs(rs).find(|r| r.policy == "cache_aware") else { return rows };
+    let others: Vec<&Record> = baseline_runs(rs).filter(|r| r.policy != "cache_aware").collect();
+    let mut row =
+        |what: String, measured: String, ok: bool| rows.push(vec![workload.into(), what, measured, verdict(ok).into()]);
+    let ratio = if ca.ceiling > 0.0 { ca.hit_rate / ca.ceiling } else { 0.0 };
+    row(
+        "hit rate ≥ 0.9 × ceiling".into(),
+        format!("{:.3} / {:.3} = {ratio:.2}", ca.hit_rate, ca.ceiling),
+        ratio >= 0.9,
+    );
+    if !others.is_empty() {
+        let best_hit = others.iter().max_by(|a, b| a.hit_rate.total_cmp(&b.hit_rate)).copied();
+        if let Some(b) = best_hit {
+            row(
+                "best hit rate of all policies".into(),
+                format!("{:.3} vs best baseline {} {:.3}", ca.hit_rate, b.policy, b.hit_rate),
+                ca.hit_rate >= b.hit_rate,
+            );
+        }
+        let best_ttft = others.iter().min_by(|a, b| a.ttft_p50_ms.total_cmp(&b.ttft_p50_ms)).copied();
+        if let Some(b) = best_ttft {
+            row(
+                "best TTFT p50 of all policies".into(),
+                format!("{} ms vs best baseline {} {} ms", ms(ca.ttft_p50_ms), b.policy, ms(b.ttft_p50_ms)),
+                ca.ttft_p50_ms <= b.ttft_p50_ms,
+            );
+        }
+    }
+    if let Some(rr) = baseline_runs(rs).find(|r| r.policy == "round_robin") {
+        let x = if rr.ttft_p50_ms > 0.0 { ca.ttft_p50_ms / rr.ttft_p50_ms } else { f64::INFINITY };
+        row(
+            "TTFT p50 ≤ 0.4 × round_robin".into(),
+            format!("{} / {} ms = {x:.2}", ms(ca.ttft_p50_ms), ms(rr.ttft_p50_ms)),
+            x <= 0.4,
+        );
+    }
+    row("max/mean load ≤ 1.3".into(), format!("{:.2}", ca.max_mean_load), ca.max_mean_load <= 1.3);
+    if let Some(two) = rs.iter().find(|r| r.policy == "cache_aware" && r.routers == 2 && r.sidecars) {
+        let loss = ca.hit_rate - two.hit_rate;
+        row(
+            "2 replicas lose ≤ 2 % hit rate".into(),
+            format!("{:.3} → {:.3} ({:+.1} points)", ca.hit_rate, two.hit_rate, -loss * 100.0),
+            loss <= 0.02,
+        );
+    }
+    if let Some(ns) = rs.iter().find(|r| r.policy == "cache_aware" && !r.sidecars) {
+        rows.push(vec![
+            workload.into(),
+            "what sidecars buy (info)".into(),
+            format!(
+                "hit {:.3} without vs {:.3} with; TTFT p50 {} vs {} ms",
+                ns.hit_rate,
+                ca.hit_rate,
+                ms(ns.ttft_p50_ms),
+                ms(ca.ttft_p50_ms)
+            ),
+            "—".into(),
+        ]);
+    }
+    rows
+}
+
+pub fn markdown(records: &[Record], workloads: &[(String, String, Ceiling)], args: &CompareArgs) -> String {
+    let mut md = String::from("# kvroute-bench compare\n\n");
+    md.push_str(&format!(
+        "Machine: {}. Mode: {}. Concurrency cap {} (open loop), fresh cluster per run, KV blocks per engine sized \
+         so the cluster holds 1.5 × the workload's working set.\n\n",
+        report::machine(),
+        if args.quick { "quick" } else { "full" },
+        args.concurrency
+    ));
+    md.push_str(
+        "Hit rate: Δ`vllm:prefix_cache_hits_total` / Δ`vllm:prefix_cache_queries_total` summed over engines. \
+                 Ceiling: one infinite cache, block-granular, in arrival order. TTFT: client-side, to the first \
+                 streamed chunk. max/mean: requests served per worker.\n\n",
+    );
+    let mut checks_rows = Vec::new();
+    for (name, description, ceiling) in workloads {
+        md.push_str(&format!(
+            "## {name}\n\n{description}. Ceiling {:.3}; working set {} blocks.\n\n",
+            ceiling.rate(),
+            ceiling.unique_blocks
+        ));
+        let mut worker_counts: Vec<usize> = records.iter().filter(|r| &r.workload == name).map(|r| r.workers).collect();
+        worker_counts.sort();
+        worker_counts.dedup();
+        for n in worker_counts {
+            let rs: Vec<&Record> = records.iter().filter(|r| &r.workload == name && r.workers == n).collect();
+            let Some(first) = rs.first() else { continue };
+            md.push_str(&format!(
+                "{n} workers, {} KV blocks each, engine time scale {}:\n\n",
+                first.num_blocks, first.time_scale
+            ));
+            let rows: Vec<Vec<String>> = rs
+                .iter()
+                .map(|r| {
+                    vec![
+                        label(r),
+                        format!("{:.3}", r.hit_rate),
+                        format!("{:.2}", if r.ceiling > 0.0 { r.hit_rate / r.ceiling } else { 0.0 }),
+                        ms(r.ttft_p50_ms),
+                        ms(r.ttft_p90_ms),
+                        ms(r.ttft_p99_ms),
+                        format!("{:.1}", r.throughput_rps),
+                        format!("{:.2}", r.max_mean_load),
+                        format!("{}/{}", r.errors, r.requests),
+                    ]
+                })
+                .collect();
+            md.push_str(&report::table(
+                &["policy", "hit rate", "÷ ceiling", "TTFT p50 ms", "p90", "p99", "req/s", "max/mean load", "errors"],
+                &rows,
+            ));
+            md.push('\n');
+            checks_rows.extend(checks(&format!("{name} ({n} workers)"), &rs));
+        }
+    }
+    if !checks_rows.is_empty() {
+        md.push_str("## Expectations\n\n");
+        md.push_str(&report::table(&["workload", "expectation (cache_aware)", "measured", "verdict"], &checks_rows));
+    }
+    md
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(policy: &str, hit: f64, p50: f64) -> Record {
+        Record {
+            workload: "w".into(),
+            policy: policy.into(),
+            workers: 4,
+            routers: 1,
+            sidecars: true,
+            hit_rate: hit,
+            ceiling: 0.8,
+            ttft_p50_ms: p50,
+            ttft_p90_ms: p50,
+            ttft_p99_ms: p50,
+            ttft_mean_ms: p50,
+            latency_p50_ms: p50,
+            throughput_rps: 1.0,
+            max_mean_load: 1.1,
+            requests: 10,
+            errors: 0,
+            per_worker: Default::default(),
+            num_blocks: 1,
+            time_scale: 1.0,
+            wall_s: 1.0,
+            router_config: None,
+        }
+    }
+
+    #[test]
+    fn checks_compare_against_the_baselines() {
+        let a = rec("cache_aware", 0.75, 10.0);
+        let b = rec("round_robin", 0.2, 30.0);
+        let rows = checks("w", &[&a, &b]);
+        let verdicts: Vec<(&str, &str)> = rows.iter().map(|r| (r[1].as_str(), r[3].as_str())).collect();
+        assert!(verdicts.contains(&("hit rate ≥ 0.9 × ceiling", "PASS")));
+        assert!(verdicts.contains(&("TTFT p50 ≤ 0.4 × round_robin", "PASS")));
+        let slow = rec("cache_aware", 0.75, 20.0);
+        let rows = checks("w", &[&slow, &b]);
+        assert!(rows.iter().any(|r| r[1] == "TTFT p50 ≤ 0.4 × round_robin" && r[3] == "FAIL"));
+    }
+}

@@ -1,0 +1,87 @@
+//! Drives a workload against one or more router URLs: open-loop arrivals at
+//! their scheduled times, closed-loop requests after the request they follow,
+//! never more than `concurrency` in flight, request `i` sent to target
+//! `i mod targets` (two router replicas: clients alternate).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use indicatif::ProgressBar;
+use tokio::sync::{Semaphore, watch};
+
+use crate::client::{self, Outcome};
+use crate::workload::Workload;
+
+#[derive(Debug, Clone)]
+pub struct DriveOptions {
+    pub model: String,
+    pub concurrency: usize,
+    /// Per-request bound: a stuck request fails instead of hanging the run.
+    pub request_timeout: Duration,
+}
+
+#[derive(Debug)]
+pub struct RunOutcome {
+    /// Per request, in workload order: the outcome or the error text.
+    pub results: Vec<Result<Outcome, String>>,
+    /// First send to last completion.
+    pub wall: Duration,
+}
+
+pub async fn drive(
+    http: &reqwest::Client,
+    workload: &Workload,
+    targets: &[String],
+    opts: &DriveOptions,
+    progress: &ProgressBar,
+) -> RunOutcome {
+    let n = workload.requests.len();
+    let gate = Arc::new(Semaphore::new(opts.concurrency.max(1)));
+    let (done_tx, done_rx): (Vec<_>, Vec<_>) = (0..n).map(|_| watch::channel(false)).unzip();
+    let done_tx: Arc<Vec<watch::Sender<bool>>> = Arc::new(done_tx);
+    let start = tokio::time::Instant::now();
+    let mut tasks = Vec::with_capacity(n);
+    for (i, req) in workload.requests.iter().enumerate() {
+        let req = req.clone();
+        let follows = req.after.map(|a| (done_rx[a.request].clone(), a.think));
+        let gate = gate.clone();
+        let done_tx = done_tx.clone();
+        let http = http.clone();
+        let target = targets[i % targets.len()].clone();
+        let opts = opts.clone();
+        let progress = progress.clone();
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep_until(start + req.arrival).await;
+            if let Some((mut rx, think)) = follows {
+                // A failed predecessor also signals, so sessions never stall.
+                let _ = rx.wait_for(|d| *d).await;
+                tokio::time::sleep(think).await;
+            }
+            let permit = gate.acquire_owned().await;
+            let body = client::completion_body(&opts.model, &req.prompt.tokens(), req.max_tokens, true);
+            let sent_at = Instant::now();
+            let result = client::complete(&http, &target, body, opts.request_timeout).await.map_err(|e| e.to_string());
+            drop(permit);
+            let _ = done_tx[i].send(true);
+            progress.inc(1);
+            (sent_at, Instant::now(), result)
+        }));
+    }
+    let mut results = Vec::with_capacity(n);
+    let (mut first, mut last): (Option<Instant>, Option<Instant>) = (None, None);
+    for t in tasks {
+        match t.await {
+            Ok((sent, ended, r)) => {
+                first = Some(first.map_or(sent, |f| f.min(sent)));
+                last = Some(last.map_or(ended, |l| l.max(ended)));
+                results.push(r);
+            }
+            Err(e) => results.push(Err(format!("task failed: {e}"))),
+        }
+    }
+    let wall = match (first, last) {
+        (Some(f), Some(l)) => l.saturating_duration_since(f),
+        _ => Duration::ZERO,
+    };
+    RunOutcome { results, wall }
+}

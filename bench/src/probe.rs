@@ -1,0 +1,129 @@
+//! Read-only looks into the cluster: the engines' prefix-cache counters and
+//! the router's debug endpoints. compare takes hit rates from the engines
+//! (the source of truth), lifecycle watches the router's map through these.
+
+use serde_json::Value;
+
+use crate::error::BenchError;
+
+/// The engines' token-level prefix cache counters (vLLM metric names).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CacheCounters {
+    pub queries: f64,
+    pub hits: f64,
+}
+
+impl CacheCounters {
+    /// Hit rate of what happened between `before` and `self`.
+    pub fn rate_since(&self, before: &CacheCounters) -> f64 {
+        let q = self.queries - before.queries;
+        if q <= 0.0 { 0.0 } else { (self.hits - before.hits) / q }
+    }
+}
+
+/// Sums a counter's samples (any labels) in Prometheus text.
+pub fn sum_metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            // `name{labels} v` or `name v`, not `name_suffix v`.
+            let rest = match rest.as_bytes().first() {
+                Some(b'{') => &rest[rest.find('}')? + 1..],
+                Some(b' ') => rest,
+                _ => return None,
+            };
+            rest.split_whitespace().next()?.parse::<f64>().ok()
+        })
+        .sum()
+}
+
+pub async fn get_text(client: &reqwest::Client, url: &str) -> Result<String, BenchError> {
+    let http = |source| BenchError::Http { url: url.to_owned(), source };
+    client.get(url).send().await.map_err(http)?.error_for_status().map_err(http)?.text().await.map_err(http)
+}
+
+pub async fn get_json(client: &reqwest::Client, url: &str) -> Result<Value, BenchError> {
+    let text = get_text(client, url).await?;
+    serde_json::from_str(&text).map_err(|e| BenchError::Unexpected { url: url.to_owned(), message: e.to_string() })
+}
+
+pub async fn post_json(client: &reqwest::Client, url: &str, body: &Value) -> Result<Value, BenchError> {
+    let http = |source| BenchError::Http { url: url.to_owned(), source };
+    let resp = client.post(url).json(body).send().await.map_err(http)?.error_for_status().map_err(http)?;
+    let text = resp.text().await.map_err(http)?;
+    Ok(serde_json::from_str(&text).unwrap_or(Value::Null))
+}
+
+/// Counters summed over every engine.
+pub async fn cache_counters(client: &reqwest::Client, engines: &[String]) -> Result<CacheCounters, BenchError> {
+    let mut total = CacheCounters::default();
+    for e in engines {
+        let text = get_text(client, &format!("{e}/metrics")).await?;
+        total.queries += sum_metric(&text, "vllm:prefix_cache_queries_total");
+        total.hits += sum_metric(&text, "vllm:prefix_cache_hits_total");
+    }
+    Ok(total)
+}
+
+/// `POST /debug/route` for a token-id prompt: the router's would-be decision
+/// and each worker's matched blocks.
+#[derive(Debug, Clone)]
+pub struct RouteView {
+    pub worker: Option<String>,
+    pub reason: String,
+    pub matched: Vec<(String, u64)>,
+}
+
+impl RouteView {
+    pub fn matched_blocks(&self, worker: &str) -> u64 {
+        self.matched.iter().find(|(w, _)| w == worker).map_or(0, |m| m.1)
+    }
+}
+
+pub async fn debug_route(
+    client: &reqwest::Client,
+    router: &str,
+    model: &str,
+    prompt: &[u32],
+) -> Result<RouteView, BenchError> {
+    let body = serde_json::json!({"model": model, "prompt": prompt, "max_tokens": 1});
+    let v = post_json(client, &format!("{router}/debug/route"), &body).await?;
+    let matched = v["workers"]
+        .as_array()
+        .map(|ws| {
+            ws.iter()
+                .map(|w| (w["id"].as_str().unwrap_or_default().to_owned(), w["matched_blocks"].as_u64().unwrap_or(0)))
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok(RouteView {
+        worker: v["decision"]["worker"].as_str().map(str::to_owned),
+        reason: v["decision"]["reason"].as_str().map_or_else(|| v["decision"]["reason"].to_string(), str::to_owned),
+        matched,
+    })
+}
+
+/// Confirmed index entries per worker from `GET /debug/index`.
+pub async fn index_confirmed(client: &reqwest::Client, router: &str) -> Result<Vec<(String, u64)>, BenchError> {
+    let v = get_json(client, &format!("{router}/debug/index")).await?;
+    let mut out: Vec<(String, u64)> = v["workers"]
+        .as_object()
+        .map(|m| m.iter().map(|(k, w)| (k.clone(), w["confirmed"].as_u64().unwrap_or(0))).collect())
+        .unwrap_or_default();
+    out.sort();
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sums_labelled_samples_and_skips_lookalikes() {
+        let text = "# HELP x\nvllm:prefix_cache_hits_total{model_name=\"m\"} 12\n\
+                    vllm:prefix_cache_hits_total{model_name=\"n\"} 3.0\n\
+                    vllm:prefix_cache_hits_total_created 99\nvllm:prefix_cache_hits 5\n";
+        assert_eq!(sum_metric(text, "vllm:prefix_cache_hits_total"), 15.0);
+    }
+}
