@@ -88,8 +88,28 @@ fn tokenize(c: &mut Criterion) {
             g.bench_function(format!("qwen3 chat render only {n} tokens"), |b| {
                 b.iter(|| tok.render_chat(black_box(chat)))
             });
-            g.bench_function(format!("qwen3 chat render+tokenize {n} tokens"), |b| {
+            // Cold: the whole rendered text encoded at once, nothing cached.
+            g.bench_function(format!("qwen3 chat render+tokenize cold {n} tokens"), |b| {
+                b.iter(|| tok.encode_uncached(&tok.render_chat(black_box(chat)).expect("renders"), false))
+            });
+            // Warm: the same conversation again (every segment cached).
+            g.bench_function(format!("qwen3 chat render+tokenize warm {n} tokens"), |b| {
                 b.iter(|| tok.prompt_tokens(black_box(&req)))
+            });
+            // The multi-turn case: a known conversation plus a new user turn.
+            let mut turn = 0u64;
+            g.bench_function(format!("qwen3 chat new turn on a cached {n}-token conversation"), |b| {
+                b.iter_batched(
+                    || {
+                        turn += 1;
+                        let mut c = chat.clone();
+                        let msg = json!({"role": "user", "content": format!("New question {turn}: {}", text(40))});
+                        c.messages.push(msg.as_object().cloned().expect("object"));
+                        PromptRequest::Chat(c)
+                    },
+                    |r| tok.prompt_tokens(&r),
+                    criterion::BatchSize::SmallInput,
+                )
             });
         }
     }

@@ -14,6 +14,7 @@
 //! and so the simulator and router agree with no tokenizer files at all.
 
 pub mod chat_template;
+mod segments;
 
 use std::path::{Path, PathBuf};
 
@@ -21,6 +22,7 @@ use serde_json::{Map, Value as Json};
 
 use crate::openai::{ChatRequest, CompletionRequest, Prompt, PromptRequest};
 use chat_template::{ChatOptions, ChatTemplate};
+use segments::SegmentCache;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizeError {
@@ -59,12 +61,18 @@ pub enum PromptTokenizer {
 pub struct HfTokenizer {
     tokenizer: tokenizers::Tokenizer,
     chat: Option<ChatTemplate>,
+    /// Present when segment-wise encoding is exact for this tokenizer.
+    segments: Option<SegmentCache>,
     dir: PathBuf,
 }
 
 impl std::fmt::Debug for HfTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HfTokenizer").field("dir", &self.dir).field("chat", &self.chat).finish()
+        f.debug_struct("HfTokenizer")
+            .field("dir", &self.dir)
+            .field("chat", &self.chat)
+            .field("segments", &self.segments)
+            .finish()
     }
 }
 
@@ -91,7 +99,8 @@ impl PromptTokenizer {
             Some(src) => Some(ChatTemplate::new(src, special_tokens(&config))?),
             None => None,
         };
-        Ok(PromptTokenizer::Hf(Box::new(HfTokenizer { tokenizer, chat, dir: dir.to_owned() })))
+        let segments = SegmentCache::new(&tokenizer);
+        Ok(PromptTokenizer::Hf(Box::new(HfTokenizer { tokenizer, chat, segments, dir: dir.to_owned() })))
     }
 
     /// True when ids equal the engine's (a real tokenizer is loaded).
@@ -139,8 +148,9 @@ impl PromptTokenizer {
         }
     }
 
-    /// Encodes text; `add_special_tokens` as in HF `encode`.
-    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+    /// Encodes the whole text at once, bypassing the segment cache (the
+    /// reference the cache is tested against).
+    pub fn encode_uncached(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
         match self {
             PromptTokenizer::Hf(hf) => hf
                 .tokenizer
@@ -148,6 +158,23 @@ impl PromptTokenizer {
                 .map(|e| e.get_ids().to_vec())
                 .map_err(|e| TokenizeError::Encode(e.to_string())),
             PromptTokenizer::Bytes => Ok(text.bytes().map(u32::from).collect()),
+        }
+    }
+
+    /// True when repeated chat segments are served from a cache.
+    pub fn caches_segments(&self) -> bool {
+        matches!(self, PromptTokenizer::Hf(hf) if hf.segments.is_some())
+    }
+
+    /// Encodes text; `add_special_tokens` as in HF `encode`. Without special
+    /// tokens (the chat path) repeated segments come from the segment cache.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        match self {
+            PromptTokenizer::Hf(hf) if !add_special_tokens => match &hf.segments {
+                Some(cache) => cache.encode(&hf.tokenizer, text).map_err(|e| TokenizeError::Encode(e.to_string())),
+                None => self.encode_uncached(text, false),
+            },
+            _ => self.encode_uncached(text, add_special_tokens),
         }
     }
 }

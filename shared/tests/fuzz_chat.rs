@@ -73,3 +73,35 @@ proptest! {
         }
     }
 }
+
+fn piece() -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just("<|im_start|>".to_string()),
+        Just("<|im_end|>".to_string()),
+        Just("<think>".to_string()),
+        Just("</think>".to_string()),
+        Just("<|endoftext|>".to_string()),
+        Just("<|im_start".to_string()),
+        Just("\n".to_string()),
+        Just("  ".to_string()),
+        Just("naïve café — 東京 🚀".to_string()),
+        "[a-zA-Z0-9 .,'!?]{0,12}",
+        ".{0,6}",
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// Segment-wise encoding (with its cache, cold and warm) is exactly
+    /// whole-text encoding.
+    #[test]
+    fn segment_cache_is_exact(pieces in proptest::collection::vec(piece(), 0..12)) {
+        let Some(tok) = qwen3() else { return Ok(()) };
+        prop_assert!(tok.caches_segments(), "qwen3's added tokens allow segment caching");
+        let text: String = pieces.concat();
+        let whole = tok.encode_uncached(&text, false).unwrap();
+        prop_assert_eq!(&tok.encode(&text, false).unwrap(), &whole, "cold: {:?}", text);
+        prop_assert_eq!(&tok.encode(&text, false).unwrap(), &whole, "warm: {:?}", text);
+    }
+}
