@@ -105,6 +105,7 @@ pub struct Metrics {
     pub unknown_fields: Counter,
     pub gaps: Counter,
     pub engine_restarts: Counter,
+    pub disconnects: Counter,
     pub replays: Family<ReplayLabels, Counter>,
     pub pushes: Family<PushLabels, Counter>,
     pub push_failures: Family<PushLabels, Counter>,
@@ -166,6 +167,7 @@ impl Metrics {
             unknown_fields: Counter::default(),
             gaps: Counter::default(),
             engine_restarts: Counter::default(),
+            disconnects: Counter::default(),
             replays: Family::default(),
             pushes: Family::default(),
             push_failures: Family::default(),
@@ -184,6 +186,11 @@ impl Metrics {
         r.register("unknown_fields", "Unknown fields in known events (ignored)", self.unknown_fields.clone());
         r.register("seq_gaps", "Gaps in the engine's batch sequence", self.gaps.clone());
         r.register("engine_restarts", "Sequence went backwards: engine restarted", self.engine_restarts.clone());
+        r.register(
+            "event_disconnects",
+            "Times the engine's event stream was lost (then reconnected)",
+            self.disconnects.clone(),
+        );
         r.register("replays", "Replay attempts after a gap, by outcome", self.replays.clone());
         r.register("pushes", "Messages accepted by a router, by router and kind", self.pushes.clone());
         r.register("push_failures", "Messages a router did not accept, by router and kind", self.push_failures.clone());
