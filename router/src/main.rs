@@ -26,7 +26,8 @@ async fn main() -> anyhow::Result<()> {
         .with_context(|| format!("binding {}", config.raw.listen))?;
     let addr = listener.local_addr()?;
     // Parents (the local cluster, tests) read this line to find the port.
-    println!("listening on http://{addr}");
+    let scheme = if config.raw.tls_cert.is_some() { "https" } else { "http" };
+    println!("listening on {scheme}://{addr}");
     tracing::info!(%addr, policy = ?config.policy, workers = config.workers.len(), "kvroute-router started");
     kvroute_router::run(listener, config, shutdown_signal()).await?;
     Ok(())

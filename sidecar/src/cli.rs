@@ -60,6 +60,9 @@ pub struct Cli {
     /// The vLLM plugin's snapshot endpoint (kvroute_hooks), tcp://HOST:PORT.
     #[arg(long)]
     pub engine_snapshot: Option<String>,
+    /// PEM CA bundle trusted for https:// routers (a private CA).
+    #[arg(long)]
+    pub tls_ca: Option<String>,
 }
 
 impl Cli {
@@ -82,6 +85,7 @@ impl Cli {
             listen: self.listen,
             engine_snapshot: self.engine_snapshot,
             max_pending_changes: None,
+            tls_ca: self.tls_ca,
         }
     }
 }

@@ -35,6 +35,8 @@ pub struct RawConfig {
     pub listen: Option<String>,
     pub engine_snapshot: Option<String>,
     pub max_pending_changes: Option<usize>,
+    /// PEM CA bundle trusted for `https://` routers, besides the web PKI roots.
+    pub tls_ca: Option<String>,
 }
 
 impl RawConfig {
@@ -57,6 +59,7 @@ impl RawConfig {
             listen: self.listen.or(lower.listen),
             engine_snapshot: self.engine_snapshot.or(lower.engine_snapshot),
             max_pending_changes: self.max_pending_changes.or(lower.max_pending_changes),
+            tls_ca: self.tls_ca.or(lower.tls_ca),
         }
     }
 
@@ -113,6 +116,7 @@ impl RawConfig {
             block_size,
             engine_snapshot,
             max_pending_changes: self.max_pending_changes.unwrap_or(1 << 20),
+            tls_ca: self.tls_ca.map(std::path::PathBuf::from),
         })
     }
 }
@@ -204,6 +208,8 @@ pub struct Config {
     pub block_size: Option<BlockSize>,
     /// The python hook's snapshot endpoint (rank 0; + rank for others).
     pub engine_snapshot: Option<ZmqEndpoint>,
+    /// Extra CA roots for `https://` routers.
+    pub tls_ca: Option<std::path::PathBuf>,
     /// Unsent changes per router before it is switched to a full sync.
     pub max_pending_changes: usize,
 }

@@ -51,8 +51,24 @@ use crate::translate::{Rank, Translator};
 pub enum RunError {
     #[error("cannot build the HTTP client")]
     HttpClient(#[source] reqwest::Error),
+    #[error("cannot use CA bundle {path}: {message}")]
+    Ca { path: std::path::PathBuf, message: String },
     #[error("the /health and /metrics server failed")]
     Serve(#[source] std::io::Error),
+}
+
+/// The client for the engine and the routers, trusting `--tls-ca` for
+/// `https://` routers.
+fn http_client(config: &Config) -> Result<reqwest::Client, RunError> {
+    let mut b = reqwest::Client::builder();
+    if let Some(path) = &config.tls_ca {
+        let ca = |message: String| RunError::Ca { path: path.clone(), message };
+        let pem = std::fs::read(path).map_err(|e| ca(e.to_string()))?;
+        for cert in reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| ca(e.to_string()))? {
+            b = b.add_root_certificate(cert);
+        }
+    }
+    b.build().map_err(RunError::HttpClient)
 }
 
 /// Runs the sidecar until `shutdown` resolves: serves `/health` and `/metrics`
@@ -75,7 +91,7 @@ pub async fn run(
         axum::serve(listener, app).with_graceful_shutdown(server_cancel.cancelled_owned()).await
     });
 
-    let http = reqwest::Client::builder().build().map_err(RunError::HttpClient)?;
+    let http = http_client(&config)?;
     let engine = EngineClient::new(http.clone(), config.engine_url.clone());
     tokio::pin!(shutdown);
     let running = tokio::select! {
