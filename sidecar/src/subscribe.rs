@@ -73,6 +73,11 @@ pub async fn run(source: RankSource, state: Arc<WorkerState>, cancel: Cancellati
     info!(endpoint = %source.events, rank = source.rank.0, "subscribed to KV events");
     let monitor = Some(socket.monitor());
     let mut stream = Stream { source, state, socket, monitor, expected: None, replayed_through: None, lost: false };
+    // A sidecar (re)starting beside a running engine: rebuild what the engine
+    // already cached from its replay buffer now, not at the next live batch.
+    if stream.source.replay.is_some() {
+        stream.recover(Seq(0), None).await;
+    }
     let mut probe = tokio::time::interval(IDLE_PROBE);
     probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_batch = tokio::time::Instant::now();

@@ -191,3 +191,73 @@ async fn a_router_down_while_events_flow_is_exact_after_its_first_sync() {
     converge(&c, &r, &[engine], WAIT, "the restarted router to equal the engine").await;
     cluster.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_sidecar_rebuilds_from_the_engines_replay_buffer() {
+    let mut cluster = start(spec(1)).await;
+    let c = Client::default();
+    let r = cluster.router_url(0).to_owned();
+    let engines = vec![cluster.engines[0].url.clone()];
+    traffic(&c, &r, 10).await;
+    converge(&c, &r, &engines, WAIT, "the map to hold the engine's blocks").await;
+    cluster.sidecars[0].proc.kill().await;
+    // The engine keeps caching while its sidecar is down.
+    for i in 100..110 {
+        c.post(
+            &format!("{}/v1/completions", engines[0]),
+            json!({"model": "sim-model", "prompt": prompt(i), "max_tokens": 1}),
+        )
+        .await;
+    }
+    cluster.restart_sidecar(0).await.expect("sidecar restarts");
+    // No further traffic: the new sidecar must rebuild from the replay buffer.
+    converge(&c, &r, &engines, WAIT, "the map to equal the engine after a sidecar restart").await;
+    let sidecar = cluster.sidecars[0].url.clone();
+    assert!(metric(&c, &sidecar, "kvroute_sidecar_replays_total").await >= 1.0);
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_beyond_the_replay_buffer_clears_without_phantoms() {
+    let mut s = spec(1);
+    // The engine keeps only its last 4 batches for replay.
+    s.sim_args.extend(["--kv-events-buffer".into(), "4".into()]);
+    let cluster = start(s).await;
+    let c = Client::default();
+    let r = cluster.router_url(0).to_owned();
+    let engine = cluster.engines[0].url.clone();
+    let sidecar = cluster.sidecars[0].url.clone();
+    traffic(&c, &r, 5).await;
+    converge(&c, &r, std::slice::from_ref(&engine), WAIT, "the map to hold the engine's blocks").await;
+    // Every batch is lost for a while: far more than the buffer holds.
+    c.post(&format!("{engine}/sim/faults"), json!({"drop_events": 1.0})).await;
+    for i in 200..220 {
+        c.post(
+            &format!("{engine}/v1/completions"),
+            json!({"model": "sim-model", "prompt": prompt(i), "max_tokens": 1}),
+        )
+        .await;
+    }
+    c.post(&format!("{engine}/sim/faults"), json!({"drop_events": 0.0})).await;
+    c.post(&format!("{engine}/v1/completions"), json!({"model": "sim-model", "prompt": prompt(300), "max_tokens": 1}))
+        .await;
+    // The gap is detected and counted; what the sidecar could not recover is
+    // dropped, never guessed: every key the router holds is truly cached.
+    eventually("the lost gap to be counted", WAIT, || {
+        let (c, sidecar) = (c.clone(), sidecar.clone());
+        async move { (metric(&c, &sidecar, "kvroute_sidecar_seq_gaps_total").await >= 1.0).then_some(()) }
+    })
+    .await;
+    let text = c.http.get(format!("{sidecar}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(text.contains("outcome=\"lost\""), "a replay that could not fill the gap is counted as lost");
+    eventually("the router to hold only truly cached keys", WAIT, || {
+        let (c, r, engine) = (c.clone(), r.clone(), engine.clone());
+        async move {
+            let truth = kvroute_tests::truth(&c, &engine).await;
+            let held = kvroute_tests::confirmed(&c, &r, "w1").await;
+            (!held.is_empty() && held.iter().all(|k| truth.contains(k))).then_some(())
+        }
+    })
+    .await;
+    cluster.shutdown().await;
+}
