@@ -9,7 +9,7 @@ use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, header};
-use kvroute_shared::wire::{AckOutcome, EvictionBatch, InternalAck, SyncSnapshot, decode_valid};
+use kvroute_shared::wire::{AckOutcome, EvictionBatch, InternalAck, SyncSnapshot, Validate, decode_valid};
 use subtle::ConstantTimeEq;
 
 use crate::error::RouterError;
@@ -31,6 +31,17 @@ fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), RouterError> {
     }
 }
 
+/// Authenticates, reads and decodes an internal push.
+async fn push_body<T: serde::de::DeserializeOwned + Validate>(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<T, RouterError> {
+    authorize(state, headers)?;
+    let body = read_body(state, body).await?;
+    Ok(decode_valid(&body)?)
+}
+
 fn ack(state: &AppState, outcome: AckOutcome) -> Json<InternalAck> {
     Json(InternalAck { router_epoch: state.router_epoch.clone(), outcome })
 }
@@ -40,9 +51,7 @@ pub async fn eviction(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<InternalAck>, RouterError> {
-    authorize(&state, &headers)?;
-    let body = read_body(&state, body).await?;
-    let batch: EvictionBatch = decode_valid(&body)?;
+    let batch: EvictionBatch = push_body(&state, &headers, body).await?;
     let Some(worker) = state.workers.get(&batch.worker_id) else {
         return Ok(ack(&state, AckOutcome::UnknownWorker));
     };
@@ -72,9 +81,7 @@ pub async fn sync(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<InternalAck>, RouterError> {
-    authorize(&state, &headers)?;
-    let body = read_body(&state, body).await?;
-    let snap: SyncSnapshot = decode_valid(&body)?;
+    let snap: SyncSnapshot = push_body(&state, &headers, body).await?;
     let want = state.config.block_size;
     if let Some(bs) = snap.block_size
         && bs != want
