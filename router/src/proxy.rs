@@ -136,8 +136,8 @@ async fn dispatch(
     for (attempt, (worker, cand)) in plan.attempts().take(max_attempts).enumerate() {
         if attempt > 0 {
             state.metrics.retries.inc();
+            routing::record_dispatch(state, worker, &plan.keys);
         }
-        routing::record_dispatch(state, worker, &plan.keys);
         let guard = InflightGuard::new(state.clone(), worker.clone(), plan.uncached_tokens(cand));
         match send(state, worker, endpoint, headers, body.clone()).await {
             Ok(upstream) if upstream.status().is_server_error() => {

@@ -10,7 +10,7 @@ use kvroute_shared::tokenize::TokenizeError;
 use kvroute_shared::{BlockKey, KeyRoot, WorkerId, block_keys};
 
 use crate::error::RouterError;
-use crate::index::Slot;
+use crate::index::{Index, Slot};
 use crate::metrics::PolicyReason;
 use crate::policy::{Candidate, Decision, Reason, RouteView};
 use crate::state::{AppState, now_ms};
@@ -72,27 +72,51 @@ pub fn plan(state: &AppState, req: &PromptRequest, pinned: Option<&WorkerId>, li
     if workers.is_empty() {
         return Err(RouterError::NoHealthyWorker { model });
     }
-    let depths = state.map.read().index.match_depths(&keys);
-    let depth_of = |slot: Slot| depths.iter().find(|(s, _)| *s == slot).map_or(0, |(_, d)| *d);
-    let candidates: Vec<Candidate> = workers
-        .iter()
-        .map(|w| Candidate { slot: w.slot, matched_blocks: depth_of(w.slot), load: w.live.load(), id_hash: w.id_hash })
-        .collect();
-
     let block_size = state.config.block_size.get();
-    let view = RouteView {
-        prompt_tokens: tokens.len(),
-        block_size,
-        keys: &keys,
-        head_hash,
-        candidates: &candidates,
-        mean_prompt_tokens: state.mean_prompt_tokens(),
-        prefix_hint: req.prefix_len().map(|n| n as usize),
-    };
+    let prefix_hint = req.prefix_len().map(|n| n as usize);
     let pinned_at = pinned.and_then(|id| workers.iter().position(|w| &w.id == id));
-    let decision = match pinned_at {
-        Some(i) if !overloaded(&view, i, state) => Decision::with_fallbacks(&view, i, Reason::Session),
-        _ => state.policy.choose(&view),
+    let decide = |index: &Index| {
+        let depths = index.match_depths(&keys);
+        let depth_of = |slot: Slot| depths.iter().find(|(s, _)| *s == slot).map_or(0, |(_, d)| *d);
+        let candidates: Vec<Candidate> = workers
+            .iter()
+            .map(|w| Candidate {
+                slot: w.slot,
+                matched_blocks: depth_of(w.slot),
+                load: w.live.load(),
+                id_hash: w.id_hash,
+            })
+            .collect();
+        let view = RouteView {
+            prompt_tokens: tokens.len(),
+            block_size,
+            keys: &keys,
+            head_hash,
+            candidates: &candidates,
+            mean_prompt_tokens: state.mean_prompt_tokens(),
+            prefix_hint,
+        };
+        let decision = match pinned_at {
+            Some(i) if !overloaded(&view, i, state) => Decision::with_fallbacks(&view, i, Reason::Session),
+            _ => state.policy.choose(&view),
+        };
+        (candidates, decision)
+    };
+    // A live decision and its speculative entries are one step under the
+    // index lock: otherwise two requests of a new prefix decided at the same
+    // instant (one per runtime thread) both miss, and a burst scatters. The
+    // lock is held for the match and the policy, microseconds.
+    let (candidates, decision) = if live {
+        let mut map = state.map.write();
+        let (candidates, decision) = decide(&map.index);
+        if let Some(i) = decision.chosen()
+            && !keys.is_empty()
+        {
+            map.index.record_routed(workers[i].slot, &keys, now_ms());
+        }
+        (candidates, decision)
+    } else {
+        decide(&state.map.read().index)
     };
 
     if !live {
@@ -131,7 +155,9 @@ fn overloaded(view: &RouteView<'_>, i: usize, state: &AppState) -> bool {
     loads[i] as f64 > p.spill_factor * mean + p.spill_slack
 }
 
-/// Records that the request's blocks are being computed on `worker`.
+/// Records that the request's blocks are being computed on `worker` (a retry
+/// on another worker than the plan's first choice, which was recorded with
+/// the decision).
 pub fn record_dispatch(state: &AppState, worker: &Worker, keys: &[BlockKey]) {
     if keys.is_empty() {
         return;

@@ -18,7 +18,8 @@ use super::{Decision, Policy, Reason, RouteView, bounded_rendezvous, rendezvous}
 #[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CacheAwareParams {
-    /// Tokens of cost per pending prefill token on the worker. Below 1: vLLM
+    /// Tokens of cost per pending prefill token on the worker (see
+    /// `CacheAware::pending_tokens`). Below 1: vLLM
     /// batches prefills (up to `max_num_batched_tokens` a step), so a queued
     /// token delays a new request less than one of its own uncached tokens;
     /// at 1.0 the in-flight prefill of the very prefix being placed would tie
@@ -55,10 +56,18 @@ pub struct CacheAware {
 }
 
 impl CacheAware {
+    /// Prefill queued ahead of a new request on the worker: this router's own
+    /// not-yet-prefilled tokens, or the engine's waiting queue (which also
+    /// holds other routers' requests) at the mean prompt size, whichever is
+    /// larger. Not their sum: this router's requests are in that queue too.
+    /// Running requests are not counted: they are past their prefill or in
+    /// this step's batch, and the engine's reported count lags by up to a
+    /// scrape interval, which made the busiest holder look far busier than it
+    /// was.
     fn pending_tokens(&self, view: &RouteView<'_>, i: usize) -> f64 {
         let l = &view.candidates[i].load;
-        let remote = u64::from(l.running + l.waiting).saturating_sub(u64::from(l.inflight));
-        l.pending_prefill_tokens as f64 + remote as f64 * view.mean_prompt_tokens
+        let queued = f64::from(l.waiting) * view.mean_prompt_tokens;
+        (l.pending_prefill_tokens as f64).max(queued)
     }
 
     fn cost(&self, view: &RouteView<'_>, i: usize) -> f64 {
@@ -195,6 +204,31 @@ mod tests {
             c
         }));
         assert_eq!(again.chosen(), first);
+    }
+
+    #[test]
+    fn engine_reported_running_requests_do_not_push_work_off_the_holder() {
+        let k = keys(60);
+        // The holder's engine reports 6 running (decoding) requests; nothing waits.
+        let mut holder = cand(0, 60, 1);
+        holder.load.running = 6;
+        holder.load.pending_prefill_tokens = 0;
+        let c = [holder, cand(1, 0, 0)];
+        assert_eq!(CacheAware::default().choose(&view(&k, &c)).chosen(), Some(0));
+    }
+
+    #[test]
+    fn another_routers_queue_counts_once() {
+        let k = keys(60);
+        // 3 requests wait in the holder's engine (other routers' traffic);
+        // this router's own pending prefill there is smaller than that queue.
+        let mut holder = cand(0, 10, 0);
+        holder.load.waiting = 3;
+        holder.load.pending_prefill_tokens = 500;
+        let p = CacheAware::default();
+        let v = view(&k, std::slice::from_ref(&holder));
+        // max(500, 3 × 1000 mean prompt tokens) = 3000, not 3500.
+        assert_eq!(p.pending_tokens(&v, 0), 3000.0);
     }
 
     #[test]
