@@ -52,6 +52,10 @@ pub struct CompareArgs {
     /// `[cache_aware]` parameters; its file name is recorded with each run.
     #[arg(long, value_name = "FILE")]
     pub router_config: Option<PathBuf>,
+    /// Keep the runs already in OUT/results.json and do only the missing ones
+    /// (for resuming an interrupted run of the same command).
+    #[arg(long)]
+    pub resume: bool,
     /// Skip the extra cache_aware runs (2 replicas, no sidecars).
     #[arg(long)]
     pub no_variants: bool,
@@ -82,6 +86,9 @@ pub struct LifecycleArgs {
     /// Distinct prefixes in the map before the router is restarted.
     #[arg(long, default_value_t = 24)]
     pub restart_prefixes: usize,
+    /// A router TOML config (`--config`), e.g. to try `[cache_aware]` parameters.
+    #[arg(long, value_name = "FILE")]
+    pub router_config: Option<PathBuf>,
     /// Accepted for symmetry with the other subcommands (lifecycle is always short).
     #[arg(long)]
     pub quick: bool,

@@ -186,9 +186,22 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
         ProgressStyle::with_template("runs {bar:30} {pos}/{len} [{elapsed_precise}] {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let mut records = Vec::new();
+    let mut records: Vec<Record> = if args.resume { previous(&args.out.join("results.json")) } else { Vec::new() };
+    let router_config = args.router_config.as_ref().map(|c| c.display().to_string());
     for (wi, n, (policy, routers, sidecars)) in plan {
         let p = &prepared[wi];
+        let done = records.iter().any(|r| {
+            r.workload == p.workload.name
+                && r.policy == policy
+                && r.workers == n
+                && r.routers == routers
+                && r.sidecars == sidecars
+                && r.router_config == router_config
+        });
+        if done {
+            overall.inc(1);
+            continue;
+        }
         overall.set_message(format!(
             "{} {policy} w{n} r{routers}{}",
             p.workload.name,
@@ -203,7 +216,12 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
             sim_args: sim_args(&p.workload),
             router_args: args.router_config.iter().flat_map(|c| ["--config".into(), c.display().to_string()]).collect(),
         };
-        let rec = run_one(&http, &dir, p, &shape, args.concurrency, &mp).await?;
+        let log = args.out.join("requests").join(format!(
+            "{}_{policy}_w{n}_r{routers}{}.jsonl",
+            p.workload.name,
+            if sidecars { "" } else { "_nosidecars" }
+        ));
+        let rec = run_one(&http, &dir, p, &shape, args.concurrency, &mp, &log).await?;
         overall.suspend(|| eprintln!(
             "{}",
             format_args!(
@@ -243,9 +261,10 @@ async fn run_one(
     shape: &Shape,
     concurrency: usize,
     mp: &MultiProgress,
+    log: &Path,
 ) -> Result<Record, BenchError> {
     let cluster = Cluster::start(setup::spec(shape, bin_dir)).await?;
-    let result = measure(http, &cluster, p, shape, concurrency, mp).await;
+    let result = measure(http, &cluster, p, shape, concurrency, mp, log).await;
     cluster.shutdown().await;
     result
 }
@@ -257,6 +276,7 @@ async fn measure(
     shape: &Shape,
     concurrency: usize,
     mp: &MultiProgress,
+    log: &Path,
 ) -> Result<Record, BenchError> {
     let engines: Vec<String> = cluster.engines.iter().map(|e| e.url.clone()).collect();
     let targets: Vec<String> = (0..shape.routers).map(|i| cluster.router_url(i).to_owned()).collect();
@@ -296,6 +316,7 @@ async fn measure(
     if let Some(e) = first_error {
         eprintln!("{} / {}: {errors} errors, first: {e}", p.workload.name, shape.policy);
     }
+    write_request_log(log, p, &out.results)?;
     ttfts.sort();
     lats.sort();
     let wall = out.wall.as_secs_f64();
@@ -322,6 +343,37 @@ async fn measure(
         wall_s: wall,
         router_config: shape.router_args.get(1).cloned(),
     })
+}
+
+/// The records of an earlier, interrupted run of the same command.
+fn previous(path: &Path) -> Vec<Record> {
+    std::fs::read_to_string(path).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default()
+}
+
+/// One JSON line per request (worker, TTFT, prompt length, error), for
+/// looking behind a run's percentiles.
+fn write_request_log(
+    path: &Path,
+    p: &Prepared,
+    results: &[Result<crate::client::Outcome, String>],
+) -> Result<(), BenchError> {
+    let mut text = String::new();
+    for (i, (req, r)) in p.workload.requests.iter().zip(results).enumerate() {
+        let line = match r {
+            Ok(o) => serde_json::json!({
+                "i": i,
+                "arrival_ms": req.arrival.as_secs_f64() * 1e3,
+                "prompt_tokens": req.prompt.len(),
+                "worker": o.worker,
+                "ttft_ms": o.ttft.as_secs_f64() * 1e3,
+                "latency_ms": o.latency.as_secs_f64() * 1e3,
+            }),
+            Err(e) => serde_json::json!({"i": i, "prompt_tokens": req.prompt.len(), "error": e}),
+        };
+        text.push_str(&line.to_string());
+        text.push('\n');
+    }
+    report::write(path, text.as_bytes())
 }
 
 #[cfg(test)]

@@ -99,7 +99,7 @@ pub async fn run(args: LifecycleArgs) -> Result<Vec<Step>, BenchError> {
         policy: "cache_aware".into(),
         num_blocks: 4096,
         sim_args: vec!["--time-scale".into(), args.time_scale.to_string()],
-        router_args: Vec::new(),
+        router_args: args.router_config.iter().flat_map(|c| ["--config".into(), c.display().to_string()]).collect(),
     };
     let mut cluster = Cluster::start(setup::spec(&shape, &dir)).await?;
     let result = states(&mut cluster, &args).await;
@@ -108,10 +108,11 @@ pub async fn run(args: LifecycleArgs) -> Result<Vec<Step>, BenchError> {
     let mut md = String::from("# kvroute-bench lifecycle\n\n");
     md.push_str(&format!(
         "Machine: {}. 3 simulated engines (time scale {}), 3 sidecars, 1 router, policy cache_aware; \
-         prefixes of {} tokens. Latencies are measured by polling the router's debug endpoints every {} ms.\n\n",
+         prefixes of {} tokens{}. Latencies are measured by polling the router's debug endpoints every {} ms.\n\n",
         report::machine(),
         args.time_scale,
         args.prefix_len,
+        args.router_config.as_ref().map_or(String::new(), |c| format!("; router config {}", c.display())),
         POLL.as_millis()
     ));
     let rows: Vec<Vec<String>> = steps

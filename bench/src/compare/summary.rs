@@ -136,6 +136,7 @@ pub fn markdown(records: &[Record], workloads: &[(String, String, Ceiling)], arg
                         format!("{:.3}", r.hit_rate),
                         format!("{:.2}", if r.ceiling > 0.0 { r.hit_rate / r.ceiling } else { 0.0 }),
                         ms(r.ttft_p50_ms),
+                        ms(r.ttft_mean_ms),
                         ms(r.ttft_p90_ms),
                         ms(r.ttft_p99_ms),
                         format!("{:.1}", r.throughput_rps),
@@ -145,7 +146,18 @@ pub fn markdown(records: &[Record], workloads: &[(String, String, Ceiling)], arg
                 })
                 .collect();
             md.push_str(&report::table(
-                &["policy", "hit rate", "÷ ceiling", "TTFT p50 ms", "p90", "p99", "req/s", "max/mean load", "errors"],
+                &[
+                    "policy",
+                    "hit rate",
+                    "÷ ceiling",
+                    "TTFT p50 ms",
+                    "mean",
+                    "p90",
+                    "p99",
+                    "req/s",
+                    "max/mean load",
+                    "errors",
+                ],
                 &rows,
             ));
             md.push('\n');
