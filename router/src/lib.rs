@@ -28,6 +28,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::routing::{delete, get, post};
+use axum::serve::ListenerExt;
 use kvroute_shared::openai::Endpoint;
 use kvroute_shared::tokenize::{PromptTokenizer, TokenizeError};
 use tokio::net::TcpListener;
@@ -162,7 +163,14 @@ pub async fn run(
             let listener = tls::TlsListener::new(listener, config)?;
             tokio::spawn(async move { axum::serve(listener, router).with_graceful_shutdown(until).await })
         }
-        None => tokio::spawn(async move { axum::serve(listener, router).with_graceful_shutdown(until).await }),
+        // Nagle would hold a streamed token back until the previous one is
+        // acknowledged (~40 ms stalls on loopback): every chunk goes out now.
+        None => {
+            let listener = listener.tap_io(|tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
+            tokio::spawn(async move { axum::serve(listener, router).with_graceful_shutdown(until).await })
+        }
     };
     let flatten = |r: Result<std::io::Result<()>, tokio::task::JoinError>| match r {
         Ok(result) => result.map_err(RunError::Serve),

@@ -75,6 +75,8 @@ impl TlsListener {
                 if tx.is_closed() {
                     return;
                 }
+                // No Nagle delay on streamed tokens (see `run`).
+                let _ = tcp.set_nodelay(true);
                 let (acceptor, tx) = (acceptor.clone(), tx.clone());
                 tokio::spawn(async move {
                     match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {

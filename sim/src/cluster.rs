@@ -132,6 +132,11 @@ impl Proc {
         Ok(Proc { name: name.into(), bin: bin.into(), args: args.to_vec(), child, tail, lines })
     }
 
+    /// The child's process id while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
     /// The last lines the child printed.
     pub fn log(&self) -> String {
         self.tail.lock().iter().cloned().collect::<Vec<_>>().join("\n")

@@ -152,6 +152,10 @@ impl Sim {
     /// engine thread stops when the last request handle is gone.
     pub async fn serve(self, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), SimError> {
         let Sim { state, listener, cancel } = self;
+        // Streamed tokens go out at once, as from vLLM's server (no Nagle).
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
+            let _ = tcp.set_nodelay(true);
+        });
         let result = axum::serve(listener, app(state)).with_graceful_shutdown(shutdown).await;
         cancel.cancel();
         result.map_err(SimError::Serve)

@@ -112,8 +112,14 @@ impl Policy for CacheAware {
         }
 
         if eligible.iter().all(|&i| view.candidates[i].matched_blocks == 0) {
+            // Place by the first block nobody holds: where this prompt leaves
+            // everything cached. Hashing the first block instead would send
+            // every conversation behind one shared system prompt to the same
+            // worker once that prompt's holder spills.
+            let deepest = view.candidates.iter().map(|c| c.matched_blocks).max().unwrap_or(0);
+            let anchor = view.keys.get(deepest).or(view.keys.last()).unwrap_or(first_key);
             let slack = p.spill_slack as u64;
-            let chosen = bounded_rendezvous(view, first_key.0, &eligible, p.placement_factor, slack).unwrap_or(0);
+            let chosen = bounded_rendezvous(view, anchor.0, &eligible, p.placement_factor, slack).unwrap_or(0);
             return by_cost(chosen, Reason::ColdPlacement);
         }
 
@@ -229,6 +235,22 @@ mod tests {
         let v = view(&k, std::slice::from_ref(&holder));
         // max(500, 3 × 1000 mean prompt tokens) = 3000, not 3500.
         assert_eq!(p.pending_tokens(&v, 0), 3000.0);
+    }
+
+    #[test]
+    fn spilled_conversations_spread_instead_of_following_the_system_prompt() {
+        // Worker 0 holds the shared system prompt (2 blocks) but is over the
+        // spill gate; new conversations differ from block 2 on.
+        let mut chosen = std::collections::BTreeSet::new();
+        for conv in 0..32u64 {
+            let mut k = keys(2);
+            k.extend((0..4).map(|i| kvroute_shared::BlockKey(1000 + conv * 10 + i)));
+            let c = [cand(0, 2, 30), cand(1, 0, 0), cand(2, 0, 0), cand(3, 0, 0)];
+            let d = CacheAware::default().choose(&view(&k, &c));
+            assert_eq!(d.reason, Reason::ColdPlacement);
+            chosen.insert(d.chosen());
+        }
+        assert_eq!(chosen.len(), 3, "spread over the three eligible workers: {chosen:?}");
     }
 
     #[test]
