@@ -20,6 +20,10 @@ pub enum Command {
     Compare(CompareArgs),
     /// Latency and throughput the router adds over talking to the engine directly.
     Overhead(OverheadArgs),
+    /// Latency from a vLLM KV event to the router's map (engine → sidecar → router).
+    Propagation(crate::propagation::PropagationArgs),
+    /// Steady mixed traffic for N minutes: memory, index size, errors over time.
+    Soak(crate::soak::SoakArgs),
 }
 
 #[derive(Debug, Clone, Args)]

@@ -3,7 +3,8 @@
 //! `kvroute_sim::cluster`). Subcommands: `lifecycle` (a prefix's states in
 //! the router's map, checked and timed), `compare` (workloads × policies:
 //! hit rate against the infinite-cache ceiling, TTFT, load spread) and
-//! `overhead` (router vs direct). Each writes `results.json`, `report.md`
+//! `overhead` (router vs direct), `propagation` (engine event → router map
+//! latency) and `soak` (memory over a long run). Each writes `results.json`, `report.md`
 //! and PNG plots to its output folder.
 //!
 //! Workload generation and the ceiling are pure functions with unit tests;
@@ -18,8 +19,10 @@ pub mod error;
 pub mod lifecycle;
 pub mod overhead;
 pub mod probe;
+pub mod propagation;
 pub mod report;
 pub mod setup;
+pub mod soak;
 pub mod stats;
 pub mod tokens;
 pub mod workload;
@@ -45,6 +48,28 @@ pub async fn run(command: Command) -> Result<String, BenchError> {
             let out = args.out.clone();
             let records = compare::run(args).await?;
             Ok(format!("compare: {} runs; report in {}", records.len(), out.display()))
+        }
+        Command::Propagation(args) => {
+            let out = args.out.clone();
+            let r = propagation::run(args).await?;
+            Ok(format!(
+                "propagation: event → router map p50 {:.1} ms, p99 {:.1} ms over {} samples; report in {}",
+                r.p50_ms,
+                r.p99_ms,
+                r.samples,
+                out.display()
+            ))
+        }
+        Command::Soak(args) => {
+            let out = args.out.clone();
+            let r = soak::run(args).await?;
+            Ok(format!(
+                "soak: {:.0} min, error rate {:.3} %, router RSS {:+.1} % over the second half; report in {}",
+                r.minutes,
+                r.error_rate * 100.0,
+                r.router_rss_growth_second_half_pct,
+                out.display()
+            ))
         }
         Command::Overhead(mut args) => {
             if args.quick {
