@@ -75,7 +75,7 @@ fn rss_mb(pid: Option<u32>) -> f64 {
 fn prompt(i: u64) -> Vec<u32> {
     let mut t = Vec::new();
     let r = seed(TAG, i, 7);
-    if r % 2 == 0 {
+    if r.is_multiple_of(2) {
         let group = (r >> 8) % 64;
         let group = group * group / 64; // skew: low groups are hot
         extend_run(&mut t, seed(TAG, group, 1), 512 + (group as usize % 4) * 256);
