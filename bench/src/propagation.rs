@@ -90,10 +90,10 @@ pub async fn run(args: PropagationArgs) -> Result<PropagationResult, BenchError>
     latencies.sort();
     let result = PropagationResult {
         samples,
-        p50_ms: stats::percentile_ms(&latencies, 0.50),
-        p90_ms: stats::percentile_ms(&latencies, 0.90),
-        p99_ms: stats::percentile_ms(&latencies, 0.99),
-        max_ms: stats::percentile_ms(&latencies, 1.0),
+        p50_ms: stats::percentile_ms(&latencies, 50.0),
+        p90_ms: stats::percentile_ms(&latencies, 90.0),
+        p99_ms: stats::percentile_ms(&latencies, 99.0),
+        max_ms: stats::percentile_ms(&latencies, 100.0),
         mean_ms: stats::mean_ms(&latencies),
         fast_interval_ms: 100,
     };
