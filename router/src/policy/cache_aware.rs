@@ -35,6 +35,9 @@ pub struct CacheAwareParams {
     pub imbalance_rel: f64,
     /// Bounded-load factor of cold placement (≥ 1).
     pub placement_factor: f64,
+    /// Below this share of the prompt matched anywhere, a request is placed
+    /// like a cold one (see `CacheAware::choose`).
+    pub min_match_ratio: f64,
 }
 
 impl Default for CacheAwareParams {
@@ -46,6 +49,7 @@ impl Default for CacheAwareParams {
             imbalance_abs: 32,
             imbalance_rel: 3.0,
             placement_factor: 1.25,
+            min_match_ratio: 0.5,
         }
     }
 }
@@ -111,11 +115,20 @@ impl Policy for CacheAware {
             eligible = all.collect();
         }
 
-        if eligible.iter().all(|&i| view.candidates[i].matched_blocks == 0) {
+        // A weak match is not worth chasing: when the best holder has only a
+        // small share of the prompt (typically a system prompt every request
+        // shares), following it would send every new conversation or document
+        // to that one worker and thrash its cache. Such requests are placed
+        // like cold ones, deterministically by where they diverge; the shared
+        // prefix soon lives on every worker anyway.
+        let best_ratio =
+            eligible.iter().map(|&i| (view.candidates[i].matched_blocks * view.block_size) as f64).fold(0.0, f64::max)
+                / view.prompt_tokens.max(1) as f64;
+        if best_ratio < p.min_match_ratio {
             // Place by the first block nobody holds: where this prompt leaves
             // everything cached. Hashing the first block instead would send
             // every conversation behind one shared system prompt to the same
-            // worker once that prompt's holder spills.
+            // worker.
             let deepest = view.candidates.iter().map(|c| c.matched_blocks).max().unwrap_or(0);
             let anchor = view.keys.get(deepest).or(view.keys.last()).unwrap_or(first_key);
             let slack = p.spill_slack as u64;
@@ -261,11 +274,34 @@ mod tests {
     }
 
     #[test]
-    fn load_can_outweigh_a_small_hit() {
+    fn load_can_outweigh_a_hit() {
         let k = keys(10);
-        // Worker 0 saves 16 tokens of prefill but has 5 × 100 pending tokens.
-        let c = [cand(0, 1, 5), cand(1, 0, 0), cand(2, 0, 4)];
+        // Worker 0 holds 60 % of the prompt but has 8 requests' prefill queued.
+        let mut busy = cand(0, 6, 8);
+        busy.load.pending_prefill_tokens = 8 * 1000;
+        let c = [busy, cand(1, 0, 0), cand(2, 0, 1)];
         let d = CacheAware::default().choose(&view(&k, &c));
-        assert_eq!(d.chosen(), Some(1));
+        assert_eq!((d.chosen(), d.reason), (Some(1), Reason::BestCost));
+    }
+
+    #[test]
+    fn a_weak_match_is_placed_like_a_cold_prompt_and_a_strong_one_is_followed() {
+        // Every conversation shares 2 system-prompt blocks (20 % of 10) held
+        // by worker 0 only: conversations spread by where they diverge.
+        let mut chosen = std::collections::BTreeSet::new();
+        for conv in 0..32u64 {
+            let mut k = keys(2);
+            k.extend((0..8).map(|i| kvroute_shared::BlockKey(5000 + conv * 10 + i)));
+            let c = [cand(0, 2, 0), cand(1, 0, 0), cand(2, 0, 0), cand(3, 0, 0)];
+            let d = CacheAware::default().choose(&view(&k, &c));
+            assert_eq!(d.reason, Reason::ColdPlacement);
+            chosen.insert(d.chosen());
+        }
+        assert_eq!(chosen.len(), 4, "{chosen:?}");
+        // A conversation whose history (80 %) worker 2 holds stays there.
+        let k = keys(10);
+        let c = [cand(0, 2, 0), cand(1, 0, 0), cand(2, 8, 0), cand(3, 0, 0)];
+        let d = CacheAware::default().choose(&view(&k, &c));
+        assert_eq!((d.chosen(), d.reason), (Some(2), Reason::BestCost));
     }
 }
