@@ -24,15 +24,7 @@ use crate::workload::{self, Workload, chat, rag, shared_prefix, trace};
 use crate::{probe, report};
 
 /// Every policy the router has.
-pub const POLICIES: &[&str] = &[
-    "cache_aware",
-    "round_robin",
-    "least_loaded",
-    "power_of_two",
-    "consistent_hash",
-    "sticky_least_loaded",
-    "prefix_threshold",
-];
+pub const POLICIES: &[&str] = kvroute_router::policy::POLICY_NAMES;
 
 /// Quick mode's default: the default policy and the simplest baseline.
 const QUICK_POLICIES: &[&str] = &["cache_aware", "round_robin"];
