@@ -107,9 +107,6 @@ impl Counts {
         };
         *c = c.saturating_add_signed(n);
     }
-    pub fn total(&self) -> usize {
-        self.confirmed + self.speculative + self.approximate
-    }
 }
 
 /// What a sync changed, for metrics and logs.

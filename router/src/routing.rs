@@ -151,8 +151,7 @@ fn overloaded(view: &RouteView<'_>, i: usize, state: &AppState) -> bool {
         _ => crate::policy::CacheAwareParams::default(),
     };
     let loads: Vec<u64> = view.candidates.iter().map(|c| c.load.requests()).collect();
-    let mean = loads.iter().sum::<u64>() as f64 / loads.len().max(1) as f64;
-    loads[i] as f64 > p.spill_factor * mean + p.spill_slack
+    loads[i] as f64 > p.spill_limit(&loads)
 }
 
 /// Records that the request's blocks are being computed on `worker` (a retry

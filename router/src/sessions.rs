@@ -66,14 +66,6 @@ impl Sessions {
     pub fn sweep(&self, now: Instant) {
         self.map.lock().retain(|_, s| s.expires > now);
     }
-
-    pub fn len(&self) -> usize {
-        self.map.lock().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 #[cfg(test)]

@@ -40,6 +40,15 @@ pub struct CacheAwareParams {
     pub min_match_ratio: f64,
 }
 
+impl CacheAwareParams {
+    /// The spill gate: a worker carrying more requests than this (given every
+    /// candidate's request count) is not eligible for a cache hit.
+    pub fn spill_limit(&self, loads: &[u64]) -> f64 {
+        let mean = loads.iter().sum::<u64>() as f64 / loads.len().max(1) as f64;
+        self.spill_factor * mean + self.spill_slack
+    }
+}
+
 impl Default for CacheAwareParams {
     fn default() -> Self {
         CacheAwareParams {
@@ -108,9 +117,8 @@ impl Policy for CacheAware {
             return by_cost(least(&mut all.clone()), Reason::Imbalanced);
         }
 
-        let mean = loads.iter().sum::<u64>() as f64 / n as f64;
-        let mut eligible: Vec<usize> =
-            all.clone().filter(|&i| loads[i] as f64 <= p.spill_factor * mean + p.spill_slack).collect();
+        let limit = p.spill_limit(&loads);
+        let mut eligible: Vec<usize> = all.clone().filter(|&i| loads[i] as f64 <= limit).collect();
         if eligible.is_empty() {
             eligible = all.collect();
         }
