@@ -4,7 +4,7 @@
 //! the worker; `DELETE /v1/context/{id}` ends the session.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::{Path, State};
@@ -13,21 +13,13 @@ use axum::response::{IntoResponse, Response};
 
 use crate::admin::endpoint_of;
 use crate::error::RouterError;
-use crate::proxy::{SESSION_TTL_HEADER, proxy, read_body};
+use crate::proxy::{proxy, read_body, session_ttl};
 use crate::state::AppState;
 
 pub async fn create(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     let run = async {
         let body = read_body(&state, body).await?;
-        let ttl = match headers.get(SESSION_TTL_HEADER) {
-            None => state.config.raw.session_ttl,
-            Some(v) => v
-                .to_str()
-                .ok()
-                .and_then(|s| s.parse::<u64>().ok())
-                .map(|s| Duration::from_secs(s).min(state.config.raw.max_session_ttl))
-                .ok_or_else(|| RouterError::bad_request(SESSION_TTL_HEADER, "must be whole seconds"))?,
-        };
+        let ttl = session_ttl(&state, &headers)?;
         let id = format!("ctx-{:032x}", rand::random::<u128>());
         proxy(&state, endpoint_of(&body), &headers, Body::from(body), Some((id, ttl))).await
     };

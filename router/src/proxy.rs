@@ -64,18 +64,20 @@ fn session_of(state: &AppState, headers: &HeaderMap) -> Result<Option<(String, D
         .ok()
         .filter(|s| valid_session_id(s))
         .ok_or_else(|| RouterError::bad_request(SESSION_HEADER, "must be 1 to 128 printable ASCII characters"))?;
-    let ttl = match headers.get(SESSION_TTL_HEADER) {
-        None => state.config.raw.session_ttl,
-        Some(v) => {
-            let secs: u64 = v
-                .to_str()
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .ok_or_else(|| RouterError::bad_request(SESSION_TTL_HEADER, "must be whole seconds"))?;
-            Duration::from_secs(secs).min(state.config.raw.max_session_ttl)
-        }
-    };
+    let ttl = session_ttl(state, headers)?;
     Ok(Some((id.to_owned(), ttl)))
+}
+
+/// The session TTL a request asks for (`x-session-ttl`, whole seconds,
+/// capped), else the configured default.
+pub fn session_ttl(state: &AppState, headers: &HeaderMap) -> Result<Duration, RouterError> {
+    let Some(v) = headers.get(SESSION_TTL_HEADER) else { return Ok(state.config.raw.session_ttl) };
+    let secs: u64 = v
+        .to_str()
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| RouterError::bad_request(SESSION_TTL_HEADER, "must be whole seconds"))?;
+    Ok(Duration::from_secs(secs).min(state.config.raw.max_session_ttl))
 }
 
 /// `POST /v1/completions` and `/v1/chat/completions`.
