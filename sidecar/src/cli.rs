@@ -33,7 +33,8 @@ pub struct Cli {
     /// vLLM's replay (ROUTER) endpoint, tcp://HOST:PORT.
     #[arg(long)]
     pub replay: Option<String>,
-    /// ZMQ topic to subscribe to; empty = all [default: kv-events].
+    /// ZMQ topic prefix to subscribe to [default: empty = every topic, which
+    /// matches vLLM's default topic "" and any topic an operator sets].
     #[arg(long)]
     pub topic: Option<String>,
     /// Data-parallel ranks: subscribe to base port + rank for each [default: 1].

@@ -107,7 +107,9 @@ impl RawConfig {
             model,
             events,
             replay,
-            topic: self.topic.unwrap_or_else(|| "kv-events".into()),
+            // ZMQ subscriptions are prefixes: "" receives vLLM's default topic
+            // (also "") and any other, so defaults on both sides just work.
+            topic: self.topic.unwrap_or_default(),
             data_parallel_size,
             routers,
             internal_token: self.internal_token.map(Secret),
@@ -239,7 +241,7 @@ mod tests {
         assert_eq!(c.worker_id.as_str(), "host-1");
         assert_eq!(c.engine_url, "http://127.0.0.1:8000");
         assert_eq!(c.advertise_url, c.engine_url);
-        assert_eq!(c.topic, "kv-events");
+        assert_eq!(c.topic, "", "vLLM's default topic is empty; an empty prefix receives every topic");
         assert_eq!(c.fast_interval, Duration::from_millis(100));
         assert_eq!(c.events.for_rank(2), "tcp://10.0.0.1:5559");
         assert_eq!(format!("{:?}", Secret("x".into())), "***");

@@ -98,6 +98,11 @@ pub struct BlockStored {
     pub lora_name: Option<String>,
     /// One entry per block when present (`None` for a block without extras).
     pub extra_keys: Option<Vec<Option<Vec<ExtraKey>>>>,
+    /// The KV-cache group (vLLM ≥ 0.32; `None` before). Hybrid models publish
+    /// one event per group with the same hashes; only group 0 is routed on.
+    pub group_idx: Option<u32>,
+    /// `locality: "REMOTE"`: a block held by another tier, not this engine.
+    pub remote: bool,
 }
 
 /// Blocks evicted from a tier.
@@ -105,6 +110,8 @@ pub struct BlockStored {
 pub struct BlockRemoved {
     pub block_hashes: Vec<EngineHash>,
     pub medium: Option<Medium>,
+    pub group_idx: Option<u32>,
+    pub remote: bool,
 }
 
 /// One KV-cache event.

@@ -10,9 +10,11 @@ use kvroute_shared::{BlockSize, ModelName};
 use parking_lot::RwLock;
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
 
-use crate::load::{parse_block_size, parse_load};
+use crate::load::{parse_block_size, parse_load, parse_prompt_tokens};
 use crate::metrics::Metrics;
+use crate::silence::{SILENT_AFTER, SilenceWatch, Transition};
 
 /// How often the engine's `/metrics` is scraped.
 pub const LOAD_INTERVAL: Duration = Duration::from_secs(1);
@@ -123,18 +125,39 @@ pub async fn watch(
     cancel: CancellationToken,
 ) {
     let mut load_tick = tokio::time::interval(LOAD_INTERVAL);
+    // Silence is judged over SILENT_AFTER, far longer than a scrape.
+    debug_assert!(SILENT_AFTER > LOAD_INTERVAL * 2);
+    let mut silence = SilenceWatch::default();
     let mut models_tick = tokio::time::interval(models_every);
     load_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     models_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,
-            _ = load_tick.tick() => match client.metrics_text().await.map(|t| parse_load(&t)) {
-                Ok(Some(load)) => *view.load.write() = Some(load),
-                Ok(None) | Err(_) => {
-                    metrics.load_scrape_failures.inc();
+            _ = load_tick.tick() => {
+                let text = client.metrics_text().await.ok();
+                match text.as_deref().and_then(parse_load) {
+                    Some(load) => *view.load.write() = Some(load),
+                    None => {
+                        metrics.load_scrape_failures.inc();
+                    }
                 }
-            },
+                let prompt_tokens = text.as_deref().and_then(parse_prompt_tokens);
+                match silence.observe(tokio::time::Instant::now(), prompt_tokens, metrics.event_batches.get()) {
+                    Some(Transition::WentSilent { prompt_tokens, for_secs }) => {
+                        metrics.silent_periods.inc();
+                        warn!(
+                            prompt_tokens, for_secs,
+                            "the engine is serving requests but no KV event arrived: check that the sidecar's --topic \
+                             matches the engine's kv-events topic (vLLM's default is empty) and that the engine's \
+                             event endpoint contains '*' (vLLM binds only then)"
+                        );
+                    }
+                    Some(Transition::Recovered) => info!("KV events arrive again"),
+                    None => {}
+                }
+                metrics.events_silent.set(i64::from(silence.is_silent()));
+            }
             _ = models_tick.tick() => {
                 if let Ok(models) = client.models().await {
                     *view.models.write() = models;

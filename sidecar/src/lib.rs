@@ -21,6 +21,7 @@ pub mod metrics;
 pub mod push;
 pub mod replay;
 pub mod routers;
+pub mod silence;
 pub mod snapshot;
 pub mod state;
 pub mod subscribe;

@@ -9,6 +9,7 @@ const RUNNING: &str = "vllm:num_requests_running";
 const WAITING: &str = "vllm:num_requests_waiting";
 const KV_USAGE: &str = "vllm:kv_cache_usage_perc";
 const CACHE_CONFIG: &str = "vllm:cache_config_info";
+const PROMPT_TOKENS: &str = "vllm:prompt_tokens_total";
 
 /// Samples of one metric family: `(labels text, value)` per series.
 fn samples<'a>(text: &'a str, name: &'a str) -> impl Iterator<Item = (&'a str, f64)> + 'a {
@@ -46,6 +47,12 @@ pub fn parse_load(text: &str) -> Option<Load> {
         waiting: waiting.unwrap_or(0.0).max(0.0) as u32,
         kv_usage: kv_usage.clamp(0.0, 1.0),
     })
+}
+
+/// `vllm:prompt_tokens_total` summed over engines: rises whenever the engine
+/// prefills, which is when it should be publishing `BlockStored` events.
+pub fn parse_prompt_tokens(text: &str) -> Option<f64> {
+    samples(text, PROMPT_TOKENS).map(|(_, v)| v).fold(None, |acc, v| Some(acc.unwrap_or(0.0) + v))
 }
 
 /// The `block_size` label of `vllm:cache_config_info`.

@@ -81,6 +81,10 @@ pub struct TranslateCounters {
     pub offload_events: Counter,
     pub unknown_removals: Counter,
     pub block_size_mismatches: Counter,
+    /// Stores of blocks already held, re-reported for a prefix hit.
+    pub rereported_stores: Counter,
+    /// Events about a KV-cache group other than 0 (hybrid models).
+    pub other_group_events: Counter,
     skipped: [Counter; 5],
 }
 
@@ -114,6 +118,9 @@ pub struct Metrics {
     pub snapshot_dropped_blocks: Counter,
     pub snapshot_failures: Counter,
     pub load_scrape_failures: Counter,
+    pub event_batches: Counter,
+    pub events_silent: Gauge,
+    pub silent_periods: Counter,
 }
 
 impl Default for Metrics {
@@ -160,6 +167,16 @@ impl Metrics {
             "BlockStored events whose block_size differs from the configured one",
             translate.block_size_mismatches.clone(),
         );
+        registry.register(
+            "rereported_stores",
+            "BlockStored events re-reporting blocks already held (vLLM kv_cache_report_mode=full), not counted as new copies",
+            translate.rereported_stores.clone(),
+        );
+        registry.register(
+            "other_group_events",
+            "Events of a KV-cache group other than 0 (hybrid models), ignored",
+            translate.other_group_events.clone(),
+        );
         let m = Metrics {
             registry,
             translate,
@@ -176,6 +193,9 @@ impl Metrics {
             snapshot_dropped_blocks: Counter::default(),
             snapshot_failures: Counter::default(),
             load_scrape_failures: Counter::default(),
+            event_batches: Counter::default(),
+            events_silent: Gauge::default(),
+            silent_periods: Counter::default(),
         };
         m.register_rest()
     }
@@ -203,6 +223,17 @@ impl Metrics {
         );
         r.register("snapshot_failures", "Engine snapshot requests that failed", self.snapshot_failures.clone());
         r.register("load_scrape_failures", "Engine /metrics scrapes that failed", self.load_scrape_failures.clone());
+        r.register("event_batches", "KV-event batches received from the engine", self.event_batches.clone());
+        r.register(
+            "events_silent",
+            "1 while the engine prefills but publishes no KV events (check --topic and the engine's --kv-events-config)",
+            self.events_silent.clone(),
+        );
+        r.register(
+            "silent_periods",
+            "Times the engine prefilled for 10 s without publishing any KV event",
+            self.silent_periods.clone(),
+        );
         self
     }
 

@@ -94,6 +94,7 @@ impl WorkerState {
 
     /// Applies a decoded batch from `rank`.
     pub fn apply(&self, rank: Rank, batch: &EventBatch) {
+        self.metrics.event_batches.inc();
         self.metrics.unknown_fields.inc_by(u64::from(batch.unknown_fields));
         let mut inner = self.inner.lock();
         let Inner { translator, routers, .. } = &mut *inner;
@@ -215,6 +216,8 @@ mod tests {
             medium: None,
             lora_name: None,
             extra_keys: None,
+            group_idx: None,
+            remote: false,
         })
     }
 

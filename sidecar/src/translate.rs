@@ -111,16 +111,23 @@ impl Translator {
         }
     }
 
-    fn is_gpu(&self, medium: &Option<Medium>) -> bool {
-        let gpu = matches!(medium, None | Some(Medium::Gpu));
-        if !gpu {
+    /// Whether an event concerns this engine's GPU prefix cache, group 0: the
+    /// blocks a request routed here can hit. Offload tiers, remote blocks and
+    /// other KV-cache groups (which repeat group 0's hashes) are counted and ignored.
+    fn is_routed(&self, medium: &Option<Medium>, remote: bool, group: Option<u32>) -> bool {
+        if remote || !matches!(medium, None | Some(Medium::Gpu)) {
             self.counters.offload_events.inc();
+            return false;
         }
-        gpu
+        if group.unwrap_or(0) != 0 {
+            self.counters.other_group_events.inc();
+            return false;
+        }
+        true
     }
 
     fn store(&mut self, rank: Rank, ev: &BlockStored, sink: &mut impl KeySink) {
-        if !self.is_gpu(&ev.medium) {
+        if !self.is_routed(&ev.medium, ev.remote, ev.group_idx) {
             return;
         }
         let n = ev.block_hashes.len();
@@ -140,6 +147,18 @@ impl Translator {
             return;
         }
         let blocks = self.ranks.entry(rank).or_default();
+        // vLLM's `kv_cache_report_mode: "full"` (a per-request `vllm_xargs`, so
+        // any client can ask for it) re-sends `BlockStored` for the blocks a
+        // request *hit*: a chain from the root, every block already held. Those
+        // are the same physical blocks, and each will be removed once; counting
+        // them as new copies would leave phantom keys after eviction. A genuine
+        // duplicate (two requests computing the same blocks from the root in one
+        // step) looks the same and is under-counted instead: its key goes one
+        // eviction early, a missed hit the next engine snapshot restores.
+        if ev.parent_block_hash.is_none() && ev.block_hashes.iter().all(|h| blocks.keys.contains_key(&h.id())) {
+            self.counters.rereported_stores.inc();
+            return;
+        }
         let mut parent = match &ev.parent_block_hash {
             Some(p) => match blocks.keys.get(&p.id()) {
                 Some(k) => Some(*k),
@@ -192,7 +211,7 @@ impl Translator {
     }
 
     fn remove(&mut self, rank: Rank, ev: &BlockRemoved, sink: &mut impl KeySink) {
-        if !self.is_gpu(&ev.medium) {
+        if !self.is_routed(&ev.medium, ev.remote, ev.group_idx) {
             return;
         }
         let Some(blocks) = self.ranks.get_mut(&rank) else {

@@ -126,8 +126,14 @@ fn unknown_fields_and_types_are_ignored() {
         (M::from("parent_block_hash"), M::Nil),
         (M::from("token_ids"), M::Array(vec![M::from(1), M::from(2)])),
         (M::from("block_size"), M::from(2)),
+        // vLLM 0.32's fields are known ...
         (M::from("group_idx"), M::from(0)),
         (M::from("kv_cache_spec_kind"), M::from("full")),
+        (M::from("locality"), M::Nil),
+        (M::from("session_id"), M::Nil),
+        // ... fields from a later vLLM are counted.
+        (M::from("future_a"), M::from(1)),
+        (M::from("future_b"), M::Nil),
     ]);
     let future = M::Map(vec![(M::from("type"), M::from("BlockPinned"))]);
     let legacy = M::Array(vec![M::from("BlockRemoved"), M::Array(vec![M::from(7)]), M::from("GPU"), M::from(0)]);

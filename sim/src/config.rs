@@ -82,7 +82,8 @@ pub struct Args {
     /// ZMQ PUB endpoint for KV events (e.g. tcp://127.0.0.1:5557; port 0 allowed); off if absent.
     #[arg(long)]
     pub kv_events_endpoint: Option<String>,
-    #[arg(long, default_value = "kv-events")]
+    /// First frame of each message; vLLM's default is empty.
+    #[arg(long, default_value = "")]
     pub kv_events_topic: String,
     #[arg(long, value_enum, default_value_t = EventFormat::Current)]
     pub kv_events_format: EventFormat,
@@ -326,7 +327,7 @@ mod tests {
         assert_eq!(c.lora_id("b"), Some(2));
         assert_eq!(c.lora_id("m"), None);
         let ev = c.events.as_ref().expect("events on");
-        assert_eq!((ev.format, ev.hash_mode, ev.topic.as_str()), (EventFormat::Legacy, HashMode::Bytes32, "kv-events"));
+        assert_eq!((ev.format, ev.hash_mode, ev.topic.as_str()), (EventFormat::Legacy, HashMode::Bytes32, ""));
         assert_eq!(c.pace, Pace::Scaled(10.0));
         // 5 ms + 100 × 70 µs + 10 × 40 µs = 12.4 ms, ten times faster.
         let d = c.step_duration(100, 10, 1.0).expect("timed");

@@ -1,5 +1,8 @@
 //! The current event encoding: msgpack maps tagged by `"type"` (vLLM ≥ mid-2026,
-//! e.g. 0.33). Fields may come in any order; unknown ones are counted and ignored.
+//! e.g. 0.32, 0.33). Fields may come in any order; unknown ones are counted and
+//! ignored. vLLM 0.32's `BlockStored` has 14 fields and `BlockRemoved` 5: every
+//! one of them is known here, so the unknown-fields counter stays at 0 on a
+//! current engine and rises only when vLLM adds a field.
 
 use rmpv::ValueRef;
 
@@ -35,6 +38,8 @@ fn stored(fields: &[(ValueRef<'_>, ValueRef<'_>)], unknown: &mut u32) -> Result<
         medium: None,
         lora_name: None,
         extra_keys: None,
+        group_idx: None,
+        remote: false,
     };
     let (mut have_hashes, mut have_tokens, mut have_size) = (false, false, false);
     for (k, v) in fields {
@@ -57,6 +62,11 @@ fn stored(fields: &[(ValueRef<'_>, ValueRef<'_>)], unknown: &mut u32) -> Result<
             Some("medium") => ev.medium = value::medium(v)?,
             Some("lora_name") => ev.lora_name = value::opt_string(v, "lora_name is not a string")?,
             Some("extra_keys") => ev.extra_keys = value::extra_keys(v)?,
+            Some("group_idx") => ev.group_idx = value::opt_u32(v, "group_idx is not a u32")?,
+            Some("locality") => ev.remote = value::is_remote(v)?,
+            // Known, and irrelevant to routing: the group's attention kind and
+            // window (group 0 is the one routed on), and who triggered the store.
+            Some("kv_cache_spec_kind" | "kv_cache_spec_sliding_window" | "ownership" | "session_id") => {}
             _ => *unknown += 1,
         }
     }
@@ -67,7 +77,7 @@ fn stored(fields: &[(ValueRef<'_>, ValueRef<'_>)], unknown: &mut u32) -> Result<
 }
 
 fn removed(fields: &[(ValueRef<'_>, ValueRef<'_>)], unknown: &mut u32) -> Result<BlockRemoved, DecodeError> {
-    let mut ev = BlockRemoved { block_hashes: Vec::new(), medium: None };
+    let mut ev = BlockRemoved { block_hashes: Vec::new(), medium: None, group_idx: None, remote: false };
     let mut have_hashes = false;
     for (k, v) in fields {
         match key(k) {
@@ -77,6 +87,9 @@ fn removed(fields: &[(ValueRef<'_>, ValueRef<'_>)], unknown: &mut u32) -> Result
                 have_hashes = true;
             }
             Some("medium") => ev.medium = value::medium(v)?,
+            Some("group_idx") => ev.group_idx = value::opt_u32(v, "group_idx is not a u32")?,
+            Some("locality") => ev.remote = value::is_remote(v)?,
+            Some("ownership") => {}
             _ => *unknown += 1,
         }
     }

@@ -35,6 +35,8 @@ pub(super) fn decode_event(items: &[ValueRef<'_>], unknown: &mut u32) -> Result<
                 medium: value::medium(at(6))?,
                 lora_name: value::opt_string(at(7), "lora_name is not a string")?,
                 extra_keys: value::extra_keys(at(8))?,
+                group_idx: None,
+                remote: false,
             }))
         }
         Some("BlockRemoved") => {
@@ -45,6 +47,8 @@ pub(super) fn decode_event(items: &[ValueRef<'_>], unknown: &mut u32) -> Result<
             Ok(KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: value::hashes(at(1))?,
                 medium: value::medium(at(2))?,
+                group_idx: None,
+                remote: false,
             }))
         }
         Some("AllBlocksCleared") => Ok(KvEvent::AllBlocksCleared),

@@ -74,6 +74,22 @@ pub(super) fn opt_string(v: &ValueRef<'_>, what: &'static str) -> Result<Option<
     }
 }
 
+pub(super) fn opt_u32(v: &ValueRef<'_>, what: &'static str) -> Result<Option<u32>, DecodeError> {
+    match v {
+        ValueRef::Nil => Ok(None),
+        v => as_u32(v).map(Some).ok_or(DecodeError::Shape(what)),
+    }
+}
+
+/// `locality`: `None` or `"LOCAL"` is this engine; `"REMOTE"` another tier.
+pub(super) fn is_remote(v: &ValueRef<'_>) -> Result<bool, DecodeError> {
+    match v {
+        ValueRef::Nil => Ok(false),
+        ValueRef::String(s) => Ok(s.as_str() == Some("REMOTE")),
+        _ => Err(DecodeError::Shape("locality is not a string")),
+    }
+}
+
 pub(super) fn medium(v: &ValueRef<'_>) -> Result<Option<Medium>, DecodeError> {
     match v {
         ValueRef::Nil => Ok(None),

@@ -27,6 +27,8 @@ fn stored(hashes: &[u64], parent: Option<u64>, tokens: Vec<u32>) -> KvEvent {
         medium: Some(Medium::Gpu),
         lora_name: None,
         extra_keys: None,
+        group_idx: None,
+        remote: false,
     })
 }
 
@@ -34,6 +36,8 @@ fn removed(hashes: &[u64]) -> KvEvent {
     KvEvent::BlockRemoved(BlockRemoved {
         block_hashes: hashes.iter().map(|h| EngineHash::Int(*h)).collect(),
         medium: None,
+        group_idx: None,
+        remote: false,
     })
 }
 
@@ -65,12 +69,47 @@ fn unanchored_store_is_skipped_and_counted() {
 #[test]
 fn duplicates_are_refcounted() {
     let mut t = translator();
-    t.apply(Rank(0), &stored(&[1], None, vec![1, 2, 3, 4]), &mut NullSink);
-    t.apply(Rank(0), &stored(&[1], None, vec![1, 2, 3, 4]), &mut NullSink);
+    t.apply(Rank(0), &stored(&[1, 2], None, (0..8).collect()), &mut NullSink);
+    t.apply(Rank(0), &stored(&[2], Some(1), (4..8).collect()), &mut NullSink);
+    t.apply(Rank(0), &removed(&[2]), &mut NullSink);
+    assert_eq!(t.key_count(), 2, "one physical copy of block 2 left");
+    t.apply(Rank(0), &removed(&[2]), &mut NullSink);
+    assert_eq!(t.key_count(), 1);
+}
+
+#[test]
+fn rereported_hits_leave_no_phantom_after_eviction() {
+    // vLLM with kv_cache_report_mode "full": a request hitting blocks 1, 2
+    // gets them re-sent from the root. Each is still evicted once.
+    let mut t = translator();
+    t.apply(Rank(0), &stored(&[1, 2], None, (0..8).collect()), &mut NullSink);
+    t.apply(Rank(0), &stored(&[1, 2], None, (0..8).collect()), &mut NullSink);
+    t.apply(Rank(0), &stored(&[1], None, (0..4).collect()), &mut NullSink);
+    assert_eq!(t.counters.rereported_stores.get(), 2);
+    t.apply(Rank(0), &removed(&[2]), &mut NullSink);
     t.apply(Rank(0), &removed(&[1]), &mut NullSink);
-    assert_eq!(t.key_count(), 1, "one physical copy left");
-    t.apply(Rank(0), &removed(&[1]), &mut NullSink);
+    assert_eq!(t.key_count(), 0, "no phantom keys");
+    assert_eq!(t.block_count(), 0);
+}
+
+#[test]
+fn other_groups_and_remote_blocks_are_ignored() {
+    let mut t = translator();
+    let KvEvent::BlockStored(mut ev) = stored(&[1], None, vec![1, 2, 3, 4]) else { unreachable!() };
+    ev.group_idx = Some(1);
+    t.apply(Rank(0), &KvEvent::BlockStored(ev.clone()), &mut NullSink);
+    ev.group_idx = Some(0);
+    ev.remote = true;
+    t.apply(Rank(0), &KvEvent::BlockStored(ev.clone()), &mut NullSink);
     assert_eq!(t.key_count(), 0);
+    ev.remote = false;
+    t.apply(Rank(0), &KvEvent::BlockStored(ev), &mut NullSink);
+    assert_eq!(t.key_count(), 1, "group 0, local: routed on");
+    let KvEvent::BlockRemoved(mut rm) = removed(&[1]) else { unreachable!() };
+    rm.group_idx = Some(1);
+    t.apply(Rank(0), &KvEvent::BlockRemoved(rm), &mut NullSink);
+    assert_eq!(t.key_count(), 1, "a group-1 removal leaves group 0 alone");
+    assert_eq!((t.counters.other_group_events.get(), t.counters.offload_events.get()), (2, 1));
 }
 
 #[test]
@@ -139,8 +178,12 @@ enum Op {
         n: usize,
         seed: u32,
     },
-    /// Store another physical copy of held block `i % len`.
+    /// Store another physical copy of held block `i % len` (not a root block:
+    /// a root duplicate is indistinguishable from a re-report, see `store`).
     Duplicate(usize),
+    /// Re-report the chain from the root to held block `i % len` (vLLM's
+    /// `kv_cache_report_mode: "full"` on a prefix hit): nothing changes.
+    Rereport(usize),
     /// Evict one physical copy of held block `i % len`.
     Evict(usize),
     Clear,
@@ -152,6 +195,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (proptest::option::of(any::<usize>()), 1usize..4, 0u32..6).prop_map(|(parent, n, seed)| Op::Store { parent, n, seed }),
         1 => any::<usize>().prop_map(Op::Duplicate),
+        1 => any::<usize>().prop_map(Op::Rereport),
         3 => any::<usize>().prop_map(Op::Evict),
         1 => Just(Op::Clear),
         2 => Just(Op::Send),
@@ -202,11 +246,27 @@ proptest! {
                 }
                 Op::Duplicate(i) if !engine.is_empty() => {
                     let i = i % engine.len();
-                    let parent_held = engine[i].parent.is_none_or(|p| engine.iter().any(|h| h.hash == p));
+                    let parent_held = engine[i].parent.is_some_and(|p| engine.iter().any(|h| h.hash == p));
                     if parent_held {
                         engine[i].copies += 1;
                         let b = engine[i].clone();
                         t.apply(Rank(0), &stored(&[b.hash], b.parent, b.tokens), &mut pending);
+                    }
+                }
+                Op::Rereport(i) if !engine.is_empty() => {
+                    // The chain from the root to block i, if every link is held.
+                    let mut chain = vec![engine[i % engine.len()].clone()];
+                    while let Some(p) = chain.last().and_then(|b| b.parent) {
+                        match engine.iter().find(|h| h.hash == p) {
+                            Some(h) => chain.push(h.clone()),
+                            None => break,
+                        }
+                    }
+                    if chain.last().is_some_and(|b| b.parent.is_none()) {
+                        chain.reverse();
+                        let hashes: Vec<u64> = chain.iter().map(|b| b.hash).collect();
+                        let tokens: Vec<u32> = chain.iter().flat_map(|b| b.tokens.clone()).collect();
+                        t.apply(Rank(0), &stored(&hashes, None, tokens), &mut pending);
                     }
                 }
                 Op::Evict(i) if !engine.is_empty() => {
