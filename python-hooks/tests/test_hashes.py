@@ -56,3 +56,13 @@ def test_union_over_pools_and_pools_without_cache():
     a.cached_block_hash_to_block.insert(grouped(digest(1)), object())
     b.cached_block_hash_to_block.insert(grouped(digest(2)), object())
     assert collect_hashes([a, b, object()]) == {vllm_int(digest(1)), vllm_int(digest(2))}
+
+
+def test_only_gpu_pools_and_group_zero_reach_a_snapshot():
+    gpu, cpu = BlockPool(), BlockPool()
+    cpu.medium = "CPU"  # an offload tier (e.g. hisparse's host pool)
+    a, b = hashlib.sha256(b"a").digest(), hashlib.sha256(b"b").digest()
+    gpu.cached_block_hash_to_block.insert(grouped(a, 0), object())
+    gpu.cached_block_hash_to_block.insert(grouped(b, 1), object())  # hybrid model, group 1
+    cpu.cached_block_hash_to_block.insert(grouped(b, 0), object())
+    assert collect_hashes([gpu, cpu]) == {int.from_bytes(a[-8:], "big")}

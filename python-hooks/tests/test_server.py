@@ -68,3 +68,66 @@ def test_install_tracks_pools_and_serves_them():
 def test_rank_offsets_the_port():
     assert endpoint_for_rank("tcp://127.0.0.1:5560", 0) == "tcp://127.0.0.1:5560"
     assert endpoint_for_rank("tcp://127.0.0.1:5560", 3) == "tcp://127.0.0.1:5563"
+
+
+def _free_port() -> int:
+    # The snapshot endpoint is given as a base port that rank r offsets, so the
+    # test needs a concrete one: take a free port from the OS.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_scheduler_hook_serves_the_gpu_pool_on_port_plus_dp_index(monkeypatch):
+    from fakes import BlockPool
+    from kvroute_hooks import install_scheduler, patch
+
+    class ParallelConfig:
+        data_parallel_rank = 0  # vLLM resets this for independent dense ranks
+        data_parallel_index = 1  # ... and offsets its event ports by this one
+
+    class KVCacheManager:
+        def __init__(self) -> None:
+            self.block_pool = BlockPool()
+
+    class Scheduler:
+        def __init__(self, vllm_config) -> None:
+            self.parallel_config = ParallelConfig()
+            self.kv_cache_manager = KVCacheManager()
+
+    base = _free_port() - 1  # rank 1 binds base + 1: a port known to be free
+    monkeypatch.setenv("KVROUTE_SNAPSHOT_ENDPOINT", f"tcp://127.0.0.1:{base}")
+    monkeypatch.setattr(patch, "_server", None)
+    install_scheduler(Scheduler)
+    sched = Scheduler(vllm_config=None)
+    try:
+        assert sched.kv_cache_manager.block_pool in tracked_pools()
+        assert patch._server is not None
+        assert patch._server.endpoint == f"tcp://127.0.0.1:{base + 1}"
+        h = hashlib.sha256(b"y").digest()
+        sched.kv_cache_manager.block_pool.cached_block_hash_to_block.insert(grouped(h), object())
+        reply = ask(patch._server.endpoint, {"op": "snapshot"})
+        assert int.from_bytes(h[-8:], "big") in reply["hashes"]
+    finally:
+        patch._server.stop()
+        patch._server = None
+
+
+def test_block_pool_hook_ignores_cpu_pools(monkeypatch):
+    from kvroute_hooks import patch
+
+    class BlockPool:
+        def __init__(self, medium: str = "GPU") -> None:
+            from fakes import BlockHashToBlockMap
+
+            self.medium = medium
+            self.cached_block_hash_to_block = BlockHashToBlockMap()
+
+    monkeypatch.setattr(patch, "_ensure_server", lambda endpoint: None)
+    install(BlockPool)
+    cpu = BlockPool(medium="CPU")
+    gpu = BlockPool()
+    assert gpu in tracked_pools()
+    assert cpu not in tracked_pools()

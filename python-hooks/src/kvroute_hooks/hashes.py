@@ -36,6 +36,14 @@ def _use_int_hashes() -> bool:
     return os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").lower() not in ("0", "false", "no")
 
 
+def group_of(key: Any) -> int:
+    """The KV-cache group of a ``BlockHashWithGroupId`` bytes key (0 otherwise)."""
+    if isinstance(key, (bytes, bytearray, memoryview)) and len(key) in _GROUPED_LENGTHS:
+        return int.from_bytes(bytes(key[-4:]), "big")
+    group = getattr(key, "group_id", None)
+    return group if isinstance(group, int) else 0
+
+
 def convert_key(key: Any, get_block_hash=None, maybe_convert=None) -> ExternalHash:
     """One cache-map key as vLLM's KV events would publish it."""
     if isinstance(key, (bytes, bytearray, memoryview)):
@@ -84,13 +92,20 @@ def _keys_of(cache_map: Any) -> List[Any]:
 
 
 def collect_hashes(pools: Iterable[Any]) -> Set[ExternalHash]:
-    """The union of cached block hashes of ``pools``, converted for the wire."""
+    """The union of cached block hashes of ``pools``, converted for the wire.
+
+    Only what the sidecar routes on: pools whose ``medium`` is GPU (offload
+    tiers publish their own events, with medium CPU) and KV-cache group 0
+    (hybrid models repeat the same hashes in their other groups)."""
     get_block_hash, maybe_convert = _vllm_helpers()
     out: Set[ExternalHash] = set()
     for pool in pools:
+        if getattr(pool, "medium", "GPU") != "GPU":
+            continue
         cache_map = getattr(pool, "cached_block_hash_to_block", None)
         if cache_map is None:
             continue
         for key in _keys_of(cache_map):
-            out.add(convert_key(key, get_block_hash, maybe_convert))
+            if group_of(key) == 0:
+                out.add(convert_key(key, get_block_hash, maybe_convert))
     return out

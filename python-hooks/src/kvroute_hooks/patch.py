@@ -1,6 +1,14 @@
-"""Installing the hook into vLLM: remember every ``BlockPool`` and start the
-snapshot server the first time one is created (only engine-core processes
-create one, so API-server and worker processes never bind anything).
+"""Installing the hook into vLLM.
+
+Current vLLM (0.32+): wrap ``Scheduler.__init__``. The scheduler lives only in
+engine-core processes, owns the GPU ``BlockPool`` (``kv_cache_manager.block_pool``;
+offload tiers such as hisparse's ``SharedEventQueueBlockPool`` are other pools
+and never reach a snapshot), and knows its data-parallel rank as
+``parallel_config.data_parallel_index`` -- the very value vLLM offsets its KV
+event ports by. So the snapshot server binds port + that rank, like the events.
+
+Older vLLM without that scheduler: wrap ``BlockPool.__init__`` instead, keep
+GPU pools only, and take the rank from the current config or ``VLLM_DP_RANK``.
 """
 
 import logging
@@ -33,21 +41,36 @@ def endpoint_for_rank(endpoint: str, rank: int) -> str:
     return f"{base}:{int(port) + rank}"
 
 
-def _dp_rank() -> int:
-    """This engine core's data-parallel rank: from vLLM's current config when
-    the BlockPool is built inside it, else ``VLLM_DP_RANK``, else 0."""
+def _base_endpoint() -> str:
+    return os.environ.get("KVROUTE_SNAPSHOT_ENDPOINT", DEFAULT_ENDPOINT)
+
+
+def rank_of(parallel_config: Any) -> int:
+    """The rank vLLM offsets event ports by: ``data_parallel_index`` (set for
+    MoE and independent dense ranks alike), else ``data_parallel_rank``."""
+    for name in ("data_parallel_index", "data_parallel_rank"):
+        rank = getattr(parallel_config, name, None)
+        if isinstance(rank, int):
+            return rank
+    return 0
+
+
+def _env_rank() -> int:
+    """Older vLLM: the current config when it is set, else ``VLLM_DP_RANK``."""
     try:
         from vllm.config import get_current_vllm_config  # type: ignore
 
-        rank = get_current_vllm_config().parallel_config.data_parallel_rank
-        if isinstance(rank, int):
-            return rank
+        return rank_of(get_current_vllm_config().parallel_config)
     except Exception:
         pass
     try:
         return int(os.environ.get("VLLM_DP_RANK", "0"))
     except ValueError:
         return 0
+
+
+def _is_gpu_pool(pool: Any) -> bool:
+    return getattr(pool, "medium", "GPU") == "GPU"
 
 
 def _ensure_server(endpoint: str) -> None:
@@ -61,18 +84,41 @@ def _ensure_server(endpoint: str) -> None:
             log.exception("kvroute snapshot endpoint %s could not start", endpoint)
 
 
+def install_scheduler(scheduler_cls: Any, endpoint: Optional[str] = None) -> None:
+    """Wraps ``scheduler_cls.__init__`` (idempotent): tracks the scheduler's GPU
+    block pool and serves it on the endpoint of the scheduler's DP rank."""
+    if getattr(scheduler_cls, "_kvroute_patched", False):
+        return
+    original = scheduler_cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        pool = getattr(getattr(self, "kv_cache_manager", None), "block_pool", None)
+        if pool is None:
+            log.warning("kvroute_hooks: this scheduler has no kv_cache_manager.block_pool; no snapshot")
+            return
+        _pools.add(pool)
+        rank = rank_of(getattr(self, "parallel_config", None))
+        _ensure_server(endpoint or endpoint_for_rank(_base_endpoint(), rank))
+
+    __init__.__wrapped__ = original  # type: ignore[attr-defined]
+    scheduler_cls.__init__ = __init__
+    scheduler_cls._kvroute_patched = True
+
+
 def install(block_pool_cls: Any, endpoint: Optional[str] = None) -> None:
-    """Wraps ``block_pool_cls.__init__`` (idempotent)."""
+    """Older vLLM: wraps ``block_pool_cls.__init__`` (idempotent)."""
     if getattr(block_pool_cls, "_kvroute_patched", False):
         return
     original = block_pool_cls.__init__
 
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
+        if not _is_gpu_pool(self):
+            return
         _pools.add(self)
         # Resolved here, inside the engine core, where the rank is known.
-        base = os.environ.get("KVROUTE_SNAPSHOT_ENDPOINT", DEFAULT_ENDPOINT)
-        _ensure_server(endpoint or endpoint_for_rank(base, _dp_rank()))
+        _ensure_server(endpoint or endpoint_for_rank(_base_endpoint(), _env_rank()))
 
     __init__.__wrapped__ = original  # type: ignore[attr-defined]
     block_pool_cls.__init__ = __init__
@@ -82,6 +128,13 @@ def install(block_pool_cls: Any, endpoint: Optional[str] = None) -> None:
 def register() -> None:
     """The ``vllm.general_plugins`` entry point."""
     if os.environ.get("KVROUTE_HOOKS_DISABLE", "") not in ("", "0"):
+        return
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore
+    except Exception:
+        Scheduler = None
+    if Scheduler is not None:
+        install_scheduler(Scheduler)
         return
     try:
         from vllm.v1.core.block_pool import BlockPool  # type: ignore
