@@ -5,8 +5,14 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::engine::EngineArgs;
+
 #[derive(Debug, Parser)]
-#[command(name = "kvroute-bench", version, about = "Whole-system benchmarks for kvroute on a local simulated cluster")]
+#[command(
+    name = "kvroute-bench",
+    version,
+    about = "Whole-system benchmarks for kvroute on a local cluster of simulated (or real vLLM) engines"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -28,17 +34,19 @@ pub enum Command {
 
 #[derive(Debug, Clone, Args)]
 pub struct CompareArgs {
-    /// One workload: shared_prefix, chat, rag or trace (default: all).
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// One workload: shared_prefix, chat, rag or trace (default: all; vLLM: all but trace).
     #[arg(long, conflicts_with = "trace")]
     pub workload: Option<String>,
     /// Replay a Mooncake-format JSONL trace instead.
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
-    /// Comma-separated policies (default: all; quick: cache_aware,round_robin).
+    /// Comma-separated policies (default: all; quick and vLLM: cache_aware,round_robin).
     #[arg(long, value_delimiter = ',')]
     pub policies: Option<Vec<String>>,
-    /// Worker counts, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "4")]
+    /// Worker counts, comma-separated [default: 4 simulated, 2 vLLM].
+    #[arg(long, value_delimiter = ',')]
     pub workers: Vec<usize>,
     /// Router replicas, comma-separated (1 or 2); clients alternate between replicas.
     #[arg(long, value_delimiter = ',', default_value = "1")]
@@ -66,7 +74,8 @@ pub struct CompareArgs {
     /// Requests in flight at most (open loop beyond that waits).
     #[arg(long, default_value_t = 64)]
     pub concurrency: usize,
-    /// Small workloads, two policies: a CI smoke run.
+    /// Small workloads, two policies: a CI smoke run (vLLM always uses its
+    /// own small presets).
     #[arg(long)]
     pub quick: bool,
     #[arg(long, default_value = "bench-out/compare")]
@@ -75,7 +84,15 @@ pub struct CompareArgs {
 
 #[derive(Debug, Clone, Args)]
 pub struct LifecycleArgs {
-    /// Engines' --time-scale (1 = the modelled H100 timings).
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Engines in the cluster [default: 3 simulated, 2 vLLM].
+    #[arg(long)]
+    pub workers: Option<usize>,
+    /// KV blocks per engine [default: 4096 simulated (16 tokens), 1024 vLLM (32 tokens)].
+    #[arg(long)]
+    pub num_blocks: Option<u32>,
+    /// Engines' --time-scale (1 = the modelled H100 timings; simulator only).
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
     /// Tokens of the prefix whose life is followed.

@@ -26,14 +26,20 @@ pub fn http_client() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().pool_max_idle_per_host(256).tcp_nodelay(true).build().unwrap_or_default()
 }
 
-pub fn completion_body(model: &str, prompt: &[u32], max_tokens: u32, stream: bool) -> Vec<u8> {
-    serde_json::to_vec(&json!({
+/// A token-id completion request. `ignore_eos` (real vLLM with random
+/// weights) makes the engine decode exactly `max_tokens`; the simulator
+/// always does, so its requests leave the field out.
+pub fn completion_body(model: &str, prompt: &[u32], max_tokens: u32, stream: bool, ignore_eos: bool) -> Vec<u8> {
+    let mut body = json!({
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "stream": stream,
-    }))
-    .unwrap_or_default()
+    });
+    if ignore_eos {
+        body["ignore_eos"] = serde_json::Value::Bool(true);
+    }
+    serde_json::to_vec(&body).unwrap_or_default()
 }
 
 /// Sends a completion and reads the whole answer. With a streaming body the

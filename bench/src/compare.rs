@@ -1,8 +1,11 @@
 //! `kvroute-bench compare`: workloads × policies × worker counts (× router
-//! replicas, × sidecars on/off for cache_aware), each run on a fresh cluster
-//! so every run starts with cold caches. Per run: token-level prefix hit rate
-//! from the engines' counters, the workload's infinite-cache ceiling, client
-//! TTFT percentiles, throughput and the load spread across workers.
+//! replicas, × sidecars on/off for cache_aware), each run starting with cold
+//! caches: on a fresh simulated cluster, or (`--engine vllm`) on real vLLM
+//! engines started once per workload and worker count, their prefix caches
+//! emptied and routers and sidecars started afresh before every run. Per
+//! run: token-level prefix hit rate from the engines' counters, the
+//! workload's infinite-cache ceiling, client TTFT percentiles, throughput and
+//! the load spread across workers.
 
 pub mod summary;
 
@@ -11,15 +14,18 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
-use kvroute_sim::cluster::Cluster;
+use kvroute_sim::cluster::worker_id;
 use serde::{Deserialize, Serialize};
 
 use crate::ceiling::{self, Ceiling};
 use crate::cli::CompareArgs;
 use crate::drive::{DriveOptions, drive};
+use crate::engine::EngineKind;
 use crate::error::BenchError;
+use crate::rig::Rig;
 use crate::setup::{self, Shape};
 use crate::stats::{max_mean_load, mean_ms, percentile_ms};
+use crate::vllm::{self, ServeSpec, VllmEngines};
 use crate::workload::{self, Workload, chat, rag, shared_prefix, trace};
 use crate::{probe, report};
 
@@ -32,6 +38,9 @@ const QUICK_POLICIES: &[&str] = &["cache_aware", "round_robin"];
 /// One run's figures; `results.json` is a list of these.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Record {
+    /// What served the requests (absent in records older than `--engine`: sim).
+    #[serde(default)]
+    pub engine: EngineKind,
     pub workload: String,
     pub policy: String,
     pub workers: usize,
@@ -72,6 +81,9 @@ fn default_trace() -> Option<PathBuf> {
 }
 
 fn workloads(args: &CompareArgs) -> Result<Vec<Workload>, BenchError> {
+    if args.engine.engine == EngineKind::Vllm {
+        return vllm_workloads(args);
+    }
     let q = args.quick;
     let trace_params = || {
         let mut p = if q { trace::Params::quick() } else { trace::Params::full() };
@@ -118,12 +130,41 @@ fn workloads(args: &CompareArgs) -> Result<Vec<Workload>, BenchError> {
     Ok(out)
 }
 
+/// The workloads sized for real vLLM on CPU (each workload's `vllm()`
+/// preset); the Mooncake trace's prompts do not fit the tiny model's context.
+fn vllm_workloads(args: &CompareArgs) -> Result<Vec<Workload>, BenchError> {
+    if args.trace.is_some() || args.workload.as_deref() == Some("trace") {
+        return Err(BenchError::Usage(
+            "--engine vllm: the Mooncake trace's prompts exceed the tiny model's 4096-token context".into(),
+        ));
+    }
+    let mut out = Vec::new();
+    for name in workload::NAMES.iter().filter(|n| args.workload.as_deref().is_none_or(|w| w == **n)) {
+        match *name {
+            "shared_prefix" => out.push(shared_prefix::generate(&shared_prefix::Params::vllm())),
+            "chat" => out.push(chat::generate(&chat::Params::vllm())),
+            "rag" => out.push(rag::generate(&rag::Params::vllm())),
+            _ => {}
+        }
+    }
+    if let Some(w) = &args.workload
+        && out.is_empty()
+    {
+        return Err(BenchError::UnknownWorkload(w.clone()));
+    }
+    // Real engines run in real time.
+    for w in &mut out {
+        w.time_scale = 1.0;
+    }
+    Ok(out)
+}
+
 /// KV blocks per engine: the cluster holds 1.5 × the working set, so one
 /// worker alone (with 3+ workers) cannot, and routing decides the hit rate;
 /// never fewer than what a handful of the longest prompts need at once.
-pub fn blocks_per_worker(c: &Ceiling, workers: usize, max_output: u32) -> u32 {
+pub fn blocks_per_worker(c: &Ceiling, workers: usize, max_output: u32, block_size: u32) -> u32 {
     let share = (c.unique_blocks as f64 * 1.5 / workers.max(1) as f64).ceil() as u64;
-    let floor = 4 * (c.max_prompt_blocks + u64::from(max_output).div_ceil(16) + 1) + 256;
+    let floor = 4 * (c.max_prompt_blocks + u64::from(max_output).div_ceil(u64::from(block_size.max(1))) + 1) + 256;
     share.max(floor).min(u64::from(u32::MAX - 2)) as u32
 }
 
@@ -136,9 +177,10 @@ fn sim_args(w: &Workload) -> Vec<String> {
 /// requested replica count, plus cache_aware with 2 replicas and without
 /// sidecars unless those are off or already covered.
 fn shapes(args: &CompareArgs) -> Vec<(String, usize, bool)> {
+    let short = args.quick || args.engine.engine == EngineKind::Vllm;
     let policies: Vec<String> = match &args.policies {
         Some(p) => p.clone(),
-        None => (if args.quick { QUICK_POLICIES } else { POLICIES }).iter().map(|s| s.to_string()).collect(),
+        None => (if short { QUICK_POLICIES } else { POLICIES }).iter().map(|s| s.to_string()).collect(),
     };
     let routers: &[usize] = if args.routers.is_empty() { &[1] } else { &args.routers };
     let mut out: Vec<(String, usize, bool)> =
@@ -152,23 +194,53 @@ fn shapes(args: &CompareArgs) -> Vec<(String, usize, bool)> {
     out
 }
 
+/// Real engines shared by the runs of one (workload, worker count).
+#[derive(Debug)]
+struct Pool {
+    key: (usize, usize),
+    engines: VllmEngines,
+    tokenizer: std::path::PathBuf,
+}
+
 pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
+    let engine = args.engine.engine;
     let dir = setup::bin_dir();
-    setup::ensure_all(&dir)?;
+    let tokenizer = match engine {
+        EngineKind::Sim => {
+            setup::ensure_all(&dir)?;
+            None
+        }
+        EngineKind::Vllm => {
+            kvroute_sim::cluster::ensure_binaries(&dir)?;
+            Some(crate::engine::tiny_model_dir(&args.engine.vllm_serve)?)
+        }
+    };
+    let block_size = engine.block_size();
     let http = crate::client::http_client();
     let prepared: Vec<Prepared> = workloads(&args)?
         .into_iter()
         .map(|workload| {
-            let ceiling =
-                ceiling::compute(workload.requests.iter().map(|r| r.prompt.tokens()), setup::BLOCK_SIZE as usize);
+            let ceiling = ceiling::compute(workload.requests.iter().map(|r| r.prompt.tokens()), block_size as usize);
             Prepared { workload, ceiling }
         })
         .collect();
-    let workers: &[usize] = if args.workers.is_empty() { &[4] } else { &args.workers };
+    let workers: Vec<usize> = if args.workers.is_empty() {
+        vec![match engine {
+            EngineKind::Sim => 4,
+            EngineKind::Vllm => 2,
+        }]
+    } else {
+        args.workers.clone()
+    };
+    for &n in &workers {
+        engine.check_workers(n)?;
+    }
     let runs = shapes(&args);
+    // Worker count outermost, then workload: real engines are started once
+    // per (worker count, workload) and shared by that pair's runs.
     let mut plan: Vec<(usize, usize, (String, usize, bool))> = Vec::new();
-    for wi in 0..prepared.len() {
-        for &n in workers {
+    for &n in &workers {
+        for wi in 0..prepared.len() {
             plan.extend(runs.iter().cloned().map(|s| (wi, n, s)));
         }
     }
@@ -180,10 +252,12 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
     );
     let mut records: Vec<Record> = if args.resume { previous(&args.out.join("results.json")) } else { Vec::new() };
     let router_config = args.router_config.as_ref().map(|c| c.display().to_string());
+    let mut pool: Option<Pool> = None;
     for (wi, n, (policy, routers, sidecars)) in plan {
         let p = &prepared[wi];
         let done = records.iter().any(|r| {
-            r.workload == p.workload.name
+            r.engine == engine
+                && r.workload == p.workload.name
                 && r.policy == policy
                 && r.workers == n
                 && r.routers == routers
@@ -204,16 +278,25 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
             routers,
             sidecars,
             policy: policy.clone(),
-            num_blocks: blocks_per_worker(&p.ceiling, n, p.workload.max_output()),
+            num_blocks: blocks_per_worker(&p.ceiling, n, p.workload.max_output(), block_size),
             sim_args: sim_args(&p.workload),
             router_args: args.router_config.iter().flat_map(|c| ["--config".into(), c.display().to_string()]).collect(),
         };
+        if let Some(tokenizer) = &tokenizer
+            && pool.as_ref().is_none_or(|pl| pl.key != (wi, n))
+        {
+            if let Some(old) = pool.take() {
+                old.engines.shutdown().await;
+            }
+            let engines = start_engines(&args, p, &shape, &http).await?;
+            pool = Some(Pool { key: (wi, n), engines, tokenizer: tokenizer.clone() });
+        }
         let log = args.out.join("requests").join(format!(
             "{}_{policy}_w{n}_r{routers}{}.jsonl",
             p.workload.name,
             if sidecars { "" } else { "_nosidecars" }
         ));
-        let rec = run_one(&http, &dir, p, &shape, args.concurrency, &mp, &log).await?;
+        let rec = run_one(&http, &dir, p, &shape, pool.as_ref(), args.concurrency, &mp, &log).await?;
         overall.suspend(|| eprintln!(
             "{}",
             format_args!(
@@ -236,6 +319,9 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
         // Partial results survive an interrupted long run.
         report::write_json(&args.out.join("results.json"), &records)?;
     }
+    if let Some(old) = pool.take() {
+        old.engines.shutdown().await;
+    }
     overall.finish_and_clear();
     let descriptions: Vec<(String, String, Ceiling)> =
         prepared.iter().map(|p| (p.workload.name.clone(), p.workload.description.clone(), p.ceiling)).collect();
@@ -246,39 +332,81 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
     Ok(records)
 }
 
+/// Starts `shape.workers` real engines sized for `p` and warms them up.
+async fn start_engines(
+    args: &CompareArgs,
+    p: &Prepared,
+    shape: &Shape,
+    http: &reqwest::Client,
+) -> Result<VllmEngines, BenchError> {
+    let spec = ServeSpec {
+        script: args.engine.vllm_serve.clone(),
+        num_blocks: shape.num_blocks,
+        block_size: args.engine.engine.block_size(),
+        start_timeout: Duration::from_secs(args.engine.vllm_start_timeout),
+    };
+    let max_len = vllm::max_model_len(spec.num_blocks, spec.block_size) as usize;
+    let need = p.workload.max_prompt_len() + p.workload.max_output() as usize;
+    if need > max_len {
+        return Err(BenchError::Usage(format!(
+            "{}: prompts of up to {need} tokens with output do not fit vLLM's context of {max_len}",
+            p.workload.name
+        )));
+    }
+    let engines = VllmEngines::start(shape.workers, spec, &args.out.join("logs"), worker_id, http).await?;
+    engines.warm_up(http, p.workload.max_prompt_len()).await?;
+    Ok(engines)
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn run_one(
     http: &reqwest::Client,
     bin_dir: &Path,
     p: &Prepared,
     shape: &Shape,
+    pool: Option<&Pool>,
     concurrency: usize,
     mp: &MultiProgress,
     log: &Path,
 ) -> Result<Record, BenchError> {
-    let cluster = Cluster::start(setup::spec(shape, bin_dir)).await?;
-    let result = measure(http, &cluster, p, shape, concurrency, mp, log).await;
-    cluster.shutdown().await;
+    let (rig, engine) = match pool {
+        None => (Rig::start_sim(shape, bin_dir).await?, EngineKind::Sim),
+        Some(pool) => {
+            // A cold start for this run without restarting the engines.
+            pool.engines.reset_caches(http).await?;
+            (Rig::start_vllm(&pool.engines, shape, pool.tokenizer.clone(), bin_dir).await?, EngineKind::Vllm)
+        }
+    };
+    let result = measure(http, &rig, engine, p, shape, concurrency, mp, log).await;
+    rig.shutdown().await;
     result
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn measure(
     http: &reqwest::Client,
-    cluster: &Cluster,
+    rig: &Rig,
+    engine: EngineKind,
     p: &Prepared,
     shape: &Shape,
     concurrency: usize,
     mp: &MultiProgress,
     log: &Path,
 ) -> Result<Record, BenchError> {
-    let engines: Vec<String> = cluster.engines.iter().map(|e| e.url.clone()).collect();
-    let targets: Vec<String> = (0..shape.routers).map(|i| cluster.router_url(i).to_owned()).collect();
+    let engines = rig.engine_urls();
+    let targets: Vec<String> = (0..shape.routers).map(|i| rig.router_url(i).to_owned()).collect();
     let before = probe::cache_counters(http, &engines).await?;
     let pb = mp.add(ProgressBar::new(p.workload.requests.len() as u64));
     pb.set_style(
         ProgressStyle::with_template("  requests {bar:30} {pos}/{len} [{elapsed_precise}]")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let opts = DriveOptions { model: setup::MODEL.into(), concurrency, request_timeout: Duration::from_secs(120) };
+    let opts = DriveOptions {
+        model: engine.model().into(),
+        ignore_eos: engine.ignore_eos(),
+        concurrency,
+        request_timeout: Duration::from_secs(120),
+    };
     let out = drive(http, &p.workload, &targets, &opts, &pb).await;
     pb.finish_and_clear();
     mp.remove(&pb);
@@ -286,8 +414,7 @@ async fn measure(
 
     let mut ttfts = Vec::new();
     let mut lats = Vec::new();
-    let mut per_worker: BTreeMap<String, u64> =
-        (0..shape.workers).map(|i| (kvroute_sim::cluster::worker_id(i), 0)).collect();
+    let mut per_worker: BTreeMap<String, u64> = (0..shape.workers).map(|i| (worker_id(i), 0)).collect();
     let mut errors = 0;
     let mut first_error = None;
     for r in &out.results {
@@ -313,6 +440,7 @@ async fn measure(
     lats.sort();
     let wall = out.wall.as_secs_f64();
     Ok(Record {
+        engine,
         workload: p.workload.name.clone(),
         policy: shape.policy.clone(),
         workers: shape.workers,
@@ -370,13 +498,47 @@ fn write_request_log(
 
 #[cfg(test)]
 mod tests {
+    use clap::Parser;
+
     use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Cmd {
+        #[command(flatten)]
+        args: CompareArgs,
+    }
+
+    fn parse(argv: &[&str]) -> CompareArgs {
+        Cmd::parse_from(std::iter::once("compare").chain(argv.iter().copied())).args
+    }
 
     #[test]
     fn cluster_holds_the_working_set_but_one_worker_does_not() {
         let c = Ceiling { hit_tokens: 0, query_tokens: 1, unique_blocks: 8_000, max_prompt_blocks: 136 };
-        let b = blocks_per_worker(&c, 4, 16);
+        let b = blocks_per_worker(&c, 4, 16, 16);
         assert!(u64::from(b) < c.unique_blocks);
         assert!(u64::from(b) * 4 >= c.unique_blocks);
+    }
+
+    #[test]
+    fn vllm_presets_fit_the_tiny_models_context() {
+        let args = parse(&["--engine", "vllm"]);
+        let ws = workloads(&args).unwrap_or_default();
+        assert_eq!(ws.iter().map(|w| w.name.as_str()).collect::<Vec<_>>(), ["shared_prefix", "chat", "rag"]);
+        for w in &ws {
+            let c = ceiling::compute(w.requests.iter().map(|r| r.prompt.tokens()), 32);
+            let blocks = blocks_per_worker(&c, 2, w.max_output(), 32);
+            let len = vllm::max_model_len(blocks, 32) as usize;
+            assert!(w.max_prompt_len() + w.max_output() as usize <= len, "{}", w.name);
+        }
+        let trace = parse(&["--engine", "vllm", "--workload", "trace"]);
+        assert!(workloads(&trace).is_err());
+    }
+
+    #[test]
+    fn vllm_runs_two_policies_unless_told_otherwise() {
+        let args = parse(&["--engine", "vllm", "--no-variants"]);
+        let policies: Vec<String> = shapes(&args).into_iter().map(|s| s.0).collect();
+        assert_eq!(policies, ["cache_aware", "round_robin"]);
     }
 }

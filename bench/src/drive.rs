@@ -15,6 +15,8 @@ use crate::workload::Workload;
 #[derive(Debug, Clone)]
 pub struct DriveOptions {
     pub model: String,
+    /// Send `ignore_eos` (real vLLM: fixed output lengths).
+    pub ignore_eos: bool,
     pub concurrency: usize,
     /// Per-request bound: a stuck request fails instead of hanging the run.
     pub request_timeout: Duration,
@@ -58,7 +60,8 @@ pub async fn drive(
                 tokio::time::sleep(think).await;
             }
             let permit = gate.acquire_owned().await;
-            let body = client::completion_body(&opts.model, &req.prompt.tokens(), req.max_tokens, true);
+            let body =
+                client::completion_body(&opts.model, &req.prompt.tokens(), req.max_tokens, true, opts.ignore_eos);
             let sent_at = Instant::now();
             let result = client::complete(&http, &target, body, opts.request_timeout).await.map_err(|e| e.to_string());
             drop(permit);

@@ -39,4 +39,16 @@ pub enum BenchError {
     Usage(String),
     #[error("timed out: {0}")]
     Timeout(String),
+    #[error("finding free ports: {0}")]
+    Ports(#[source] std::io::Error),
+    #[error("cannot start {path}: {source}")]
+    Spawn {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("engine {name}: {message}")]
+    Engine { name: String, message: String },
+    #[error("interrupted (Ctrl-C or SIGTERM); engines stopped")]
+    Interrupted,
 }

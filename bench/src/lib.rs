@@ -1,6 +1,7 @@
 //! kvroute-bench: whole-system benchmarks of kvroute on a local cluster of
 //! simulated vLLM engines, sidecars and routers (started through
-//! `kvroute_sim::cluster`). Subcommands: `lifecycle` (a prefix's states in
+//! `kvroute_sim::cluster`), or of real vLLM engines (`--engine vllm`,
+//! lifecycle and compare) with the same sidecars and routers in front. Subcommands: `lifecycle` (a prefix's states in
 //! the router's map, checked and timed), `compare` (workloads × policies:
 //! hit rate against the infinite-cache ceiling, TTFT, load spread) and
 //! `overhead` (router vs direct), `propagation` (engine event → router map
@@ -15,23 +16,50 @@ pub mod cli;
 pub mod client;
 pub mod compare;
 pub mod drive;
+pub mod engine;
 pub mod error;
 pub mod lifecycle;
 pub mod overhead;
 pub mod probe;
 pub mod propagation;
 pub mod report;
+pub mod rig;
 pub mod setup;
 pub mod soak;
 pub mod stats;
 pub mod tokens;
+pub mod vllm;
 pub mod workload;
 
 use cli::Command;
 use error::BenchError;
 
-/// Runs one subcommand to completion; its report is on disk when this returns.
+/// Runs one subcommand to completion; its report is on disk when this
+/// returns. Ctrl-C or SIGTERM drops the run, and with it every child: the
+/// real vLLM engines run in their own process groups, out of the terminal's
+/// reach, and are killed by their handles' `Drop`.
 pub async fn run(command: Command) -> Result<String, BenchError> {
+    tokio::select! {
+        r = run_command(command) => r,
+        () = interrupted() => Err(BenchError::Interrupted),
+    }
+}
+
+async fn interrupted() {
+    #[cfg(unix)]
+    {
+        if let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+async fn run_command(command: Command) -> Result<String, BenchError> {
     match command {
         Command::Lifecycle(args) => {
             let out = args.out.clone();

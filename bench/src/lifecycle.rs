@@ -1,17 +1,20 @@
 //! `kvroute-bench lifecycle`: a prefix's life in the router's map, each state
-//! checked (PASS/FAIL) and timed on a real 3-worker cluster with sidecars:
-//! cold start, stickiness, eviction, recovery, and a router restart.
+//! checked (PASS/FAIL) and timed on a real cluster with sidecars (3 simulated
+//! engines, or 2 real vLLM ones with `--engine vllm`): cold start,
+//! stickiness, eviction, recovery, and a router restart.
 
 use std::time::{Duration, Instant};
 
-use kvroute_sim::cluster::Cluster;
 use serde::Serialize;
 
 use crate::cli::LifecycleArgs;
 use crate::client::{self, Outcome};
+use crate::engine::EngineKind;
 use crate::error::BenchError;
-use crate::setup::{self, MODEL, Shape};
+use crate::rig::Rig;
+use crate::setup::{self, Shape};
 use crate::tokens::{extend_run, seed};
+use crate::vllm::{self, ServeSpec, VllmEngines};
 use crate::{probe, report};
 
 const TAG: u64 = 0x4c49_4645;
@@ -19,6 +22,9 @@ const TAG: u64 = 0x4c49_4645;
 /// measured latency is the router's, not the poller's.
 const POLL: Duration = Duration::from_millis(2);
 const WAIT: Duration = Duration::from_secs(30);
+/// How long an engine may refuse `/reset_prefix_cache` (vLLM does while
+/// dropped streams still hold blocks).
+const RESET_WAIT: Duration = Duration::from_secs(120);
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Step {
@@ -35,6 +41,9 @@ struct Ctx {
     router: String,
     engines: Vec<String>,
     prefix_len: usize,
+    engine: EngineKind,
+    /// Output tokens of the long requests that keep a worker busy.
+    long_tokens: u32,
 }
 
 impl Ctx {
@@ -46,7 +55,7 @@ impl Ctx {
     }
 
     async fn send(&self, base: &str, prompt: &[u32], max_tokens: u32) -> Result<Outcome, BenchError> {
-        let body = client::completion_body(MODEL, prompt, max_tokens, true);
+        let body = client::completion_body(self.engine.model(), prompt, max_tokens, true, self.engine.ignore_eos());
         client::complete(&self.http, base, body, Duration::from_secs(60)).await
     }
 
@@ -63,7 +72,7 @@ impl Ctx {
     ) -> Result<(Duration, probe::RouteView), BenchError> {
         let started = Instant::now();
         loop {
-            let v = probe::debug_route(&self.http, &self.router, MODEL, prompt).await?;
+            let v = probe::debug_route(&self.http, &self.router, self.engine.model(), prompt).await?;
             if done(&v) {
                 return Ok((started.elapsed(), v));
             }
@@ -89,28 +98,94 @@ fn step(state: &str, pass: bool, latency: Option<Duration>, what: &str, detail: 
     }
 }
 
+/// Output tokens of the long requests: 4000, or what fits beside the
+/// prompt in a vLLM engine's context.
+fn long_tokens(engine: EngineKind, max_model_len: u32, prompt_len: usize) -> u32 {
+    match engine {
+        EngineKind::Sim => 4000,
+        EngineKind::Vllm => max_model_len.saturating_sub(prompt_len as u32).min(4000),
+    }
+}
+
 pub async fn run(args: LifecycleArgs) -> Result<Vec<Step>, BenchError> {
+    let engine = args.engine.engine;
+    let workers = args.workers.unwrap_or(match engine {
+        EngineKind::Sim => 3,
+        EngineKind::Vllm => 2,
+    });
+    engine.check_workers(workers)?;
+    if workers < 2 {
+        return Err(BenchError::Usage("lifecycle needs at least 2 workers".into()));
+    }
+    let num_blocks = args.num_blocks.unwrap_or(match engine {
+        EngineKind::Sim => 4096,
+        EngineKind::Vllm => 1024,
+    });
     let dir = setup::bin_dir();
-    setup::ensure_all(&dir)?;
     let shape = Shape {
-        workers: 3,
+        workers,
         routers: 1,
         sidecars: true,
         policy: "cache_aware".into(),
-        num_blocks: 4096,
+        num_blocks,
         sim_args: vec!["--time-scale".into(), args.time_scale.to_string()],
         router_args: args.router_config.iter().flat_map(|c| ["--config".into(), c.display().to_string()]).collect(),
     };
-    let mut cluster = Cluster::start(setup::spec(&shape, &dir)).await?;
-    let result = states(&mut cluster, &args).await;
-    cluster.shutdown().await;
+    // The prompts: a prefix and a 32-token suffix.
+    let prompt_len = args.prefix_len + 32;
+    let http = client::http_client();
+    let (pool, mut rig, engines_line) = match engine {
+        EngineKind::Sim => {
+            setup::ensure_all(&dir)?;
+            let rig = Rig::start_sim(&shape, &dir).await?;
+            (None, rig, format!("{workers} simulated engines (time scale {})", args.time_scale))
+        }
+        EngineKind::Vllm => {
+            kvroute_sim::cluster::ensure_binaries(&dir)?;
+            let tokenizer = crate::engine::tiny_model_dir(&args.engine.vllm_serve)?;
+            let spec = ServeSpec {
+                script: args.engine.vllm_serve.clone(),
+                num_blocks,
+                block_size: engine.block_size(),
+                start_timeout: Duration::from_secs(args.engine.vllm_start_timeout),
+            };
+            let max_len = vllm::max_model_len(num_blocks, spec.block_size);
+            if prompt_len + 4 > max_len as usize {
+                return Err(BenchError::Usage(format!(
+                    "--prefix-len {} does not fit the engines' context of {max_len} tokens (--num-blocks {num_blocks})",
+                    args.prefix_len
+                )));
+            }
+            let pool = VllmEngines::start(workers, spec, &args.out, kvroute_sim::cluster::worker_id, &http).await?;
+            pool.warm_up(&http, prompt_len).await?;
+            let rig = Rig::start_vllm(&pool, &shape, tokenizer, &dir).await?;
+            let line = format!(
+                "{workers} real vLLM engines (CPU build, tiny-qwen3 with random weights, {num_blocks} KV blocks of {} tokens)",
+                engine.block_size()
+            );
+            (Some(pool), rig, line)
+        }
+    };
+    let max_len = vllm::max_model_len(num_blocks, engine.block_size());
+    let ctx = Ctx {
+        http,
+        router: rig.router_url(0).to_owned(),
+        engines: rig.engine_urls(),
+        prefix_len: args.prefix_len,
+        engine,
+        long_tokens: long_tokens(engine, max_len, prompt_len),
+    };
+    let result = states(&mut rig, &ctx, &args).await;
+    rig.shutdown().await;
+    if let Some(pool) = pool {
+        pool.shutdown().await;
+    }
     let steps = result?;
     let mut md = String::from("# kvroute-bench lifecycle\n\n");
     md.push_str(&format!(
-        "Machine: {}. 3 simulated engines (time scale {}), 3 sidecars, 1 router, policy cache_aware; \
+        "Machine: {}. {engines_line}, {workers} sidecars, 1 router, policy cache_aware; \
          prefixes of {} tokens{}. Latencies are measured by polling the router's debug endpoints every {} ms.\n\n",
         report::machine(),
-        args.time_scale,
         args.prefix_len,
         args.router_config.as_ref().map_or(String::new(), |c| format!("; router config {}", c.display())),
         POLL.as_millis()
@@ -133,13 +208,7 @@ pub async fn run(args: LifecycleArgs) -> Result<Vec<Step>, BenchError> {
     Ok(steps)
 }
 
-async fn states(cluster: &mut Cluster, args: &LifecycleArgs) -> Result<Vec<Step>, BenchError> {
-    let ctx = Ctx {
-        http: client::http_client(),
-        router: cluster.router_url(0).to_owned(),
-        engines: cluster.engines.iter().map(|e| e.url.clone()).collect(),
-        prefix_len: args.prefix_len,
-    };
+async fn states(rig: &mut Rig, ctx: &Ctx, args: &LifecycleArgs) -> Result<Vec<Step>, BenchError> {
     let mut steps = Vec::new();
 
     // 1. Cold start: a concurrent burst of one new prefix.
@@ -172,10 +241,8 @@ async fn states(cluster: &mut Cluster, args: &LifecycleArgs) -> Result<Vec<Step>
         let prompt = ctx.prompt(2, 1000 + i as u64);
         let http = ctx.http.clone();
         let router = ctx.router.clone();
-        long.push(tokio::spawn(async move {
-            let body = client::completion_body(MODEL, &prompt, 4000, true);
-            client::complete(&http, &router, body, Duration::from_secs(60)).await
-        }));
+        let body = client::completion_body(ctx.engine.model(), &prompt, ctx.long_tokens, true, ctx.engine.ignore_eos());
+        long.push(tokio::spawn(async move { client::complete(&http, &router, body, Duration::from_secs(60)).await }));
         let started = Instant::now();
         let mut total = 0.0;
         while total < (i + 1) as f64 && started.elapsed() < Duration::from_secs(5) {
@@ -239,7 +306,7 @@ async fn states(cluster: &mut Cluster, args: &LifecycleArgs) -> Result<Vec<Step>
     ctx.send(&ctx.engines[b], &ctx.prompt(2, 600), 1).await?;
     let (learn, _) = ctx.until_route(&probe_prompt, |v| v.matched_blocks(&other) > 0).await?;
     let evict_at = Instant::now();
-    probe::post_json(&ctx.http, &format!("{}/reset_prefix_cache", ctx.engines[h]), &serde_json::Value::Null).await?;
+    probe::reset_prefix_cache(&ctx.http, &ctx.engines[h], RESET_WAIT).await?;
     let (evict_latency, view) = match ctx.until_route(&probe_prompt, |v| v.matched_blocks(&holder) == 0).await {
         Ok(x) => (Some(evict_at.elapsed()), Some(x.1)),
         Err(_) => (None, None),
@@ -262,7 +329,7 @@ async fn states(cluster: &mut Cluster, args: &LifecycleArgs) -> Result<Vec<Step>
     // 4. Recovery: evict it everywhere, then the next request is placed anew and sticks.
     let reset_at = Instant::now();
     for e in &ctx.engines {
-        probe::post_json(&ctx.http, &format!("{e}/reset_prefix_cache"), &serde_json::Value::Null).await?;
+        probe::reset_prefix_cache(&ctx.http, e, RESET_WAIT).await?;
     }
     let (_, cold) = ctx.until_route(&probe_prompt, |v| v.matched.iter().all(|m| m.1 == 0)).await?;
     let forgot = reset_at.elapsed();
@@ -304,12 +371,12 @@ async fn states(cluster: &mut Cluster, args: &LifecycleArgs) -> Result<Vec<Step>
         before = now;
     }
     let killed_at = Instant::now();
-    cluster.routers[0].proc.kill().await;
-    cluster.restart_router(0).await?;
+    rig.kill_router(0).await;
+    rig.restart_router(0).await?;
     let listening = killed_at.elapsed();
     let restarted_at = Instant::now();
     let whole = loop {
-        if let Ok(now) = probe::index_confirmed(&ctx.http, cluster.router_url(0)).await
+        if let Ok(now) = probe::index_confirmed(&ctx.http, rig.router_url(0)).await
             && now.len() == before.len()
             && now.iter().zip(&before).all(|(a, b)| a.0 == b.0 && a.1 >= b.1)
         {
@@ -332,4 +399,23 @@ async fn states(cluster: &mut Cluster, args: &LifecycleArgs) -> Result<Vec<Step>
         ),
     ));
     Ok(steps)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_requests_fit_a_vllm_context() {
+        assert_eq!(long_tokens(EngineKind::Sim, 0, 1056), 4000);
+        assert_eq!(long_tokens(EngineKind::Vllm, 4096, 1056), 3040);
+        assert_eq!(long_tokens(EngineKind::Vllm, 63 * 32, 4000), 0);
+    }
+
+    #[test]
+    fn worker_ids_name_engines() {
+        assert_eq!(engine_index("w1"), Some(0));
+        assert_eq!(engine_index("w2"), Some(1));
+        assert_eq!(engine_index("x"), None);
+    }
 }

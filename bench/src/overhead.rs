@@ -55,7 +55,7 @@ fn bodies() -> Arc<Vec<Vec<u8>>> {
                 let mut t = Vec::with_capacity(PROMPT_LEN);
                 extend_run(&mut t, seed(TAG, 0, 0), PROMPT_LEN / 2);
                 extend_run(&mut t, seed(TAG, 1, i as u64), PROMPT_LEN / 2);
-                client::completion_body(MODEL, &t, 1, false)
+                client::completion_body(MODEL, &t, 1, false, false)
             })
             .collect(),
     )

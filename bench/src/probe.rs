@@ -2,6 +2,8 @@
 //! the router's debug endpoints. compare takes hit rates from the engines
 //! (the source of truth), lifecycle watches the router's map through these.
 
+use std::time::{Duration, Instant};
+
 use serde_json::Value;
 
 use crate::error::BenchError;
@@ -53,6 +55,24 @@ pub async fn post_json(client: &reqwest::Client, url: &str, body: &Value) -> Res
     let resp = client.post(url).json(body).send().await.map_err(http)?.error_for_status().map_err(http)?;
     let text = resp.text().await.map_err(http)?;
     Ok(serde_json::from_str(&text).unwrap_or(Value::Null))
+}
+
+/// `POST /reset_prefix_cache` until the engine reports success. vLLM answers
+/// `{"success": false}` while running requests still hold blocks (e.g.
+/// streams the client just dropped); kvroute-sim answers 200 with no body.
+pub async fn reset_prefix_cache(client: &reqwest::Client, engine: &str, wait: Duration) -> Result<(), BenchError> {
+    let url = format!("{engine}/reset_prefix_cache");
+    let started = Instant::now();
+    loop {
+        let answer = post_json(client, &url, &Value::Null).await?;
+        if answer["success"] != Value::Bool(false) {
+            return Ok(());
+        }
+        if started.elapsed() > wait {
+            return Err(BenchError::Timeout(format!("{url} still refused after {} s", wait.as_secs())));
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }
 
 /// Counters summed over every engine.

@@ -71,7 +71,7 @@ pub async fn run(args: PropagationArgs) -> Result<PropagationResult, BenchError>
     for i in 0..samples {
         let mut prompt = Vec::new();
         extend_run(&mut prompt, seed(TAG, i as u64, 0), args.prompt_len);
-        let body = client::completion_body(MODEL, &prompt, 1, false);
+        let body = client::completion_body(MODEL, &prompt, 1, false, false);
         let started = Instant::now();
         client::complete(&http, &engine, body, WAIT).await?;
         loop {

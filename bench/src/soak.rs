@@ -118,7 +118,7 @@ pub async fn run(args: SoakArgs) -> Result<SoakResult, BenchError> {
                 tick.tick().await;
                 let Ok(permit) = in_flight.clone().acquire_owned().await else { break };
                 let (http, router, ok, errors) = (http.clone(), router.clone(), ok.clone(), errors.clone());
-                let body = client::completion_body(MODEL, &prompt(i), 8, true);
+                let body = client::completion_body(MODEL, &prompt(i), 8, true, false);
                 tokio::spawn(async move {
                     let counter = match client::complete(&http, &router, body, Duration::from_secs(60)).await {
                         Ok(_) => &ok,

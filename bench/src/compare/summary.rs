@@ -4,6 +4,7 @@
 
 use crate::ceiling::Ceiling;
 use crate::cli::CompareArgs;
+use crate::engine::EngineKind;
 use crate::report::{self, ms};
 
 use super::Record;
@@ -99,11 +100,28 @@ pub fn checks(workload: &str, rs: &[&Record]) -> Vec<Vec<String>> {
 
 pub fn markdown(records: &[Record], workloads: &[(String, String, Ceiling)], args: &CompareArgs) -> String {
     let mut md = String::from("# kvroute-bench compare\n\n");
+    let (engines, fresh) = match args.engine.engine {
+        EngineKind::Sim => ("kvroute-sim".to_owned(), "fresh cluster per run"),
+        EngineKind::Vllm => (
+            format!(
+                "real vLLM (CPU build, tiny-qwen3 with random weights, blocks of {} tokens, `ignore_eos`)",
+                EngineKind::Vllm.block_size()
+            ),
+            "engines started once per workload and worker count; before every run their prefix caches are \
+             emptied (`/reset_prefix_cache`) and routers and sidecars started afresh",
+        ),
+    };
     md.push_str(&format!(
-        "Machine: {}. Mode: {}. Concurrency cap {} (open loop), fresh cluster per run, KV blocks per engine sized \
-         so the cluster holds 1.5 × the workload's working set.\n\n",
+        "Machine: {}. Engines: {engines}. Mode: {}. Concurrency cap {} (open loop), {fresh}, KV blocks per engine \
+         sized so the cluster holds 1.5 × the workload's working set.\n\n",
         report::machine(),
-        if args.quick { "quick" } else { "full" },
+        if args.engine.engine == EngineKind::Vllm {
+            "vLLM presets"
+        } else if args.quick {
+            "quick"
+        } else {
+            "full"
+        },
         args.concurrency
     ));
     md.push_str(
@@ -124,10 +142,15 @@ pub fn markdown(records: &[Record], workloads: &[(String, String, Ceiling)], arg
         for n in worker_counts {
             let rs: Vec<&Record> = records.iter().filter(|r| &r.workload == name && r.workers == n).collect();
             let Some(first) = rs.first() else { continue };
-            md.push_str(&format!(
-                "{n} workers, {} KV blocks each, engine time scale {}:\n\n",
-                first.num_blocks, first.time_scale
-            ));
+            md.push_str(&match first.engine {
+                EngineKind::Sim => {
+                    format!(
+                        "{n} workers, {} KV blocks each, engine time scale {}:\n\n",
+                        first.num_blocks, first.time_scale
+                    )
+                }
+                EngineKind::Vllm => format!("{n} real vLLM workers, {} KV blocks each:\n\n", first.num_blocks),
+            });
             let rows: Vec<Vec<String>> = rs
                 .iter()
                 .map(|r| {
@@ -177,6 +200,7 @@ mod tests {
 
     fn rec(policy: &str, hit: f64, p50: f64) -> Record {
         Record {
+            engine: EngineKind::Sim,
             workload: "w".into(),
             policy: policy.into(),
             workers: 4,

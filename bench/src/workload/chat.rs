@@ -61,6 +61,12 @@ impl Params {
     pub fn quick() -> Self {
         Params { users: 8, rounds: 3, think: 0.3, ..Params::full() }
     }
+
+    /// For 2 real vLLM engines on CPU (`--engine vllm`): the last turn is
+    /// 2,624 tokens, inside the tiny model's 4096-token context.
+    pub fn vllm() -> Self {
+        Params { users: 12, rounds: 5, system_len: 1536, stagger: 0.5, ..Params::full() }
+    }
 }
 
 /// Requests are listed round by round (every user's turn 0, then turn 1, …),

@@ -47,6 +47,12 @@ impl Params {
     pub fn quick() -> Self {
         Params { documents: 24, requests: 64, ..Params::full() }
     }
+
+    /// For 2 real vLLM engines on CPU (`--engine vllm`): 2,224-token prompts
+    /// at a rate the CPU keeps up with (≈ 30 s per run).
+    pub fn vllm() -> Self {
+        Params { documents: 24, doc_len: 2048, output_len: 8, requests: 96, rate: 3.0, ..Params::full() }
+    }
 }
 
 /// Cumulative Zipf weights over ranks 1..=n, normalised to end at 1.

@@ -43,6 +43,13 @@ impl Params {
     pub fn quick() -> Self {
         Params { groups: 6, prompts_per_group: 8, ..Params::full() }
     }
+
+    /// For 2 real vLLM engines on CPU (`--engine vllm`): prompts that fit the
+    /// tiny model's 4096-token context, long enough that prefill shows in
+    /// TTFT, at a rate the CPU keeps up with (≈ 30 s per run).
+    pub fn vllm() -> Self {
+        Params { groups: 12, prompts_per_group: 8, system_len: 3072, output_len: 8, rate: 3.0, ..Params::full() }
+    }
 }
 
 /// Request `k` of the result is question `order[k]`; the group of a request
