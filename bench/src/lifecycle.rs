@@ -156,7 +156,9 @@ pub async fn run(args: LifecycleArgs) -> Result<Vec<Step>, BenchError> {
                     args.prefix_len
                 )));
             }
-            let pool = VllmEngines::start(workers, spec, &args.out, kvroute_sim::cluster::worker_id, &http).await?;
+            let pool =
+                VllmEngines::start(workers, spec, &args.out.join("logs"), kvroute_sim::cluster::worker_id, &http)
+                    .await?;
             pool.warm_up(&http, prompt_len).await?;
             let rig = Rig::start_vllm(&pool, &shape, tokenizer, &dir).await?;
             let line = format!(
