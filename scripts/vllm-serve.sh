@@ -46,6 +46,9 @@ max_len=$(( (blocks - 1) * block_size ))
 [ "$max_len" -gt 4096 ] && max_len=4096
 
 export VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# vLLM pins its OpenMP thread to core 0 by default: several engines on one
+# small machine would then share that core while the others idle.
+export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # Dev mode serves POST /reset_prefix_cache, which the tests use (a test engine;
 # never set it on a production vLLM).

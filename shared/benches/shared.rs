@@ -55,7 +55,7 @@ fn tokenize(c: &mut Criterion) {
         let tok = match tokenizer_dir(name) {
             Ok(dir) => PromptTokenizer::load(&dir).expect("tokenizer loads"),
             Err(why) => {
-                eprintln!("SKIPPED tokenize/{name}: {why}");
+                eprintln!("tokenize/{name} not measured: {why}");
                 continue;
             }
         };

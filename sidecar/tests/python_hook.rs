@@ -29,13 +29,12 @@ server.stop()
 
 #[tokio::test]
 async fn sidecar_reads_the_python_hooks_snapshot() {
-    let ok = Command::new("python3").args(["-c", "import zmq, msgpack"]).status().is_ok_and(|s| s.success());
-    if !ok {
-        eprintln!("skipped: python3 with pyzmq and msgpack is not available");
-        return;
-    }
+    // scripts/test.sh points KVROUTE_PYTHON at the test venv it installs.
+    let python = std::env::var("KVROUTE_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ok = Command::new(&python).args(["-c", "import zmq, msgpack"]).status().is_ok_and(|s| s.success());
+    assert!(ok, "{python} lacks pyzmq or msgpack: pip install pyzmq msgpack (scripts/test.sh installs them)");
     let src = concat!(env!("CARGO_MANIFEST_DIR"), "/../python-hooks/src");
-    let mut child = Command::new("python3")
+    let mut child = Command::new(&python)
         .args(["-c", SCRIPT])
         .env("PYTHONPATH", src)
         .stdin(Stdio::piped())

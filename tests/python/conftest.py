@@ -20,7 +20,7 @@ def _bin_dir() -> pathlib.Path:
 def router_url():
     sim = _bin_dir() / "kvroute-sim"
     if not sim.exists():
-        pytest.skip(f"{sim} is not built (scripts/test.sh builds it: cargo build --workspace --bins)")
+        raise RuntimeError(f"{sim} is not built (scripts/test.sh builds it: cargo build --workspace --bins)")
     proc = subprocess.Popen(
         [str(sim), "cluster", "--port", "0", "--workers", "2", "--time-scale", "50"],
         stdout=subprocess.PIPE,

@@ -1,0 +1,53 @@
+#!/usr/bin/env python3
+"""Adds up what scripts/test.sh ran and prints one closing line:
+`N passed, N failed, N skipped`.
+
+Inputs: cargo test's output (its `test result:` lines; ignored tests count as
+skipped) and pytest's JUnit XML files. A step that could not run at all is
+passed as `--broken NAME` and counts as one failure, so a missing tool can
+never look like success.
+"""
+
+import argparse
+import re
+import sys
+import xml.etree.ElementTree as ET
+
+RESULT = re.compile(r"test result: \w+\. (\d+) passed; (\d+) failed; (\d+) ignored")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cargo", action="append", default=[], help="cargo test output")
+    ap.add_argument("--junit", action="append", default=[], help="pytest --junitxml file")
+    ap.add_argument("--broken", action="append", default=[], help="a step that could not run")
+    args = ap.parse_args()
+
+    passed = failed = skipped = 0
+    for path in args.cargo:
+        for m in RESULT.finditer(open(path, errors="replace").read()):
+            passed += int(m[1])
+            failed += int(m[2])
+            skipped += int(m[3])
+    for path in args.junit:
+        try:
+            root = ET.parse(path).getroot()
+        except (OSError, ET.ParseError):
+            print(f"no pytest report at {path}: counted as a failure", file=sys.stderr)
+            failed += 1
+            continue
+        for suite in root.iter("testsuite"):
+            tests, fails = int(suite.get("tests", 0)), int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+            skips = int(suite.get("skipped", 0))
+            passed += tests - fails - skips
+            failed += fails
+            skipped += skips
+    for step in args.broken:
+        print(f"step that could not run: {step}", file=sys.stderr)
+        failed += 1
+    print(f"{passed} passed, {failed} failed, {skipped} skipped")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

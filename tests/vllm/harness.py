@@ -1,0 +1,333 @@
+"""Processes for the real-vLLM tier: vLLM engines (scripts/vllm-serve.sh),
+kvroute sidecars and routers (the debug binaries), each in its own process
+group, with its output kept in a log file that failures print.
+
+Ports: kvroute's binaries bind port 0 and print `listening on URL`, which is
+read back. vLLM cannot report a port it chose (its API socket, its ZMQ event
+and replay endpoints and the plugin's snapshot socket all take a number), so
+for vLLM a free port is taken from the OS, released, and passed in; a clash
+with another process in that instant makes the engine fail to start, loudly.
+"""
+
+import hashlib
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from typing import Callable, List, Optional, TypeVar
+
+import msgpack
+import requests
+import zmq
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TARGET = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
+BIN = TARGET / "debug"
+MODEL = "tiny-qwen3"
+BLOCK_SIZE = 32
+TOKEN = "real-vllm-tier-internal-token"
+# Engines start in 1–2 minutes on an idle 2-core machine; CI may be busier.
+ENGINE_START_TIMEOUT = float(os.environ.get("KVROUTE_VLLM_START_TIMEOUT", "600"))
+
+T = TypeVar("T")
+
+
+def binary(name: str) -> pathlib.Path:
+    path = BIN / name
+    if not path.exists():
+        raise RuntimeError(f"{path} is not built: run `cargo build --workspace --bins` (scripts/test.sh does)")
+    return path
+
+
+def tiny_model() -> pathlib.Path:
+    out = subprocess.run([str(ROOT / "scripts" / "tiny-model.sh")], check=True, capture_output=True, text=True)
+    return pathlib.Path(out.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def eventually(what: str, timeout: float, probe: Callable[[], Optional[T]], every: float = 0.2) -> T:
+    """Polls `probe` until it returns something other than None."""
+    deadline = time.monotonic() + timeout
+    last_error = None
+    while time.monotonic() < deadline:
+        try:
+            got = probe()
+            if got is not None:
+                return got
+        except (requests.RequestException, zmq.ZMQError) as e:
+            last_error = e
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last error: {last_error})")
+
+
+class Proc:
+    """A child process in its own group, output to a log file."""
+
+    def __init__(self, name: str, cmd: List[str], env: Optional[dict] = None):
+        self.name = name
+        self.cmd = cmd
+        self.env = env
+        self.log_path = pathlib.Path(tempfile.mkstemp(prefix=f"kvroute-{name}-", suffix=".log")[1])
+        self.proc: Optional[subprocess.Popen] = None
+        self.start()
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True, cwd=ROOT
+        )
+        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log(self, tail: int = 60) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-tail:])
+
+    def check_alive(self) -> None:
+        if not self.alive():
+            raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.log()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def announced_url(self, timeout: float = 60) -> str:
+        """The URL of this process's `listening on URL` line."""
+
+        def probe():
+            self.check_alive()
+            for line in self.log_path.read_text(errors="replace").splitlines():
+                if line.startswith("listening on "):
+                    return line.split(" on ", 1)[1].strip()
+            return None
+
+        return eventually(f"{self.name} to listen", timeout, probe)
+
+
+class Engine:
+    """One real vLLM (tiny Qwen3, random weights) with KV events and the plugin."""
+
+    def __init__(self, name: str, num_blocks: int, extra: Optional[List[str]] = None):
+        self.name = name
+        self.num_blocks = num_blocks
+        self.extra = extra or []
+        self.port, self.events, self.replay, self.snapshot = (free_port() for _ in range(4))
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = Proc(f"vllm-{name}", self._cmd())
+
+    def _cmd(self) -> List[str]:
+        cmd = [
+            str(ROOT / "scripts" / "vllm-serve.sh"),
+            "--port", str(self.port),
+            "--events-port", str(self.events),
+            "--replay-port", str(self.replay),
+            "--snapshot-port", str(self.snapshot),
+            "--num-blocks", str(self.num_blocks),
+            "--block-size", str(BLOCK_SIZE),
+        ]
+        return cmd + (["--"] + self.extra if self.extra else [])
+
+    def wait_ready(self) -> None:
+        def probe():
+            self.proc.check_alive()
+            r = requests.get(f"{self.url}/health", timeout=2)
+            return True if r.status_code == 200 else None
+
+        eventually(f"vLLM {self.name} to serve", ENGINE_START_TIMEOUT, probe, every=1.0)
+
+    def restart(self) -> None:
+        self.proc.stop()
+        self.proc.start()
+        self.wait_ready()
+
+    def snapshot_hashes(self, rank: int = 0) -> set:
+        """The plugin's answer: the engine's cached block hashes right now."""
+        ctx = zmq.Context.instance()
+        s = ctx.socket(zmq.REQ)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 5000)
+        s.connect(f"tcp://127.0.0.1:{self.snapshot + rank}")
+        try:
+            s.send(msgpack.packb({"op": "snapshot"}))
+            reply = msgpack.unpackb(s.recv(), raw=False)
+        finally:
+            s.close()
+        assert reply["ok"], reply
+        return set(reply["hashes"])
+
+    def replay_all(self, rank: int = 0) -> List[list]:
+        """Every buffered event batch since the engine started (vLLM's replay
+        socket, from seq 0), as decoded payloads [ts, events, dp_rank]."""
+        ctx = zmq.Context.instance()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 5000)
+        s.connect(f"tcp://127.0.0.1:{self.replay + rank}")
+        batches = []
+        try:
+            s.send_multipart([b"", (0).to_bytes(8, "big")])
+            while True:
+                frames = s.recv_multipart()
+                seq = int.from_bytes(frames[-2], "big", signed=True)
+                if seq == -1:
+                    return batches
+                batches.append(msgpack.unpackb(frames[-1], raw=False, strict_map_key=False))
+        finally:
+            s.close()
+
+    def metric(self, name: str) -> float:
+        text = requests.get(f"{self.url}/metrics", timeout=5).text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " ")
+        )
+
+
+def _u64(h) -> int:
+    return h if isinstance(h, int) and h >= 0 else (h & (2**64 - 1) if isinstance(h, int) else int.from_bytes(h[-8:], "big"))
+
+
+def kvroute_root(model: str, salt: str = "") -> bytes:
+    """DESIGN.md §1, written again here, independently of the Rust code."""
+    return hashlib.sha256(b"kvroute/root/v1" + model.encode() + b"\x00" + salt.encode()).digest()[:8]
+
+
+def kvroute_key(parent: bytes, tokens: List[int]) -> bytes:
+    data = b"kvroute/block/v1" + parent + b"".join(t.to_bytes(4, "little") for t in tokens)
+    return hashlib.sha256(data).digest()[:8]
+
+
+def engine_hash_to_router_key(batches: List[list], model: str = MODEL) -> dict:
+    """Engine block hash → kvroute router key (hex), from every BlockStored of
+    group 0 in `batches`: an independent translation to check the sidecar's."""
+    keys: dict = {}
+    for _ts, events, *_ in batches:
+        for ev in events:
+            if not isinstance(ev, dict) or ev.get("type") != "BlockStored":
+                continue
+            if (ev.get("group_idx") or 0) != 0 or ev.get("medium") not in (None, "GPU"):
+                continue
+            bs = ev["block_size"]
+            parent_hash = ev.get("parent_block_hash")
+            parent = kvroute_root(model) if parent_hash is None else keys.get(_u64(parent_hash))
+            if parent is None:
+                continue
+            for i, h in enumerate(ev["block_hashes"]):
+                key = kvroute_key(parent, ev["token_ids"][i * bs : (i + 1) * bs])
+                keys.setdefault(_u64(h), key)
+                parent = keys[_u64(h)]
+    return keys
+
+
+class Sidecar:
+    def __init__(self, worker_id: str, engine: Engine, routers: List[str]):
+        self.worker_id = worker_id
+        self.engine = engine
+        self.routers = routers
+        self.proc = Proc(f"sidecar-{worker_id}", self._cmd(), env={**os.environ, "RUST_LOG": "info"})
+        self.url = self.proc.announced_url()
+
+    def _cmd(self) -> List[str]:
+        e = self.engine
+        cmd = [
+            str(binary("kvroute-sidecar")),
+            "--worker-id", self.worker_id,
+            "--engine-url", e.url,
+            "--events", f"tcp://127.0.0.1:{e.events}",
+            "--replay", f"tcp://127.0.0.1:{e.replay}",
+            "--engine-snapshot", f"tcp://127.0.0.1:{e.snapshot}",
+            "--internal-token", TOKEN,
+            "--listen", "127.0.0.1:0",
+        ]
+        for r in self.routers:
+            cmd += ["--router", r]
+        return cmd
+
+    def restart(self) -> None:
+        self.proc.stop()
+        self.proc.start()
+        self.url = self.proc.announced_url()
+
+    def metric(self, name: str) -> float:
+        text = requests.get(f"{self.url}/metrics", timeout=5).text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " ")
+        )
+
+
+class Router:
+    def __init__(self, tokenizer: pathlib.Path, listen: str = "127.0.0.1:0", extra: Optional[List[str]] = None):
+        self.cmd = [
+            str(binary("kvroute-router")),
+            "--listen", listen,
+            "--tokenizer", str(tokenizer),
+            "--block-size", str(BLOCK_SIZE),
+            "--internal-token", TOKEN,
+            "--health-check-interval", "500ms",
+        ] + (extra or [])
+        self.proc = Proc("router", self.cmd, env={**os.environ, "KVROUTE_LOG": "info"})
+        self.url = self.proc.announced_url()
+
+    def restart_same_port(self) -> None:
+        port = self.url.rsplit(":", 1)[1]
+        self.proc.kill()
+        i = self.proc.cmd.index("--listen")
+        self.proc.cmd[i + 1] = f"127.0.0.1:{port}"
+        self.proc.start()
+        self.url = self.proc.announced_url()
+
+    def confirmed(self, worker: str) -> set:
+        r = requests.get(f"{self.url}/debug/index", params={"worker": worker}, timeout=5)
+        r.raise_for_status()
+        return set(r.json()["confirmed"])
+
+    def workers(self) -> dict:
+        return {w["id"]: w for w in requests.get(f"{self.url}/admin/workers", timeout=5).json()["workers"]}
+
+    def tokenize(self, body: dict) -> List[int]:
+        """The router's own token ids for an OpenAI body (`kvroute-router tokenize`)."""
+        tok = self.cmd[self.cmd.index("--tokenizer") + 1]
+        out = subprocess.run(
+            [str(binary("kvroute-router")), "tokenize", "--tokenizer", tok, "--block-size", str(BLOCK_SIZE)],
+            input=json.dumps(body),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return json.loads(out.stdout)["token_ids"]
+
+
+def truth(engine: Engine) -> set:
+    """The engine's cached blocks as router keys (hex): the plugin's snapshot,
+    each hash translated through the engine's own event history."""
+    table = engine_hash_to_router_key(engine.replay_all())
+    held = engine.snapshot_hashes()
+    missing = [h for h in held if _u64(h) not in table]
+    assert not missing, f"{len(missing)} cached blocks of {engine.name} never appeared in its events"
+    return {table[_u64(h)].hex() for h in held}
