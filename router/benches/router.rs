@@ -156,6 +156,7 @@ fn report(_: &mut Criterion) {
                 candidates: &candidates,
                 mean_prompt_tokens: 1000.0,
                 prefix_hint: None,
+                dry_run: false,
             };
             black_box(policy.choose(&view));
             t.elapsed()

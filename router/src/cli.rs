@@ -56,7 +56,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub block_size: Option<u32>,
     /// Routing policy [default: cache_aware].
-    #[arg(long)]
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(crate::policy::POLICY_NAMES.iter().copied()))]
     pub policy: Option<String>,
     /// Bearer token sidecars must present on /internal/* (≥ 16 characters).
     #[arg(long, value_name = "TOKEN")]

@@ -72,6 +72,10 @@ pub struct RouteView<'a> {
     pub mean_prompt_tokens: f64,
     /// The request's `prefix_len` (the paper's hint), in tokens.
     pub prefix_hint: Option<usize>,
+    /// An explanation (`/debug/route`), not a decision: a policy must not
+    /// advance its own state (round-robin's turn), so explaining a request
+    /// never changes where the next one goes.
+    pub dry_run: bool,
 }
 
 impl RouteView<'_> {
@@ -248,6 +252,7 @@ pub(crate) mod testkit {
             candidates,
             mean_prompt_tokens: 1000.0,
             prefix_hint: None,
+            dry_run: false,
         }
     }
 

@@ -95,6 +95,7 @@ pub fn plan(state: &AppState, req: &PromptRequest, pinned: Option<&WorkerId>, li
             candidates: &candidates,
             mean_prompt_tokens: state.mean_prompt_tokens(),
             prefix_hint,
+            dry_run: !live,
         };
         let decision = match pinned_at {
             Some(i) if !overloaded(&view, i, state) => Decision::with_fallbacks(&view, i, Reason::Session),

@@ -16,7 +16,9 @@ impl Policy for RoundRobin {
         "round_robin"
     }
     fn choose(&self, view: &RouteView<'_>) -> Decision {
-        let i = self.next.fetch_add(1, Ordering::Relaxed) as usize % view.candidates.len();
+        let turn =
+            if view.dry_run { self.next.load(Ordering::Relaxed) } else { self.next.fetch_add(1, Ordering::Relaxed) };
+        let i = turn as usize % view.candidates.len();
         Decision::with_fallbacks(view, i, Reason::RoundRobin)
     }
 }
@@ -47,7 +49,12 @@ impl Policy for PowerOfTwo {
     }
     fn choose(&self, view: &RouteView<'_>) -> Decision {
         let n = view.candidates.len();
-        let r = splitmix64(self.counter.fetch_add(1, Ordering::Relaxed) ^ view.head_hash);
+        let draw = if view.dry_run {
+            self.counter.load(Ordering::Relaxed)
+        } else {
+            self.counter.fetch_add(1, Ordering::Relaxed)
+        };
+        let r = splitmix64(draw ^ view.head_hash);
         let a = (r % n as u64) as usize;
         let b = ((r >> 32) % n as u64) as usize;
         let i = view.least_loaded([a, b].into_iter()).unwrap_or(a);
@@ -92,6 +99,18 @@ mod tests {
         let p = RoundRobin::default();
         let picks: Vec<_> = (0..6).map(|_| p.choose(&view(&k, &c)).chosen().unwrap()).collect();
         assert_eq!(picks, vec![0, 1, 2, 0, 1, 2]);
+    }
+
+    #[test]
+    fn explaining_a_decision_does_not_take_a_turn() {
+        let k = keys(1);
+        let c = [cand(0, 0, 0), cand(1, 0, 0), cand(2, 0, 0)];
+        let dry = |k, c| RouteView { dry_run: true, ..view(k, c) };
+        for p in [&RoundRobin::default() as &dyn Policy, &PowerOfTwo::default()] {
+            let explained: Vec<_> = (0..3).map(|_| p.choose(&dry(&k, &c)).chosen()).collect();
+            let next = p.choose(&view(&k, &c)).chosen();
+            assert!(explained.iter().all(|e| *e == next), "{}: {explained:?} then {next:?}", p.name());
+        }
     }
 
     #[test]
