@@ -1,6 +1,14 @@
 //! The simulated engine: a paged prefix cache ([`block_pool`]) driven by a
 //! continuous-batching step loop ([`scheduler`]) on its own OS thread.
 //!
+//! A step is vLLM's `EngineCore.step`: schedule (blocks are allocated, cached
+//! and evicted here), run the model (sleep the modelled step time), apply the
+//! output (tokens sampled, finished requests freed), then publish every KV
+//! event the step produced as one batch, as vLLM's scheduler does at the end
+//! of `update_from_output`. Like vLLM, an idle engine runs no steps: events
+//! from between steps (`AllBlocksCleared` after a reset) leave with the next
+//! step's batch.
+//!
 //! Why a dedicated thread: the engine is one sequential, write-heavy state
 //! machine (like vLLM's EngineCore process). Owning it on one thread, fed by a
 //! channel, needs no locks, and its step sleeps never occupy a tokio worker.
@@ -10,6 +18,7 @@
 pub mod block_pool;
 pub mod free_queue;
 pub mod hashing;
+pub mod request;
 pub mod scheduler;
 
 use std::sync::Arc;
@@ -72,7 +81,7 @@ pub enum Rejected {
 #[derive(Debug)]
 enum Command {
     Submit(Submission),
-    ResetPrefixCache(oneshot::Sender<()>),
+    ResetPrefixCache(oneshot::Sender<bool>),
     RouterKeys(oneshot::Sender<Vec<kvroute_shared::BlockKey>>),
 }
 
@@ -99,8 +108,11 @@ impl Engine {
     ) -> std::io::Result<Engine> {
         let (tx, rx) = mpsc::unbounded_channel();
         let pool = BlockPool::new(config.num_blocks, config.block_size.get()).with_model(config.model.as_str());
-        let limits =
-            Limits { max_num_seqs: config.max_num_seqs, max_num_batched_tokens: config.max_num_batched_tokens };
+        let limits = Limits {
+            max_num_seqs: config.max_num_seqs,
+            max_num_batched_tokens: config.max_num_batched_tokens,
+            max_model_len: config.max_model_len,
+        };
         let sched = Scheduler::new(pool, limits, config.hash_mode, metrics);
         let config = config.clone();
         std::thread::Builder::new()
@@ -120,8 +132,9 @@ impl Engine {
         rx.await.map_err(|_| EngineGone)
     }
 
-    /// Forgets every cached block (publishes `AllBlocksCleared`).
-    pub async fn reset_prefix_cache(&self) -> Result<(), EngineGone> {
+    /// Forgets every cached block (`AllBlocksCleared` leaves with the next
+    /// step's batch); false, as from vLLM, while requests hold blocks.
+    pub async fn reset_prefix_cache(&self) -> Result<bool, EngineGone> {
         let (tx, rx) = oneshot::channel();
         self.tx.send(Command::ResetPrefixCache(tx)).map_err(|_| EngineGone)?;
         rx.await.map_err(|_| EngineGone)
@@ -138,15 +151,14 @@ fn step_loop(
     let apply = |sched: &mut Scheduler, cmd: Command| match cmd {
         Command::Submit(sub) => sched.submit(sub),
         Command::ResetPrefixCache(done) => {
-            sched.reset_prefix_cache();
-            let _ = done.send(());
+            let _ = done.send(sched.reset_prefix_cache());
         }
         Command::RouterKeys(reply) => {
             let _ = reply.send(sched.pool().router_keys());
         }
     };
     loop {
-        if sched.is_idle() {
+        while sched.is_idle() {
             match rx.blocking_recv() {
                 Some(cmd) => apply(&mut sched, cmd),
                 None => return,
@@ -156,16 +168,13 @@ fn step_loop(
             apply(&mut sched, cmd);
         }
         let work = sched.schedule();
-        // Events are produced at scheduling time (vLLM caches blocks in
-        // `allocate_slots`); publishing them before the step's sleep is what
-        // vLLM does too (they leave with the step's output).
-        publish(&mut sched, events);
         let slowdown = faults.borrow().slowdown;
         let busy = work != StepWork::default();
         if busy && let Some(d) = config.step_duration(work.prefill_tokens, work.decode_seqs, slowdown) {
             std::thread::sleep(d);
         }
         sched.complete(Instant::now());
+        publish(&mut sched, events);
     }
 }
 
@@ -176,5 +185,61 @@ fn publish(sched: &mut Scheduler, events: Option<&mpsc::UnboundedSender<Vec<KvEv
     {
         // The publisher only stops at shutdown; losing the tail then is fine.
         let _ = tx.send(batch);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::config::{Pace, StepCost};
+
+    fn slow_engine(step: Duration) -> (Engine, mpsc::UnboundedReceiver<Vec<KvEvent>>) {
+        let mut config = Config::for_model("m");
+        config.pace = Pace::Scaled(1.0);
+        config.cost =
+            StepCost { overhead_us: step.as_micros() as f64, prefill_us_per_token: 0.0, decode_us_per_seq: 0.0 };
+        let (_faults_tx, faults) = watch::channel(Faults::default());
+        let (tx, rx) = mpsc::unbounded_channel();
+        let engine = Engine::start(&config, Arc::new(EngineMetrics::default()), faults, Some(tx)).expect("engine");
+        (engine, rx)
+    }
+
+    fn submit(engine: &Engine, prompt: Vec<u32>) -> oneshot::Receiver<Result<Outcome, Rejected>> {
+        let (tx, rx) = oneshot::channel();
+        let sub = Submission {
+            prompt,
+            max_tokens: 1,
+            extras: BlockExtras::default(),
+            lora_id: None,
+            arrival: Instant::now(),
+            sink: Sink::Once(tx),
+        };
+        engine.submit(sub).expect("running");
+        rx
+    }
+
+    #[tokio::test]
+    async fn a_steps_events_are_published_after_its_compute() {
+        let step = Duration::from_millis(200);
+        let (engine, mut events) = slow_engine(step);
+        let started = Instant::now();
+        let mut done = submit(&engine, (0..32).collect());
+        let batch = events.recv().await.expect("a batch");
+        assert!(started.elapsed() >= step, "published after {:?}, before the step ran", started.elapsed());
+        assert!(matches!(batch[..], [KvEvent::BlockStored { .. }]), "{batch:?}");
+        assert!(matches!(done.try_recv(), Ok(Ok(_))), "the step's output is applied before its events leave");
+    }
+
+    #[tokio::test]
+    async fn a_reset_on_an_idle_engine_is_published_with_the_next_step() {
+        let (engine, mut events) = slow_engine(Duration::from_millis(1));
+        assert!(engine.reset_prefix_cache().await.expect("running"));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(events.try_recv().is_err(), "an idle engine publishes nothing");
+        let _done = submit(&engine, (0..32).collect());
+        let batch = events.recv().await.expect("a batch");
+        assert!(matches!(batch[..], [KvEvent::AllBlocksCleared, KvEvent::BlockStored { .. }]), "{batch:?}");
     }
 }

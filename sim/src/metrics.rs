@@ -25,6 +25,8 @@ pub struct EngineMetrics {
     /// Prompt tokens found there.
     pub prefix_hits: AtomicU64,
     pub prompt_tokens: AtomicU64,
+    /// Requests sent back to the waiting queue for lack of KV blocks.
+    pub preemptions: AtomicU64,
     pub generation_tokens: AtomicU64,
     pub finished: AtomicU64,
     pub ttft: Mutex<Histogram>,

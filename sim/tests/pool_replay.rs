@@ -1,9 +1,11 @@
-//! Event consistency: whatever requests the scheduler runs, the set of hashes
-//! a subscriber rebuilds from the emitted events (stores minus removes, reset
-//! on `AllBlocksCleared`) equals the pool's cached set after every step. This is
-//! what lets a sidecar mirror the engine from events alone.
+//! Event consistency: whatever requests the scheduler runs, the hashes a
+//! subscriber rebuilds from the emitted events (stores minus removes, cleared
+//! on `AllBlocksCleared`, counted per physical block since vLLM stores a hash
+//! again when it computes a duplicate block) equal the pool's cached blocks
+//! after every step. This is what lets a sidecar mirror the engine from events
+//! alone.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -44,7 +46,8 @@ fn prompt(prefix: u8, prefix_blocks: u8, suffix: u8, nonce: u32) -> Vec<u32> {
 }
 
 struct Mirror {
-    set: HashSet<BlockHash>,
+    /// Hash → physical blocks holding it.
+    blocks: HashMap<BlockHash, usize>,
     removed: usize,
 }
 
@@ -54,16 +57,20 @@ impl Mirror {
             match e {
                 KvEvent::BlockStored { block_hashes, .. } => {
                     for h in block_hashes {
-                        assert!(self.set.insert(h), "stored twice without a remove: {h:?}");
+                        *self.blocks.entry(h).or_default() += 1;
                     }
                 }
                 KvEvent::BlockRemoved { block_hashes, .. } => {
                     for h in block_hashes {
-                        assert!(self.set.remove(&h), "removed a hash never stored: {h:?}");
+                        let n = self.blocks.get_mut(&h).unwrap_or_else(|| panic!("removed a hash never stored: {h:?}"));
+                        *n -= 1;
+                        if *n == 0 {
+                            self.blocks.remove(&h);
+                        }
                         self.removed += 1;
                     }
                 }
-                KvEvent::AllBlocksCleared => self.set.clear(),
+                KvEvent::AllBlocksCleared => self.blocks.clear(),
             }
         }
     }
@@ -74,15 +81,15 @@ type Waiter = oneshot::Receiver<Result<Outcome, Rejected>>;
 /// Runs the ops, checking after every step; returns how many evictions happened.
 fn run(ops: &[Op]) -> usize {
     let metrics = Arc::new(EngineMetrics::default());
-    let limits = Limits { max_num_seqs: 6, max_num_batched_tokens: 48 };
+    let limits = Limits { max_num_seqs: 6, max_num_batched_tokens: 48, max_model_len: 4096 };
     let mut sched = Scheduler::new(BlockPool::new(48, 4), limits, HashMode::Int, metrics);
-    let mut mirror = Mirror { set: HashSet::new(), removed: 0 };
+    let mut mirror = Mirror { blocks: HashMap::new(), removed: 0 };
     let mut waiters: Vec<Waiter> = Vec::new();
     let mut nonce = 0;
     let check = |sched: &mut Scheduler, mirror: &mut Mirror| {
         mirror.apply(sched.take_events());
-        let pool: HashSet<BlockHash> = sched.pool().cached_hashes().copied().collect();
-        assert_eq!(pool, mirror.set);
+        let pool: HashMap<BlockHash, usize> = sched.pool().cached_hashes().map(|(h, n)| (*h, n)).collect();
+        assert_eq!(pool, mirror.blocks);
     };
     for op in ops {
         match op {

@@ -2,7 +2,9 @@
 //!
 //! An intrusive doubly linked list over block indices, so removing a block from
 //! the middle (a prefix hit on a free, still-cached block) is O(1), like vLLM's.
-//! Allocation pops the head (least recently freed); freeing appends at the tail.
+//! Allocation pops the head; freed cached blocks are appended at the tail (LRU),
+//! freed uncached blocks are put back at the head (reused first), as vLLM's
+//! `BlockPool.free_blocks` does with `append_n` / `prepend_n`.
 
 use super::block_pool::BlockId;
 
@@ -61,6 +63,22 @@ impl FreeQueue {
         }
         self.tail = i;
         self.len += 1;
+    }
+
+    /// Puts `ids` at the head, in the given order (`ids[0]` becomes the head).
+    pub fn push_front_n(&mut self, ids: &[BlockId]) {
+        for &id in ids.iter().rev() {
+            let i = id.0;
+            debug_assert!(!self.links[id.index()].queued, "block {i} freed twice");
+            self.links[id.index()] = Links { prev: NONE, next: self.head, queued: true };
+            if self.head == NONE {
+                self.tail = i;
+            } else {
+                self.links[self.head as usize].prev = i;
+            }
+            self.head = i;
+            self.len += 1;
+        }
     }
 
     pub fn pop_front(&mut self) -> Option<BlockId> {
@@ -122,5 +140,12 @@ mod tests {
         q.remove(BlockId(2));
         assert_eq!(q.order(), vec![BlockId(3), BlockId(1)]);
         assert!(!q.contains(BlockId(2)));
+        q.push_front_n(&[BlockId(0), BlockId(2)]);
+        assert_eq!(q.order(), vec![BlockId(0), BlockId(2), BlockId(3), BlockId(1)]);
+        assert_eq!(q.len(), 4);
+        q.remove(BlockId(1));
+        assert_eq!(q.pop_front(), Some(BlockId(0)));
+        q.push_back(BlockId(1));
+        assert_eq!(q.order(), vec![BlockId(2), BlockId(3), BlockId(1)]);
     }
 }

@@ -44,16 +44,30 @@ impl BlockExtras {
     }
 }
 
-/// Hashes of the prompt's full blocks (only full blocks are ever cached).
+/// Hashes of the full blocks of `tokens` (only full blocks are ever cached).
 pub fn prompt_hashes(tokens: &[u32], block_size: usize, extras: &BlockExtras, mode: HashMode) -> Vec<BlockHash> {
     let mut out = Vec::with_capacity(tokens.len() / block_size);
-    let mut parent: Option<BlockHash> = None;
-    for (i, block) in tokens.chunks_exact(block_size).enumerate() {
-        let h = chain(parent.as_ref(), block, extras.keys_for(i).as_deref(), mode);
-        out.push(h);
-        parent = Some(h);
-    }
+    extend_hashes(&mut out, tokens, block_size, extras, mode);
     out
+}
+
+/// Appends the hashes of the blocks of `tokens` that became full since
+/// `hashes` was last extended, as vLLM's request block hasher does each time
+/// a generated token is appended: generated blocks are hashed (and cached)
+/// like prompt blocks.
+pub fn extend_hashes(
+    hashes: &mut Vec<BlockHash>,
+    tokens: &[u32],
+    block_size: usize,
+    extras: &BlockExtras,
+    mode: HashMode,
+) {
+    let full = tokens.len() / block_size;
+    for i in hashes.len()..full {
+        let block = &tokens[i * block_size..(i + 1) * block_size];
+        let h = chain(hashes.last(), block, extras.keys_for(i).as_deref(), mode);
+        hashes.push(h);
+    }
 }
 
 fn chain(parent: Option<&BlockHash>, tokens: &[u32], extra: Option<&[ExtraKey]>, mode: HashMode) -> BlockHash {
@@ -104,5 +118,17 @@ mod tests {
         assert!(matches!(bytes[0], BlockHash::Bytes(_)));
         assert_eq!(salted.keys_for(1), None);
         assert_eq!(lora.keys_for(1), Some(vec![ExtraKey::Str("a".into())]));
+    }
+
+    #[test]
+    fn extending_token_by_token_equals_hashing_at_once() {
+        let toks: Vec<u32> = (0..53).collect();
+        let salted = BlockExtras { cache_salt: Some("s".into()), ..Default::default() };
+        let mut grown = Vec::new();
+        for n in 0..=toks.len() {
+            extend_hashes(&mut grown, &toks[..n], 16, &salted, HashMode::Int);
+            assert_eq!(grown.len(), n / 16);
+        }
+        assert_eq!(grown, prompt_hashes(&toks, 16, &salted, HashMode::Int));
     }
 }

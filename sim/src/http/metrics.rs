@@ -51,6 +51,7 @@ pub async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
     counter("vllm:prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens.load(Relaxed));
     counter("vllm:generation_tokens", "Number of generation tokens processed.", m.generation_tokens.load(Relaxed));
     counter("vllm:request_success", "Count of successfully processed requests.", m.finished.load(Relaxed));
+    counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", m.preemptions.load(Relaxed));
 
     let h = m.ttft.lock().clone();
     let name = "vllm:time_to_first_token_seconds";
