@@ -1,6 +1,7 @@
 //! KV events from a running simulator, as a sidecar sees them: a ZMQ
 //! subscriber gets one batch per step with consecutive seqs, faults pause or
-//! drop batches, and replay fills a gap.
+//! drop batches, and replay fills a gap. Requests here generate one token, so
+//! each publishes exactly one batch (its prompt blocks).
 
 mod common;
 
@@ -27,28 +28,30 @@ fn event_type(batch: &rmpv::Value, i: usize) -> String {
 }
 
 /// Connects a subscriber and waits until it is live: a PUB drops what it
-/// sends before the subscription arrives, so reset (which always publishes
-/// `AllBlocksCleared`) until one gets through. Returns the last seq seen.
+/// sends before the subscription arrives, so send one-block requests (each
+/// publishes one batch, a single `BlockStored`) until one gets through.
+/// Returns the last seq seen.
 async fn subscribe(sim: &Running) -> (SubSocket, u64) {
     let endpoint = sim.info.kv_events.clone().expect("events on");
     assert!(endpoint.starts_with("tcp://127.0.0.1:") && !endpoint.ends_with(":0"), "{endpoint}");
     let mut sub = SubSocket::new();
     sub.connect(&endpoint).await.expect("connect");
     sub.subscribe("").await.expect("subscribe");
-    // In a fresh simulator only these resets publish, so reset i has seq i.
+    // In a fresh simulator only these requests publish, so request i has seq i.
     let mut posted = 0u64;
     let mut seen = None;
     while seen.is_none() && posted < 50 {
-        sim.post("/reset_prefix_cache", json!({})).await;
+        let prompt: Vec<u32> = (0..16).map(|t| 50_000 + posted as u32 * 16 + t).collect();
+        sim.post("/v1/completions", json!({"model": "m", "prompt": prompt, "max_tokens": 1})).await;
         posted += 1;
         seen = recv_batch(&mut sub, Duration::from_millis(100)).await;
     }
     let (mut seq, batch) = seen.expect("subscriber never received a batch");
-    assert_eq!(event_type(&batch, 0), "AllBlocksCleared");
-    // Drain the resets still in flight, up to the last one posted.
+    assert_eq!(event_type(&batch, 0), "BlockStored");
+    // Drain the batches still in flight, up to the last request posted.
     while seq + 1 < posted {
-        let (s, batch) = recv_batch(&mut sub, Duration::from_secs(5)).await.expect("a posted reset");
-        assert_eq!(event_type(&batch, 0), "AllBlocksCleared");
+        let (s, batch) = recv_batch(&mut sub, Duration::from_secs(5)).await.expect("a posted request's batch");
+        assert_eq!(event_type(&batch, 0), "BlockStored");
         seq = s;
     }
     (sub, seq)
@@ -79,14 +82,14 @@ async fn paused_batches_arrive_on_resume_and_dropped_ones_replay() {
     let (mut sub, seq) = subscribe(&sim).await;
 
     sim.post("/sim/faults", json!({"pause_events": true})).await;
-    sim.post("/v1/completions", json!({"model": "m", "prompt": vec![1; 40]})).await;
+    sim.post("/v1/completions", json!({"model": "m", "prompt": vec![1; 40], "max_tokens": 1})).await;
     assert!(recv_batch(&mut sub, Duration::from_millis(300)).await.is_none(), "paused publisher sent");
     sim.post("/sim/faults", json!({"pause_events": false})).await;
     let (s, _) = recv_batch(&mut sub, Duration::from_secs(5)).await.expect("held batch");
     assert_eq!(s, seq + 1);
 
     sim.post("/sim/faults", json!({"drop_events": 1.0})).await;
-    sim.post("/v1/completions", json!({"model": "m", "prompt": vec![2; 40]})).await;
+    sim.post("/v1/completions", json!({"model": "m", "prompt": vec![2; 40], "max_tokens": 1})).await;
     let mut dealer = DealerSocket::new();
     dealer.connect(sim.info.kv_replay.as_deref().expect("replay on")).await.expect("connect");
     // The request has finished, but its batch may still be on its way to the
@@ -101,7 +104,7 @@ async fn paused_batches_arrive_on_resume_and_dropped_ones_replay() {
     }
     assert_eq!(replayed, vec![seq + 2]);
     sim.post("/sim/faults", json!({"drop_events": 0.0})).await;
-    sim.post("/v1/completions", json!({"model": "m", "prompt": vec![3; 40]})).await;
+    sim.post("/v1/completions", json!({"model": "m", "prompt": vec![3; 40], "max_tokens": 1})).await;
     let (s, _) = recv_batch(&mut sub, Duration::from_secs(5)).await.expect("batch after the gap");
     assert_eq!(s, seq + 3, "the dropped batch leaves a gap");
     assert_eq!(replay(&mut dealer, seq + 2).await, vec![seq + 2, seq + 3], "replay fills it");

@@ -141,8 +141,8 @@ async fn small_endpoints() {
 
     let (st, r) = sim.post("/v1/completions/render", json!({"model": "m", "prompt": [5, 6], "max_tokens": 7})).await;
     assert_eq!(st, 200, "{r}");
-    assert_eq!(r["token_ids"], json!([5, 6]));
-    assert_eq!(r["sampling_params"]["max_tokens"], 7);
+    assert_eq!(r[0]["token_ids"], json!([5, 6]));
+    assert_eq!(r[0]["sampling_params"]["max_tokens"], 7);
     let chat = json!({"model": "m", "messages": [{"role": "user", "content": "a"}]});
     let (st, r) = sim.post("/v1/chat/completions/render", chat.clone()).await;
     assert_eq!(st, 200, "{r}");
@@ -153,7 +153,77 @@ async fn small_endpoints() {
     assert_eq!(info["listen"], sim.base);
     assert_eq!(info["block_size"], 16);
     assert!(info["kv_events"].is_null());
-    assert_eq!(sim.post("/reset_prefix_cache", json!({})).await.0, 200);
+    assert_eq!(sim.post("/reset_prefix_cache", json!({})).await, (200, json!({"success": true})));
+}
+
+#[tokio::test]
+async fn a_batch_of_prompts_runs_each_and_answers_one_choice_each() {
+    let sim = start(Config::for_model("m")).await;
+    let a: Vec<u32> = (0..40).collect();
+    let b: Vec<u32> = (100..120).collect();
+    sim.post("/v1/completions", json!({"model": "m", "prompt": a, "max_tokens": 1})).await;
+    let body = json!({"model": "m", "prompt": [b, a], "max_tokens": 3, "ignore_eos": true});
+    let (st, v) = sim.post("/v1/completions", body).await;
+    assert_eq!(st, 200, "{v}");
+    let choices = v["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 2);
+    assert_eq!((choices[0]["index"].as_u64(), choices[1]["index"].as_u64()), (Some(0), Some(1)));
+    assert_eq!(choices[1]["text"], filler_text(3));
+    assert_eq!(v["usage"]["prompt_tokens"], 60);
+    assert_eq!(v["usage"]["completion_tokens"], 6);
+    // vLLM reports the last prompt's cached tokens, not the sum.
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 32);
+
+    let body = json!({"model": "m", "prompt": ["ab", "cde"], "max_tokens": 2, "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let (st, _, text) = sim.post_raw("/v1/completions", body).await;
+    assert_eq!(st, 200);
+    let frames = sse_frames(&text);
+    let chunks: Vec<Value> =
+        frames[..frames.len() - 1].iter().map(|f| serde_json::from_str(f).expect("json")).collect();
+    assert_eq!(chunks.len(), 2 * 2 + 1, "{text}");
+    for i in 0..2 {
+        let texts: String = chunks[..4]
+            .iter()
+            .filter(|c| c["choices"][0]["index"] == i)
+            .map(|c| c["choices"][0]["text"].as_str().expect("text"))
+            .collect();
+        assert_eq!(texts, filler_text(2));
+    }
+    assert_eq!(chunks[4]["usage"]["prompt_tokens"], 5);
+    assert_eq!(chunks[4]["usage"]["completion_tokens"], 4);
+
+    let (st, r) =
+        sim.post("/v1/completions/render", json!({"model": "m", "prompt": ["ab", "c"], "cache_salt": "s"})).await;
+    assert_eq!(st, 200, "{r}");
+    let r = r.as_array().expect("a list of GenerateRequest");
+    assert_eq!(r.len(), 2);
+    assert_eq!((&r[0]["token_ids"], &r[1]["token_ids"]), (&json!([97, 98]), &json!([99])));
+    let id = r[0]["request_id"].as_str().expect("id");
+    assert!(id.starts_with("cmpl-") && id.ends_with("-0"), "{id}");
+    assert_eq!(r[1]["cache_salt"], "s");
+    assert!(r[0]["sampling_params"].get("max_tokens").is_none(), "16 is vLLM's default, left out");
+    let (_, one) = sim.post("/v1/completions/render", json!({"model": "m", "prompt": "ab", "ignore_eos": true})).await;
+    assert!(!one[0]["request_id"].as_str().expect("id").ends_with("-0"));
+    assert_eq!(one[0]["sampling_params"]["ignore_eos"], true);
+}
+
+#[tokio::test]
+async fn reset_is_refused_while_a_request_holds_blocks() {
+    let mut config = Config::for_model("m");
+    // 0.5 ms a step: the stream runs for seconds unless its client leaves.
+    config.pace = kvroute_sim::config::Pace::Scaled(10.0);
+    let sim = start(config).await;
+    let body = json!({"model": "m", "prompt": vec![9; 40], "max_tokens": 20_000, "stream": true});
+    let mut resp = sim.client.post(format!("{}/v1/completions", sim.base)).json(&body).send().await.expect("send");
+    resp.chunk().await.expect("chunk").expect("a first token: the request runs");
+    assert_eq!(sim.post("/reset_prefix_cache", json!({})).await, (200, json!({"success": false})));
+    drop(resp);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while sim.post("/reset_prefix_cache", json!({})).await.1 != json!({"success": true}) {
+        assert!(std::time::Instant::now() < deadline, "reset still refused after the client left");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 #[tokio::test]
@@ -240,8 +310,10 @@ async fn cache_lists_cached_blocks_as_router_keys() {
     use kvroute_shared::{BlockKey, BlockSize, KeyRoot, block_keys};
     let sim = start(Config::for_model("m")).await;
     let prompt: Vec<u32> = (0..40).collect();
-    sim.post("/v1/completions", json!({"model": "m", "prompt": prompt})).await;
-    sim.post("/v1/completions", json!({"model": "sql-adapter", "prompt": &prompt[..16], "cache_salt": "t"})).await;
+    // One token each: only prompt blocks get cached (see the next test for generated ones).
+    sim.post("/v1/completions", json!({"model": "m", "prompt": prompt, "max_tokens": 1})).await;
+    let salted = json!({"model": "sql-adapter", "prompt": &prompt[..16], "cache_salt": "t", "max_tokens": 1});
+    sim.post("/v1/completions", salted).await;
     let (st, v) = sim.get("/sim/cache").await;
     assert_eq!(st, 200);
     let v: Value = serde_json::from_str(&v).unwrap();
@@ -255,4 +327,15 @@ async fn cache_lists_cached_blocks_as_router_keys() {
     let (_, v) = sim.get("/sim/cache").await;
     let v: Value = serde_json::from_str(&v).unwrap();
     assert_eq!(v["count"], 0);
+}
+
+#[tokio::test]
+async fn generated_blocks_are_cached_too() {
+    let sim = start(Config::for_model("m")).await;
+    // 20 prompt tokens and 29 generated: the KV of 48 tokens is computed, 3 full blocks.
+    let (st, v) = sim.post("/v1/completions", json!({"model": "m", "prompt": vec![5; 20], "max_tokens": 29})).await;
+    assert_eq!(st, 200, "{v}");
+    let (_, v) = sim.get("/sim/cache").await;
+    let v: Value = serde_json::from_str(&v).unwrap();
+    assert_eq!(v["count"], 3);
 }

@@ -41,9 +41,11 @@ pub async fn models(State(s): State<AppState>) -> Json<serde_json::Value> {
     Json(json!({"object": "list", "data": data}))
 }
 
+/// vLLM's answer: 200 with `{"success": false}` while running requests hold
+/// blocks (nothing is reset then), `{"success": true}` otherwise.
 pub async fn reset_prefix_cache(State(s): State<AppState>) -> Response {
     match s.engine.reset_prefix_cache().await {
-        Ok(()) => StatusCode::OK.into_response(),
+        Ok(success) => Json(json!({"success": success})).into_response(),
         Err(_) => ApiError::EngineGone.into_response(),
     }
 }

@@ -43,26 +43,35 @@ pub fn usage(o: &Outcome) -> Value {
     })
 }
 
-/// A non-streaming response.
-pub fn full(h: &Head, o: &Outcome) -> Value {
-    let text = filler_text(o.completion_tokens);
+/// A non-streaming response: one choice per entry of `choices` (its
+/// generated token count), `usage` for them all.
+pub fn full(h: &Head, choices: &[u32], usage_of: &Outcome) -> Value {
     match h.kind {
-        Kind::Completion => json!({
-            "id": h.id, "object": "text_completion", "created": h.created, "model": h.model,
-            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": "length",
-                         "stop_reason": null, "prompt_logprobs": null}],
-            "usage": usage(o),
-            "service_tier": null, "system_fingerprint": null, "kv_transfer_params": null,
-        }),
+        Kind::Completion => {
+            let choices: Vec<Value> = choices
+                .iter()
+                .enumerate()
+                .map(|(i, n)| {
+                    json!({"index": i, "text": filler_text(*n), "logprobs": null, "finish_reason": "length",
+                           "stop_reason": null, "prompt_logprobs": null})
+                })
+                .collect();
+            json!({
+                "id": h.id, "object": "text_completion", "created": h.created, "model": h.model,
+                "choices": choices,
+                "usage": usage(usage_of),
+                "service_tier": null, "system_fingerprint": null, "kv_transfer_params": null,
+            })
+        }
         Kind::Chat => json!({
             "id": h.id, "object": "chat.completion", "created": h.created, "model": h.model,
             "choices": [{"index": 0,
-                         "message": {"role": "assistant", "content": text, "refusal": null, "annotations": null,
-                                     "audio": null, "function_call": null, "tool_calls": [],
-                                     "reasoning_content": null},
+                         "message": {"role": "assistant", "content": filler_text(usage_of.completion_tokens),
+                                     "refusal": null, "annotations": null, "audio": null, "function_call": null,
+                                     "tool_calls": [], "reasoning_content": null},
                          "logprobs": null, "finish_reason": "length", "stop_reason": null}],
             "service_tier": null, "system_fingerprint": null,
-            "usage": usage(o),
+            "usage": usage(usage_of),
             "prompt_logprobs": null, "kv_transfer_params": null,
         }),
     }
@@ -75,13 +84,14 @@ fn chunk_object(kind: Kind) -> &'static str {
     }
 }
 
-/// One streamed token; `last` carries `finish_reason: "length"`.
-pub fn token_chunk(h: &Head, index: u32, last: bool) -> Value {
+/// Generated token `index` of choice `choice`; `last` carries
+/// `finish_reason: "length"`.
+pub fn token_chunk(h: &Head, choice: usize, index: u32, last: bool) -> Value {
     let finish = if last { json!("length") } else { Value::Null };
     let choice = match h.kind {
-        Kind::Completion => json!({"index": 0, "text": filler(index), "logprobs": null,
+        Kind::Completion => json!({"index": choice, "text": filler(index), "logprobs": null,
                                    "finish_reason": finish, "stop_reason": null}),
-        Kind::Chat => json!({"index": 0, "delta": {"content": filler(index)}, "logprobs": null,
+        Kind::Chat => json!({"index": choice, "delta": {"content": filler(index)}, "logprobs": null,
                              "finish_reason": finish, "stop_reason": null}),
     };
     json!({"id": h.id, "object": chunk_object(h.kind), "created": h.created, "model": h.model, "choices": [choice]})

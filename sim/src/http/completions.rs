@@ -1,6 +1,12 @@
 //! `POST /v1/completions` and `POST /v1/chat/completions`: validate and
 //! tokenize like vLLM, run the request through the engine, answer in one body
 //! or as SSE.
+//!
+//! A completions `prompt` holding a batch runs as one engine request per entry,
+//! submitted in order, as vLLM's server does; the answer has one choice per
+//! entry (`index` = entry), `usage` sums the entries' tokens, and its
+//! `cached_tokens` is the last entry's (the first to answer when streaming),
+//! a quirk of vLLM's that is kept.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -10,7 +16,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use kvroute_shared::openai::{Endpoint, PromptRequest};
+use kvroute_shared::openai::{CompletionRequest, Endpoint, Prompt, PromptRequest};
 use rand::Rng;
 use serde::Deserialize;
 use tokio::sync::{mpsc, oneshot};
@@ -18,13 +24,16 @@ use tokio::sync::{mpsc, oneshot};
 use super::bodies::{self, Head, Kind};
 use super::{ApiError, AppState, Shared, sse};
 use crate::engine::hashing::BlockExtras;
-use crate::engine::{Outcome, Rejected, Sink, StreamEvent, Submission};
+use crate::engine::{Outcome, Sink, Submission};
 
-/// The streaming options vLLM reads that the shared request view does not.
+/// The options vLLM reads that the shared request view does not.
 #[derive(Debug, Default, Deserialize)]
-struct StreamExtras {
+struct EngineOptions {
     #[serde(default)]
     stream_options: Option<StreamOptions>,
+    /// Accepted and echoed by render; the simulator never stops at an EOS.
+    #[serde(default)]
+    ignore_eos: bool,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -37,31 +46,28 @@ struct StreamOptions {
 #[derive(Debug)]
 pub struct Prepared {
     pub req: PromptRequest,
-    pub tokens: Vec<u32>,
+    /// One token list per prompt (a chat request has one).
+    pub prompts: Vec<Vec<u32>>,
     pub max_tokens: u32,
     pub lora_id: Option<u32>,
     pub include_usage: bool,
+    pub ignore_eos: bool,
 }
 
 /// Parses, checks the model, tokenizes and checks lengths, as vLLM's OpenAI
 /// server does before a request reaches the engine.
 pub fn prepare(s: &Shared, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, ApiError> {
     let req = PromptRequest::parse(endpoint, body)?;
-    // Plain serde here: the body already parsed once, so only `stream_options`
+    // Plain serde here: the body already parsed once, so only these options
     // can fail, and path tracking over a long token array costs real time.
-    let extras: StreamExtras = serde_json::from_slice(body).map_err(|e| ApiError::BadRequest {
-        message: format!("stream_options: {e}"),
-        param: Some("stream_options".into()),
-    })?;
+    let options: EngineOptions = serde_json::from_slice(body)
+        .map_err(|e| ApiError::BadRequest { message: e.to_string(), param: Some("stream_options".into()) })?;
     let model = req.model();
     let lora_id = s.config.lora_id(model);
     if model != s.config.model.as_str() && lora_id.is_none() {
         return Err(ApiError::ModelNotFound(model.to_owned()));
     }
-    let tokens = s.tokenizer.prompt_tokens(&req).map_err(|e| ApiError::bad(e.to_string()))?;
-    if tokens.is_empty() {
-        return Err(ApiError::BadRequest { message: "The prompt is empty.".into(), param: Some("prompt".into()) });
-    }
+    let prompts = prompt_tokens(s, &req)?;
     let max_tokens = req.max_tokens().unwrap_or(s.config.default_max_tokens);
     if max_tokens == 0 {
         return Err(ApiError::BadRequest {
@@ -69,26 +75,60 @@ pub fn prepare(s: &Shared, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, 
             param: Some("max_tokens".into()),
         });
     }
-    let total = tokens.len() + max_tokens as usize;
+    for tokens in &prompts {
+        check_length(s, tokens.len(), max_tokens)?;
+    }
+    let include_usage = options.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+    Ok(Prepared { req, prompts, max_tokens, lora_id, include_usage, ignore_eos: options.ignore_eos })
+}
+
+/// Token ids of every prompt of the request, in order.
+fn prompt_tokens(s: &Shared, req: &PromptRequest) -> Result<Vec<Vec<u32>>, ApiError> {
+    let tokenize = |r: &PromptRequest| s.tokenizer.prompt_tokens(r).map_err(|e| ApiError::bad(e.to_string()));
+    let prompts = match req {
+        PromptRequest::Completion(c) => match &c.prompt {
+            Prompt::TokenBatch(batch) => batch.clone(),
+            Prompt::TextBatch(texts) => {
+                // One copy of the request without its batch, then one entry each.
+                let base = CompletionRequest { prompt: Prompt::Text(String::new()), ..c.clone() };
+                texts
+                    .iter()
+                    .map(|t| {
+                        tokenize(&PromptRequest::Completion(CompletionRequest {
+                            prompt: Prompt::Text(t.clone()),
+                            ..base.clone()
+                        }))
+                    })
+                    .collect::<Result<_, _>>()?
+            }
+            Prompt::Text(_) | Prompt::Tokens(_) => vec![tokenize(req)?],
+        },
+        PromptRequest::Chat(_) => vec![tokenize(req)?],
+    };
+    if prompts.is_empty() || prompts.iter().any(Vec::is_empty) {
+        return Err(ApiError::BadRequest { message: "The prompt is empty.".into(), param: Some("prompt".into()) });
+    }
+    Ok(prompts)
+}
+
+fn check_length(s: &Shared, prompt_len: usize, max_tokens: u32) -> Result<(), ApiError> {
+    let total = prompt_len + max_tokens as usize;
     if total > s.config.max_model_len {
         return Err(ApiError::bad(format!(
             "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the \
              messages, {} in the completion). Please reduce the length of the messages or completion.",
-            s.config.max_model_len,
-            total,
-            tokens.len(),
-            max_tokens
+            s.config.max_model_len, total, prompt_len, max_tokens
         )));
     }
-    let needed = total.div_ceil(s.config.block_size.get());
-    if needed > s.config.num_blocks as usize {
+    // The last generated token takes no KV slot; block 0 is the null block.
+    let needed = (total - 1).div_ceil(s.config.block_size.get());
+    let usable = s.config.num_blocks.saturating_sub(1) as usize;
+    if needed > usable {
         return Err(ApiError::bad(format!(
-            "The request needs {needed} KV-cache blocks but the engine has only {}.",
-            s.config.num_blocks
+            "The request needs {needed} KV-cache blocks but the engine has only {usable}."
         )));
     }
-    let include_usage = extras.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
-    Ok(Prepared { req, tokens, max_tokens, lora_id, include_usage })
+    Ok(())
 }
 
 pub async fn completions(State(s): State<AppState>, body: Bytes) -> Response {
@@ -107,42 +147,67 @@ async fn generate(s: &Shared, endpoint: Endpoint, body: &[u8]) -> Result<Respons
         return Err(ApiError::Injected(status));
     }
     let p = prepare(s, endpoint, body)?;
-    let (kind, prefix) = match endpoint {
-        Endpoint::Completions => (Kind::Completion, "cmpl"),
-        Endpoint::ChatCompletions => (Kind::Chat, "chatcmpl"),
+    let kind = match endpoint {
+        Endpoint::Completions => Kind::Completion,
+        Endpoint::ChatCompletions => Kind::Chat,
     };
-    let head = Head {
-        kind,
-        id: format!("{prefix}-{:016x}{:08x}", s.started, s.next_id.fetch_add(1, Relaxed)),
-        created: unix_now(),
-        model: p.req.model().to_owned(),
-    };
+    let head = Head { kind, id: response_id(s, kind), created: unix_now(), model: p.req.model().to_owned() };
     let extras = BlockExtras {
         lora_name: p.lora_id.map(|_| p.req.model().to_owned()),
         cache_salt: p.req.cache_salt().map(str::to_owned),
     };
-    let (sink, waiter) = if p.req.stream() {
-        let (tx, rx) = mpsc::unbounded_channel();
-        (Sink::Stream(tx), Waiter::Stream(rx))
-    } else {
-        let (tx, rx) = oneshot::channel();
-        (Sink::Once(tx), Waiter::Once(rx))
-    };
-    let sub = Submission { prompt: p.tokens, max_tokens: p.max_tokens, extras, lora_id: p.lora_id, arrival, sink };
-    s.engine.submit(sub).map_err(|_| ApiError::EngineGone)?;
-    match waiter {
-        Waiter::Stream(rx) => Ok(sse::response(head, p.max_tokens, p.include_usage, rx)),
-        Waiter::Once(rx) => match rx.await {
-            Ok(Ok(outcome)) => Ok(Json(bodies::full(&head, &outcome)).into_response()),
-            Ok(Err(rejected)) => Err(ApiError::bad(rejected.to_string())),
-            Err(_) => Err(ApiError::EngineGone),
-        },
+    let stream = p.req.stream();
+    let mut streams = Vec::new();
+    let mut waiters = Vec::new();
+    for prompt in p.prompts {
+        let sink = if stream {
+            let (tx, rx) = mpsc::unbounded_channel();
+            streams.push(rx);
+            Sink::Stream(tx)
+        } else {
+            let (tx, rx) = oneshot::channel();
+            waiters.push(rx);
+            Sink::Once(tx)
+        };
+        let sub =
+            Submission { prompt, max_tokens: p.max_tokens, extras: extras.clone(), lora_id: p.lora_id, arrival, sink };
+        s.engine.submit(sub).map_err(|_| ApiError::EngineGone)?;
     }
+    if stream {
+        return Ok(sse::response(head, p.max_tokens, p.include_usage, streams));
+    }
+    let mut outcomes = Vec::with_capacity(waiters.len());
+    for rx in waiters {
+        match rx.await {
+            Ok(Ok(outcome)) => outcomes.push(outcome),
+            Ok(Err(rejected)) => return Err(ApiError::bad(rejected.to_string())),
+            Err(_) => return Err(ApiError::EngineGone),
+        }
+    }
+    let usage = Outcome::batch(&outcomes, outcomes.len().saturating_sub(1));
+    let choices: Vec<u32> = outcomes.iter().map(|o| o.completion_tokens).collect();
+    Ok(Json(bodies::full(&head, &choices, &usage)).into_response())
 }
 
-enum Waiter {
-    Once(oneshot::Receiver<Result<Outcome, Rejected>>),
-    Stream(mpsc::UnboundedReceiver<StreamEvent>),
+/// `cmpl-…` / `chatcmpl-…`: unique per process is all clients need.
+pub fn response_id(s: &Shared, kind: Kind) -> String {
+    let prefix = match kind {
+        Kind::Completion => "cmpl",
+        Kind::Chat => "chatcmpl",
+    };
+    format!("{prefix}-{:016x}{:08x}", s.started, s.next_id.fetch_add(1, Relaxed))
+}
+
+impl Outcome {
+    /// The `usage` of a batch: token counts summed, `cached_tokens` taken
+    /// from entry `cached_from` (vLLM reports one entry's, not the sum).
+    pub fn batch(outcomes: &[Outcome], cached_from: usize) -> Outcome {
+        Outcome {
+            prompt_tokens: outcomes.iter().map(|o| o.prompt_tokens).sum(),
+            cached_tokens: outcomes.get(cached_from).map_or(0, |o| o.cached_tokens),
+            completion_tokens: outcomes.iter().map(|o| o.completion_tokens).sum(),
+        }
+    }
 }
 
 /// Seconds since the Unix epoch (the `created` field).
