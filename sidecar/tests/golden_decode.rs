@@ -1,6 +1,7 @@
-//! Golden tests: every message vLLM 0.33.0 (map events) and 0.11.0 (positional
-//! events) published in the captures decodes to exactly its recorded `expect`,
-//! and the replay exchanges parse to the same batches.
+//! Golden tests: every message vLLM 0.33.0 and 0.32.0 (map events) and 0.11.0
+//! (positional events) published in the captures decodes to exactly its
+//! recorded `expect`, with no unknown field, and the replay exchanges parse to
+//! the same batches.
 
 use std::path::PathBuf;
 
@@ -78,6 +79,18 @@ fn check_capture(version: &str, encoding: Encoding) {
 #[test]
 fn vllm_0_33_map_events_decode_exactly() {
     check_capture("0.33.0", Encoding::Map);
+}
+
+/// Captured from a real vLLM 0.32.0 (CPU build) by scripts/capture_vllm_events.py:
+/// 14-field BlockStored, 5-field BlockRemoved, AllBlocksCleared.
+#[test]
+fn vllm_0_32_map_events_decode_exactly() {
+    check_capture("0.32.0", Encoding::Map);
+}
+
+#[test]
+fn vllm_0_32_replay_exchange() {
+    check_replay("0.32.0");
 }
 
 #[test]
