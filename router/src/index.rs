@@ -335,9 +335,15 @@ impl Index {
     /// Records that a request for `keys` was sent to `slot`: every key the
     /// worker does not hold yet becomes speculative (or, for an approximate
     /// worker, an approximate entry, touched in its LRU).
+    ///
+    /// Keys are touched last block first, so a chain's head is its most
+    /// recent entry and the LRU evicts tails before heads, as vLLM does: a
+    /// worker's approximate keys stay prefix-closed, which `match_depths`'s
+    /// bisection relies on (a parent is touched after each of its children,
+    /// every time any chain through it is routed).
     pub fn record_routed(&mut self, slot: Slot, keys: &[BlockKey], now_ms: u64) {
         let approximate = self.is_approximate(slot);
-        for &k in keys {
+        for &k in keys.iter().rev() {
             let existing = self
                 .forward
                 .holds(slot, &k)

@@ -92,11 +92,11 @@ fn approximate_worker_is_lru_bounded() {
     let mut ix = Index::new();
     ix.set_approximate(Slot(3), Some(4));
     ix.record_routed(Slot(3), &[k(1), k(2), k(3)], 1);
-    ix.record_routed(Slot(3), &[k(1)], 2); // touch k1: k2 is now least recent
+    ix.record_routed(Slot(3), &[k(1)], 2); // touch k1; the chain's tail k3 is least recent
     ix.record_routed(Slot(3), &[k(4), k(5)], 3);
     let mut keys: Vec<_> = ix.keys_of(Slot(3)).into_iter().map(|(key, _)| key).collect();
     keys.sort();
-    assert_eq!(keys, vec![k(1), k(3), k(4), k(5)]);
+    assert_eq!(keys, vec![k(1), k(2), k(4), k(5)], "the tail goes first, never a chain's middle");
     assert_eq!(ix.counts(Slot(3)).approximate, 4);
     ix.check_consistency().unwrap();
 }
@@ -197,6 +197,56 @@ proptest! {
         }
         let keys = &chain[..len];
         prop_assert_eq!(depths(&ix, keys), linear_depths(&ix, keys));
+    }
+}
+
+#[test]
+fn approximate_eviction_keeps_chains_prefix_closed() {
+    // The hardening review's case, capacity 5: route [a..e], then [a], then
+    // [x]. Evicting the head first made a match of [a..e] report 5 blocks.
+    let mut ix = Index::new();
+    ix.set_approximate(Slot(0), Some(5));
+    let chain: Vec<_> = (1..=5).map(k).collect();
+    ix.record_routed(Slot(0), &chain, 1);
+    ix.record_routed(Slot(0), &chain[..1], 2);
+    ix.record_routed(Slot(0), &[k(99)], 3);
+    assert_eq!(depths(&ix, &chain), linear_depths(&ix, &chain));
+    assert_eq!(depths(&ix, &chain), vec![(Slot(0), 4)], "e, the tail, was evicted");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// On approximate workers, after any sequence of routings of chains from a
+    /// small prefix tree (shared heads, different tails), bisection equals the
+    /// linear walk for every chain.
+    #[test]
+    fn approximate_bisection_equals_linear_walk(
+        routes in proptest::collection::vec((0u16..3, 0u64..4, 0u64..4, 1usize..9), 1..60),
+        capacity in 1usize..12,
+    ) {
+        // A chain's key i names its whole prefix: (branch, twig, i) below depth 3 share.
+        let chain = |branch: u64, twig: u64, len: usize| -> Vec<BlockKey> {
+            (0..len as u64).map(|i| match i {
+                0..=2 => k(1 + i),
+                3..=5 => k(100 + branch * 10 + i),
+                _ => k(1000 + branch * 100 + twig * 10 + i),
+            }).collect()
+        };
+        let mut ix = Index::new();
+        for w in 0..3 {
+            ix.set_approximate(Slot(w), Some(capacity));
+        }
+        for (t, &(w, branch, twig, len)) in routes.iter().enumerate() {
+            ix.record_routed(Slot(w), &chain(branch, twig, len), t as u64);
+            for b in 0..4 {
+                for tw in 0..4 {
+                    let c = chain(b, tw, 8);
+                    prop_assert_eq!(depths(&ix, &c), linear_depths(&ix, &c));
+                }
+            }
+        }
+        ix.check_consistency().unwrap();
     }
 }
 
