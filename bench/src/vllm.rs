@@ -102,6 +102,7 @@ pub struct VllmEngine {
     /// The engine's own process group (its PID); `None` once stopped.
     pgid: Option<u32>,
     log: PathBuf,
+    spawned: Instant,
 }
 
 impl VllmEngine {
@@ -134,10 +135,12 @@ impl VllmEngine {
             child,
             pgid,
             log,
+            spawned: Instant::now(),
         })
     }
 
-    /// Waits until `GET /health` answers 200, the engine exits, or `timeout`.
+    /// Waits until `GET /health` answers 200, the engine exits, or `timeout`
+    /// (counted from now); returns the time since the engine was spawned.
     pub async fn wait_ready(&mut self, http: &reqwest::Client, timeout: Duration) -> Result<Duration, BenchError> {
         let started = Instant::now();
         let url = format!("{}/health", self.url);
@@ -156,7 +159,7 @@ impl VllmEngine {
             if let Ok(resp) = http.get(&url).timeout(Duration::from_secs(5)).send().await
                 && resp.status().is_success()
             {
-                return Ok(started.elapsed());
+                return Ok(self.spawned.elapsed());
             }
             if started.elapsed() > timeout {
                 return Err(BenchError::Engine {
@@ -228,7 +231,7 @@ impl VllmEngines {
         let timeout = pool.spec.start_timeout;
         for e in &mut pool.engines {
             let took = e.wait_ready(http, timeout).await?;
-            eprintln!("vLLM engine {} healthy after {:.0} s", e.name, took.as_secs_f64());
+            eprintln!("vLLM engine {} healthy {:.0} s after its start", e.name, took.as_secs_f64());
         }
         Ok(pool)
     }
