@@ -240,6 +240,14 @@ impl RawConfig {
         if self.internal_token.as_ref().is_some_and(|t| t.expose().len() < 16) {
             return Err(invalid("internal_token", "must be at least 16 characters"));
         }
+        if self.internal_token.as_ref().is_some_and(|t| {
+            let t = t.expose();
+            t.trim() != t
+                || t.chars().any(|c| c.is_whitespace() || c.is_control())
+                || t.chars().all(|c| c == t.chars().next().unwrap_or(' '))
+        }) {
+            return Err(invalid("internal_token", "must have no whitespace and not be one repeated character"));
+        }
         if self.tls_cert.is_some() != self.tls_key.is_some() {
             return Err(invalid("tls_cert", "tls_cert and tls_key go together"));
         }
@@ -286,6 +294,15 @@ mod tests {
         let tokened = RawConfig { internal_token: Some(Secret::new("0123456789abcdef")), ..open.clone() };
         assert!(tokened.validate().is_ok());
         assert!(RawConfig { allow_insecure_internal: true, ..open }.validate().is_ok());
+    }
+
+    #[test]
+    fn weak_tokens_are_refused() {
+        for weak in ["                ", "aaaaaaaaaaaaaaaa", " padded-token-0123456 ", "tab\tinside-the-token"] {
+            let raw = RawConfig { internal_token: Some(Secret::new(weak)), ..Default::default() };
+            let e = raw.validate().unwrap_err();
+            assert!(e.to_string().contains("`internal_token`"), "{weak:?}: {e}");
+        }
     }
 
     #[test]

@@ -20,6 +20,12 @@ pub enum RouterError {
     Overloaded,
     #[error("no healthy worker serves model {model:?}")]
     NoHealthyWorker { model: String },
+    /// No worker, healthy or not, serves the model: what vLLM answers (404),
+    /// so clients do not retry a typo.
+    #[error("The model `{model}` does not exist.")]
+    ModelNotFound { model: String },
+    #[error("the session table is full ({max} live sessions); retry later")]
+    SessionsFull { max: usize },
     #[error("upstream worker {worker} failed: {message}")]
     UpstreamFailed { worker: WorkerId, message: String },
     #[error("upstream worker {worker} timed out")]
@@ -38,8 +44,10 @@ impl RouterError {
             RouterError::BadRequest { .. } => StatusCode::BAD_REQUEST,
             RouterError::Unauthorized => StatusCode::UNAUTHORIZED,
             RouterError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            RouterError::NotFound(_) => StatusCode::NOT_FOUND,
-            RouterError::Overloaded | RouterError::NoHealthyWorker { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            RouterError::NotFound(_) | RouterError::ModelNotFound { .. } => StatusCode::NOT_FOUND,
+            RouterError::Overloaded | RouterError::NoHealthyWorker { .. } | RouterError::SessionsFull { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             RouterError::UpstreamFailed { .. } => StatusCode::BAD_GATEWAY,
             RouterError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             RouterError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -51,7 +59,10 @@ impl RouterError {
             RouterError::BadRequest { .. } | RouterError::PayloadTooLarge { .. } => "invalid_request_error",
             RouterError::Unauthorized => "authentication_error",
             RouterError::NotFound(_) => "not_found_error",
-            RouterError::Overloaded | RouterError::NoHealthyWorker { .. } => "service_unavailable",
+            RouterError::ModelNotFound { .. } => "NotFoundError",
+            RouterError::Overloaded | RouterError::NoHealthyWorker { .. } | RouterError::SessionsFull { .. } => {
+                "service_unavailable"
+            }
             RouterError::UpstreamFailed { .. } | RouterError::UpstreamTimeout { .. } => "upstream_error",
             RouterError::Internal(_) => "internal_error",
         }
@@ -62,6 +73,9 @@ impl RouterError {
         let mut body = ErrorBody::new(self.status().as_u16(), self.kind(), self.to_string());
         if let RouterError::BadRequest { field: Some(f), .. } = self {
             body = body.with_param(f.clone());
+        }
+        if let RouterError::ModelNotFound { .. } = self {
+            body = body.with_param("model".to_owned());
         }
         body
     }

@@ -21,9 +21,11 @@ async fn main() -> anyhow::Result<()> {
         .init();
     let raw = cli.serve.load(std::env::vars()).context("loading configuration")?;
     let config = raw.validate()?;
-    let listener = tokio::net::TcpListener::bind(config.raw.listen)
-        .await
-        .with_context(|| format!("binding {}", config.raw.listen))?;
+    // Certificates are read before anything announces an https address.
+    if let (Some(cert), Some(key)) = (&config.raw.tls_cert, &config.raw.tls_key) {
+        kvroute_router::tls::server_config(cert, key)?;
+    }
+    let listener = bind(config.raw.listen).await.with_context(|| format!("binding {}", config.raw.listen))?;
     let addr = listener.local_addr()?;
     // Parents (the local cluster, tests) read this line to find the port.
     let scheme = if config.raw.tls_cert.is_some() { "https" } else { "http" };
@@ -31,6 +33,21 @@ async fn main() -> anyhow::Result<()> {
     tracing::info!(%addr, policy = ?config.policy, workers = config.workers.len(), "kvroute-router started");
     kvroute_router::run(listener, config, shutdown_signal()).await?;
     Ok(())
+}
+
+/// Binds `addr`, waiting up to 10 s while the address is in use: a router
+/// restarted by a supervisor often starts while the old process still drains.
+async fn bind(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match tokio::net::TcpListener::bind(addr).await {
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && tokio::time::Instant::now() < deadline => {
+                tracing::warn!(%addr, "address in use (a previous router still exiting?); retrying");
+                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            }
+            r => return r,
+        }
+    }
 }
 
 async fn shutdown_signal() {

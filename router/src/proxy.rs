@@ -103,6 +103,9 @@ pub async fn proxy(
     };
     let body = read_body(state, body).await?;
     let req = parse(state, endpoint, &body)?;
+    if new_session.is_some() && !state.sessions.has_room(Instant::now()) {
+        return Err(RouterError::SessionsFull { max: state.sessions.max() });
+    }
     let session = match new_session {
         Some(s) => Some(s),
         None => session_of(state, headers)?,
@@ -113,10 +116,10 @@ pub async fn proxy(
     if let Some((id, ttl)) = session {
         let worker =
             resp.headers().get(WORKER_HEADER).and_then(|v| v.to_str().ok()).map(kvroute_shared::WorkerId::from);
-        if let Some(worker) = worker {
-            state.sessions.pin(&id, &worker, ttl, Instant::now());
-        }
-        if let Ok(v) = HeaderValue::from_str(&id) {
+        // The id is returned only when it was stored: a client must never
+        // hold a session id the router does not know.
+        let stored = worker.is_some_and(|w| state.sessions.pin(&id, &w, ttl, Instant::now()));
+        if stored && let Ok(v) = HeaderValue::from_str(&id) {
             resp.headers_mut().insert(SESSION_HEADER, v);
         }
     }

@@ -70,6 +70,10 @@ pub fn plan(state: &AppState, req: &PromptRequest, pinned: Option<&WorkerId>, li
     let workers: Vec<Arc<Worker>> =
         snapshot.iter().filter(|w| w.live.is_healthy() && w.serves(&model)).cloned().collect();
     if workers.is_empty() {
+        // Workers exist and none serves the model: a wrong name, not an outage.
+        if !snapshot.is_empty() && !snapshot.iter().any(|w| w.serves(&model)) {
+            return Err(RouterError::ModelNotFound { model });
+        }
         return Err(RouterError::NoHealthyWorker { model });
     }
     let block_size = state.config.block_size.get();

@@ -58,6 +58,20 @@ impl Sessions {
         true
     }
 
+    /// Whether a new session could be stored now.
+    pub fn has_room(&self, now: Instant) -> bool {
+        let mut map = self.map.lock();
+        if map.len() < self.max {
+            return true;
+        }
+        map.retain(|_, s| s.expires > now);
+        map.len() < self.max
+    }
+
+    pub fn max(&self) -> usize {
+        self.max
+    }
+
     /// Ends a session; false when it was unknown or already expired.
     pub fn remove(&self, id: &str, now: Instant) -> bool {
         self.map.lock().remove(id).is_some_and(|s| s.expires > now)

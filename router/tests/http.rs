@@ -466,6 +466,32 @@ async fn sessions_pin_a_conversation_and_the_context_api_manages_them() {
 }
 
 #[tokio::test]
+async fn an_unknown_model_is_a_404_like_vllm() {
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let r = router(&[], |_| {}).await;
+    let ack =
+        r.internal("/internal/sync", json!({"worker_id": "w1", "url": w.url, "models": ["m"], "hashes": []})).await;
+    assert_eq!(ack.status(), 200);
+    let (status, body) = error_of(r.complete(json!({"model": "nope", "prompt": "x"})).await).await;
+    assert_eq!(status, 404, "{body}");
+    assert_eq!(body["error"]["param"], "model");
+    assert_eq!(r.complete(json!({"model": "m", "prompt": "x"})).await.status(), 200);
+}
+
+#[tokio::test]
+async fn a_full_session_table_refuses_new_contexts_instead_of_inventing_ids() {
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let r = router(&[("w1", &w.url)], |raw| raw.max_sessions = 1).await;
+    let create = || r.http.post(format!("{}/v1/context", r.url)).json(&json!({"model": "m", "prompt": "hi"})).send();
+    let first = create().await.unwrap();
+    assert_eq!(first.status(), 200);
+    assert!(first.headers().contains_key("x-session-id"));
+    let second = create().await.unwrap();
+    assert_eq!(second.status(), 503);
+    assert!(!second.headers().contains_key("x-session-id"));
+}
+
+#[tokio::test]
 async fn load_shedding_answers_503_with_retry_after() {
     let hang = fake_worker("hang", Behaviour::Hang).await;
     let r = router(&[("hang", &hang.url)], |raw| raw.max_concurrent_requests = 1).await;

@@ -93,6 +93,32 @@ async fn serves_https_and_refuses_plain_http() {
     assert!(reqwest::Client::new().get(format!("https://{addr}/health")).send().await.is_err());
 }
 
+/// ALPN offers h2 and http/1.1, and the router speaks both: curl (the tool
+/// operators reach for) gets an answer with either.
+#[tokio::test]
+async fn curl_gets_answers_over_http2_and_http1() {
+    let c = certs("curl");
+    let addr = serve_router(RawConfig {
+        tls_cert: Some(c.cert.clone()),
+        tls_key: Some(c.key.clone()),
+        internal_token: Some(Secret::new(TOKEN)),
+        ..Default::default()
+    })
+    .await;
+    for (flag, version) in [("--http2", "2"), ("--http1.1", "1.1")] {
+        let out = tokio::process::Command::new("curl")
+            .args(["-sS", "--max-time", "10", flag, "--cacert"])
+            .arg(&c.cert)
+            .args(["-o", "/dev/null", "-w", "%{http_code} %{http_version}"])
+            .arg(format!("https://{addr}/health"))
+            .output()
+            .await
+            .expect("curl is needed for this test (apt-get install curl)");
+        let got = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert_eq!(got, format!("200 {version}"), "curl {flag}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
 #[tokio::test]
 async fn trusts_the_configured_ca_for_https_workers() {
     let c = certs("ca");
