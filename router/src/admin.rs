@@ -61,9 +61,20 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
 
 /// `POST /debug/route`: the decision the router would make, without forwarding.
 pub async fn debug_route(State(state): State<Arc<AppState>>, body: Body) -> Result<Json<Value>, RouterError> {
-    let body = read_body(&state, body).await?;
-    let req = parse(&state, endpoint_of(&body), &body)?;
-    let plan = routing::plan(&state, &req, None, false)?;
+    // Same limits as a real request: body deadline, concurrency slot, prompt
+    // size, tokenizing off the runtime.
+    let timeout = state.config.raw.body_read_timeout;
+    let body = tokio::time::timeout(timeout, read_body(&state, body))
+        .await
+        .map_err(|_| RouterError::BodyTimeout { after: timeout })??;
+    let Ok(_permit) = state.concurrency.clone().try_acquire_owned() else {
+        state.metrics.shed.inc();
+        return Err(RouterError::Overloaded);
+    };
+    routing::check_prompt_bytes(&state, body.len())?;
+    let req = std::sync::Arc::new(parse(&state, endpoint_of(&body), &body)?);
+    let prepared = routing::prepare_off_runtime(&state, req).await?;
+    let plan = routing::plan(&state, prepared, None, false)?;
     let name = |i: usize| plan.workers[i].id.to_string();
     let workers: Vec<Value> = plan
         .candidates

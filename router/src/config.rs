@@ -78,8 +78,15 @@ pub struct RawConfig {
     /// Longest gap between two body chunks of a streaming answer.
     #[serde(with = "humantime_serde")]
     pub idle_timeout: Duration,
+    /// Time allowed to receive a request's whole body (408 beyond it).
+    #[serde(with = "humantime_serde")]
+    pub body_read_timeout: Duration,
     pub max_body_bytes: usize,
     pub max_messages: usize,
+    /// Longest prompt accepted, in tokens (set it to the engines'
+    /// `--max-model-len`); longer ones get a 400, bodies too large to hold an
+    /// acceptable prompt a 413 before any tokenizing.
+    pub max_prompt_tokens: usize,
     pub max_concurrent_requests: usize,
     /// Blocks an approximately indexed worker is assumed to hold when its
     /// `vllm:cache_config_info` cannot be read.
@@ -124,8 +131,10 @@ impl Default for RawConfig {
             connect_timeout: Duration::from_secs(2),
             first_byte_timeout: Duration::from_secs(600),
             idle_timeout: Duration::from_secs(300),
+            body_read_timeout: Duration::from_secs(30),
             max_body_bytes: 16 << 20,
             max_messages: 4096,
+            max_prompt_tokens: 262_144,
             max_concurrent_requests: 4096,
             approx_capacity_blocks: 100_000,
             session_ttl: Duration::from_secs(600),
@@ -227,6 +236,9 @@ impl RawConfig {
         }
         if self.cache_aware.placement_factor < 1.0 || self.cache_aware.load_weight < 0.0 {
             return Err(invalid("cache_aware", "placement_factor must be ≥ 1 and load_weight ≥ 0"));
+        }
+        if self.max_prompt_tokens == 0 {
+            return Err(invalid("max_prompt_tokens", "must be at least 1"));
         }
         if self.head_tokens == 0 {
             return Err(invalid("head_tokens", "must be at least 1"));

@@ -24,14 +24,27 @@ pub enum RouterError {
     /// so clients do not retry a typo.
     #[error("The model `{model}` does not exist.")]
     ModelNotFound { model: String },
+    #[error("the request body did not arrive within {after:?}")]
+    BodyTimeout { after: std::time::Duration },
     #[error("the session table is full ({max} live sessions); retry later")]
     SessionsFull { max: usize },
+    /// Beyond `max_prompt_tokens` (the count when it was measured: a body too
+    /// large is refused before tokenizing).
+    #[error("{}", prompt_too_long(*tokens, *max))]
+    PromptTooLong { tokens: Option<usize>, max: usize },
     #[error("upstream worker {worker} failed: {message}")]
     UpstreamFailed { worker: WorkerId, message: String },
     #[error("upstream worker {worker} timed out")]
     UpstreamTimeout { worker: WorkerId },
     #[error("internal error")]
     Internal(String),
+}
+
+fn prompt_too_long(tokens: Option<usize>, max: usize) -> String {
+    match tokens {
+        Some(n) => format!("the prompt has {n} tokens, more than this router's max_prompt_tokens ({max})"),
+        None => format!("the request body is too large for a prompt of at most max_prompt_tokens ({max}) tokens"),
+    }
 }
 
 impl RouterError {
@@ -43,8 +56,12 @@ impl RouterError {
         match self {
             RouterError::BadRequest { .. } => StatusCode::BAD_REQUEST,
             RouterError::Unauthorized => StatusCode::UNAUTHORIZED,
-            RouterError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            RouterError::PayloadTooLarge { .. } | RouterError::PromptTooLong { tokens: None, .. } => {
+                StatusCode::PAYLOAD_TOO_LARGE
+            }
+            RouterError::PromptTooLong { tokens: Some(_), .. } => StatusCode::BAD_REQUEST,
             RouterError::NotFound(_) | RouterError::ModelNotFound { .. } => StatusCode::NOT_FOUND,
+            RouterError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             RouterError::Overloaded | RouterError::NoHealthyWorker { .. } | RouterError::SessionsFull { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -56,7 +73,10 @@ impl RouterError {
 
     fn kind(&self) -> &'static str {
         match self {
-            RouterError::BadRequest { .. } | RouterError::PayloadTooLarge { .. } => "invalid_request_error",
+            RouterError::BadRequest { .. }
+            | RouterError::PayloadTooLarge { .. }
+            | RouterError::PromptTooLong { .. }
+            | RouterError::BodyTimeout { .. } => "invalid_request_error",
             RouterError::Unauthorized => "authentication_error",
             RouterError::NotFound(_) => "not_found_error",
             RouterError::ModelNotFound { .. } => "NotFoundError",

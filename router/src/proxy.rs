@@ -97,12 +97,17 @@ pub async fn proxy(
     body: Body,
     new_session: Option<(String, Duration)>,
 ) -> Result<Response, RouterError> {
+    // The body is read under a deadline and before a concurrency slot is
+    // taken: clients that send slowly must not hold the slots real requests need.
+    let body = tokio::time::timeout(state.config.raw.body_read_timeout, read_body(state, body))
+        .await
+        .map_err(|_| RouterError::BodyTimeout { after: state.config.raw.body_read_timeout })??;
     let Ok(_permit) = state.concurrency.clone().try_acquire_owned() else {
         state.metrics.shed.inc();
         return Err(RouterError::Overloaded);
     };
-    let body = read_body(state, body).await?;
-    let req = parse(state, endpoint, &body)?;
+    routing::check_prompt_bytes(state, body.len())?;
+    let req = Arc::new(parse(state, endpoint, &body)?);
     if new_session.is_some() && !state.sessions.has_room(Instant::now()) {
         return Err(RouterError::SessionsFull { max: state.sessions.max() });
     }
@@ -111,7 +116,8 @@ pub async fn proxy(
         None => session_of(state, headers)?,
     };
     let pinned = session.as_ref().and_then(|(id, _)| state.sessions.get(id, Instant::now()));
-    let plan = routing::plan(state, &req, pinned.as_ref(), true)?;
+    let prepared = routing::prepare_off_runtime(state, req.clone()).await?;
+    let plan = routing::plan(state, prepared, pinned.as_ref(), true)?;
     let mut resp = dispatch(state, endpoint, headers, body, &plan, req.stream()).await?;
     if let Some((id, ttl)) = session {
         let worker =

@@ -54,17 +54,67 @@ fn tokenize_error(req: &PromptRequest, e: TokenizeError) -> RouterError {
     }
 }
 
-/// Plans a request; `pinned` is the worker a live session points at. A `live`
-/// plan is counted in the metrics; `/debug/route` plans are not.
-pub fn plan(state: &AppState, req: &PromptRequest, pinned: Option<&WorkerId>, live: bool) -> Result<Plan, RouterError> {
-    let started = Instant::now();
+/// A request rendered, tokenized and keyed: the CPU-heavy half of planning.
+#[derive(Debug)]
+pub struct Prepared {
+    model: String,
+    tokens: Vec<u32>,
+    keys: Vec<BlockKey>,
+    head_hash: u64,
+    prefix_hint: Option<usize>,
+    exact_tokenizer: bool,
+}
+
+/// Upper bound of prompt bytes per token, for refusing a body before paying
+/// to tokenize it: byte-level BPE tokens cover at least one byte each, and
+/// real text averages about 4; JSON escapes can double a character.
+const MAX_BYTES_PER_TOKEN: usize = 16;
+
+/// Refuses a body too large to hold an acceptable prompt, before tokenizing.
+pub fn check_prompt_bytes(state: &AppState, body_len: usize) -> Result<(), RouterError> {
+    let max = state.config.raw.max_prompt_tokens;
+    if body_len > max.saturating_mul(MAX_BYTES_PER_TOKEN) {
+        return Err(RouterError::PromptTooLong { tokens: None, max });
+    }
+    Ok(())
+}
+
+/// Renders, tokenizes and keys `req` on the calling thread.
+pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, RouterError> {
     let model = req.model().to_owned();
     let tokenizer = state.tokenizers.for_model(&model);
     let tokens = tokenizer.prompt_tokens(req).map_err(|e| tokenize_error(req, e))?;
+    let max = state.config.raw.max_prompt_tokens;
+    if tokens.len() > max {
+        return Err(RouterError::PromptTooLong { tokens: Some(tokens.len()), max });
+    }
     let root = KeyRoot::new(&model, req.cache_salt());
     let keys = block_keys(root, &tokens, state.config.block_size);
     let head = &tokens[..tokens.len().min(state.config.raw.head_tokens)];
     let head_hash = BlockKey::chain(root.0, head).0;
+    let prefix_hint = req.prefix_len().map(|n| n as usize);
+    Ok(Prepared { model, tokens, keys, head_hash, prefix_hint, exact_tokenizer: tokenizer.is_exact() })
+}
+
+/// [`prepare`] on tokio's blocking pool, at most one per core at a time.
+/// Rendering and tokenizing take from microseconds to seconds of CPU (a
+/// megabyte prompt): on the async runtime they would stall health checks,
+/// sidecar pushes and every other request, and a long enough stall expires
+/// every worker. Waiting for a slot is asynchronous.
+pub async fn prepare_off_runtime(state: &Arc<AppState>, req: Arc<PromptRequest>) -> Result<Prepared, RouterError> {
+    let _slot =
+        state.tokenize_slots.acquire().await.map_err(|_| RouterError::Internal("tokenizer pool closed".into()))?;
+    let st = state.clone();
+    tokio::task::spawn_blocking(move || prepare(&st, &req))
+        .await
+        .map_err(|e| RouterError::Internal(format!("tokenizer task failed: {e}")))?
+}
+
+/// Plans a prepared request; `pinned` is the worker a live session points
+/// at. A `live` plan is counted in the metrics; `/debug/route` plans are not.
+pub fn plan(state: &AppState, prepared: Prepared, pinned: Option<&WorkerId>, live: bool) -> Result<Plan, RouterError> {
+    let started = Instant::now();
+    let Prepared { model, tokens, keys, head_hash, prefix_hint, exact_tokenizer } = prepared;
 
     let snapshot = state.workers.snapshot();
     let workers: Vec<Arc<Worker>> =
@@ -77,7 +127,6 @@ pub fn plan(state: &AppState, req: &PromptRequest, pinned: Option<&WorkerId>, li
         return Err(RouterError::NoHealthyWorker { model });
     }
     let block_size = state.config.block_size.get();
-    let prefix_hint = req.prefix_len().map(|n| n as usize);
     let pinned_at = pinned.and_then(|id| workers.iter().position(|w| &w.id == id));
     let decide = |index: &Index| {
         let depths = index.match_depths(&keys);
@@ -125,16 +174,7 @@ pub fn plan(state: &AppState, req: &PromptRequest, pinned: Option<&WorkerId>, li
     };
 
     if !live {
-        return Ok(Plan {
-            model,
-            tokens,
-            keys,
-            block_size,
-            workers,
-            candidates,
-            decision,
-            exact_tokenizer: tokenizer.is_exact(),
-        });
+        return Ok(Plan { model, tokens, keys, block_size, workers, candidates, decision, exact_tokenizer });
     }
     let m = &state.metrics;
     m.decisions.get_or_create(&PolicyReason { policy: state.policy.name(), reason: decision.reason.as_str() }).inc();
@@ -146,7 +186,7 @@ pub fn plan(state: &AppState, req: &PromptRequest, pinned: Option<&WorkerId>, li
     }
     state.observe_prompt_tokens(tokens.len());
     m.routing_seconds.observe(started.elapsed().as_secs_f64());
-    Ok(Plan { model, tokens, keys, block_size, workers, candidates, decision, exact_tokenizer: tokenizer.is_exact() })
+    Ok(Plan { model, tokens, keys, block_size, workers, candidates, decision, exact_tokenizer })
 }
 
 /// A pinned worker is skipped when it carries far more than its share.

@@ -79,6 +79,8 @@ pub struct AppState {
     /// Random per process start: sidecars resync at once when it changes.
     pub router_epoch: String,
     pub concurrency: Arc<Semaphore>,
+    /// Rendering + tokenizing jobs on the blocking pool at once: one per core.
+    pub tokenize_slots: Arc<Semaphore>,
     /// Mean prompt tokens (EWMA, f64 bits), turning request counts into tokens.
     mean_prompt_tokens: AtomicU64,
     pub started: Instant,
@@ -100,6 +102,7 @@ impl AppState {
             client,
             router_epoch: format!("{:016x}", rand::random::<u64>()),
             concurrency,
+            tokenize_slots: Arc::new(Semaphore::new(std::thread::available_parallelism().map_or(2, |n| n.get()))),
             mean_prompt_tokens: AtomicU64::new(512f64.to_bits()),
             started: Instant::now(),
             shutdown,

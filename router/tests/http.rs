@@ -492,6 +492,51 @@ async fn a_full_session_table_refuses_new_contexts_instead_of_inventing_ids() {
 }
 
 #[tokio::test]
+async fn prompts_beyond_max_prompt_tokens_are_refused_before_or_after_tokenizing() {
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let r = router(&[("w1", &w.url)], |raw| raw.max_prompt_tokens = 100).await;
+    // 150 bytes, byte-level tokens: 150 tokens > 100 (counted, 400).
+    let (status, body) = error_of(r.complete(json!({"model": "m", "prompt": prompt(150)})).await).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("150 tokens"), "{body}");
+    // Far more bytes than 100 tokens could ever take: refused unread (413).
+    let (status, _) = error_of(r.complete(json!({"model": "m", "prompt": prompt(5_000)})).await).await;
+    assert_eq!(status, 413);
+    let explain =
+        r.http.post(format!("{}/debug/route", r.url)).json(&json!({"model": "m", "prompt": prompt(5_000)})).send();
+    assert_eq!(explain.await.unwrap().status(), 413, "/debug/route has the same limits");
+    assert_eq!(r.complete(json!({"model": "m", "prompt": prompt(50)})).await.status(), 200);
+    assert_eq!(w.hits.load(Ordering::SeqCst), 1, "refused prompts never reached the engine");
+}
+
+#[tokio::test]
+async fn a_client_sending_its_body_slowly_holds_no_concurrency_slot() {
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let r = router(&[("w1", &w.url)], |raw| {
+        raw.max_concurrent_requests = 1;
+        raw.body_read_timeout = Duration::from_millis(300);
+    })
+    .await;
+    // A body that starts and never finishes.
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(1);
+    tx.send(Ok(Bytes::from_static(b"{\"model\": \"m\", "))).await.unwrap();
+    let stream = tokio_stream_from(rx);
+    let slow =
+        tokio::spawn(r.http.post(format!("{}/v1/completions", r.url)).body(reqwest::Body::wrap_stream(stream)).send());
+    tokio::time::sleep(Duration::from_millis(50)).await; // let the slow body arrive first (ordering only)
+    assert_eq!(r.complete(json!({"model": "m", "prompt": "x"})).await.status(), 200, "the only slot was free");
+    let slow = slow.await.unwrap().unwrap();
+    assert_eq!(slow.status(), 408, "a body that never completes times out");
+    drop(tx);
+}
+
+fn tokio_stream_from(
+    mut rx: mpsc::Receiver<Result<Bytes, std::io::Error>>,
+) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> {
+    futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+#[tokio::test]
 async fn load_shedding_answers_503_with_retry_after() {
     let hang = fake_worker("hang", Behaviour::Hang).await;
     let r = router(&[("hang", &hang.url)], |raw| raw.max_concurrent_requests = 1).await;
