@@ -29,7 +29,13 @@ use crate::state::{RouterTarget, WorkerState};
 /// How long the last batch may take at shutdown.
 const FLUSH_DEADLINE: Duration = Duration::from_secs(1);
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
-const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// Capped low so that a router that comes back is whole again within a
+/// second; a retry is one small request.
+const BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// An idle link still sends an empty batch this often: it is how a sidecar
+/// learns that a router restarted (a new `router_epoch`) when no KV event
+/// flows, and resyncs it at once instead of at the next periodic sync.
+pub const HEARTBEAT: Duration = Duration::from_millis(500);
 
 /// Everything the per-router tasks share.
 #[derive(Debug)]
@@ -55,6 +61,7 @@ struct Link {
     seq: u64,
     router_epoch: Option<String>,
     last_load: Option<Load>,
+    last_sent: Option<tokio::time::Instant>,
 }
 
 impl Pusher {
@@ -78,12 +85,14 @@ impl Pusher {
             };
             let ack = self.client.sync(&link.target, &body).await.map_err(|e| (MessageKind::Sync, e))?;
             link.last_load = load;
+            link.last_sent = Some(tokio::time::Instant::now());
             return Ok(Round::Sent(MessageKind::Sync, ack));
         }
         let Some((epoch, delta)) = self.state.take_delta(&link.target) else {
             return Ok(Round::Idle);
         };
-        if delta.is_empty() && load == link.last_load {
+        let heartbeat_due = link.last_sent.is_none_or(|t| t.elapsed() >= HEARTBEAT);
+        if delta.is_empty() && load == link.last_load && !heartbeat_due {
             return Ok(Round::Idle);
         }
         link.seq += 1;
@@ -98,6 +107,7 @@ impl Pusher {
         };
         let ack = self.client.eviction(&link.target, &body).await.map_err(|e| (MessageKind::Eviction, e))?;
         link.last_load = load;
+        link.last_sent = Some(tokio::time::Instant::now());
         Ok(Round::Sent(MessageKind::Eviction, ack))
     }
 
@@ -120,7 +130,7 @@ impl Pusher {
 
 /// Pushes to `target` until cancelled; `wake` makes it act before its next tick.
 pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Notify>, cancel: CancellationToken) {
-    let mut link = Link { target, seq: 0, router_epoch: None, last_load: None };
+    let mut link = Link { target, seq: 0, router_epoch: None, last_load: None, last_sent: None };
     let mut tick = tokio::time::interval(pusher.fast_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut backoff = BACKOFF_MIN;
@@ -141,7 +151,7 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
                 }
                 Err((kind, e)) => {
                     pusher.state.metrics().push_failures.get_or_create(&Pusher::labels(&link.target, kind)).inc();
-                    warn!(router = %link.target.0, error = %e, "push failed; next message is a full sync");
+                    warn!(router = %link.target.0, error = %error_chain(&e), "push failed; next message is a full sync");
                     pusher.state.require_sync(&link.target);
                     let pause = jitter(backoff);
                     backoff = (backoff * 2).min(BACKOFF_MAX);
@@ -158,6 +168,19 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
     if !pusher.state.needs_sync(&link.target) {
         let _ = tokio::time::timeout(FLUSH_DEADLINE, pusher.round(&mut link)).await;
     }
+}
+
+/// An error with every cause, `a: b: c` (reqwest's top level alone says only
+/// "error sending request").
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
 }
 
 /// Full jitter over the upper half: spreads retries of many sidecars.
