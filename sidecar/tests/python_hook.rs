@@ -1,6 +1,7 @@
 //! Cross-language check: the sidecar's snapshot client against the real
-//! `kvroute_hooks` server (python-hooks/), over ZMQ REQ/REP. Skipped, with the
-//! reason, when python3 with pyzmq and msgpack is not available.
+//! `kvroute_hooks` server (python-hooks/), over ZMQ REQ/REP. Needs a Python
+//! with pyzmq and msgpack (`KVROUTE_PYTHON`, set by scripts/test.sh, else
+//! python3); fails saying so when it has none.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -21,6 +22,9 @@ class Pool:
         self.cached_block_hash_to_block = Map()
 
 pool = Pool()
+# The first collection imports vLLM's hash helpers when vLLM is installed
+# (seconds: it imports torch); inside an engine they are loaded already.
+collect_hashes([pool])
 server = SnapshotServer("tcp://127.0.0.1:0", lambda: collect_hashes([pool])).start()
 print(server.endpoint, flush=True)
 sys.stdin.read()
