@@ -57,6 +57,11 @@ pub struct RawConfig {
     /// Tokens that identify a request for `consistent_hash` and `sticky_least_loaded`.
     pub head_tokens: usize,
     pub internal_token: Option<Secret>,
+    /// One token per worker id: a sidecar may then push only for its own id
+    /// (its registration, URL and keys), and the shared `internal_token`
+    /// authorizes no push. `ID=TOKEN` lines (blank and `#` lines ignored) in
+    /// `worker_tokens_file`, e.g. a mounted Kubernetes Secret.
+    pub worker_tokens_file: Option<std::path::PathBuf>,
     pub allow_insecure_internal: bool,
     #[serde(with = "humantime_serde")]
     pub speculative_ttl: Duration,
@@ -98,6 +103,8 @@ pub struct RawConfig {
     pub max_sessions: usize,
     /// Keys accepted in one sync (a bound on memory per request).
     pub max_sync_keys: usize,
+    /// Largest /internal/* body: a sync of `max_sync_keys` keys is ~19 bytes a key.
+    pub max_internal_body_bytes: usize,
     #[serde(with = "humantime_serde")]
     pub shutdown_grace: Duration,
     /// PEM certificate chain and private key: serve HTTPS instead of HTTP.
@@ -121,6 +128,7 @@ impl Default for RawConfig {
             consistent_hash_load_factor: 1.25,
             head_tokens: 64,
             internal_token: None,
+            worker_tokens_file: None,
             allow_insecure_internal: false,
             speculative_ttl: Duration::from_secs(10),
             health_check_interval: Duration::from_secs(2),
@@ -141,6 +149,7 @@ impl Default for RawConfig {
             max_session_ttl: Duration::from_secs(86_400),
             max_sessions: 100_000,
             max_sync_keys: 4_000_000,
+            max_internal_body_bytes: 128 << 20,
             shutdown_grace: Duration::from_secs(30),
             tls_cert: None,
             tls_key: None,
@@ -189,6 +198,9 @@ pub struct Config {
     pub block_size: BlockSize,
     pub workers: Vec<StaticWorker>,
     pub policy: PolicyConfig,
+    /// Per-worker push tokens (empty: the shared internal token authorizes
+    /// pushes for any id).
+    pub worker_tokens: BTreeMap<WorkerId, Secret>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -213,13 +225,11 @@ impl RawConfig {
         for spec in &self.workers {
             let (id, url) =
                 spec.split_once('=').ok_or_else(|| invalid("workers", format!("{spec:?} is not ID=URL")))?;
-            if !(url.starts_with("http://") || url.starts_with("https://")) {
-                return Err(invalid("workers", format!("{spec:?}: URL must start with http:// or https://")));
-            }
+            let url = crate::workers::checked_url(url).map_err(|e| invalid("workers", format!("{spec:?}: {e}")))?;
             if id.is_empty() || workers.iter().any(|w| w.id.as_str() == id) {
                 return Err(invalid("workers", format!("{spec:?}: worker ids must be unique and non-empty")));
             }
-            workers.push(StaticWorker { id: WorkerId::new(id), url: url.trim_end_matches('/').to_owned() });
+            workers.push(StaticWorker { id: WorkerId::new(id), url });
         }
         let policy = match self.policy.as_str() {
             "cache_aware" => PolicyConfig::CacheAware(self.cache_aware),
@@ -249,25 +259,63 @@ impl RawConfig {
         if self.eject_after_failures == 0 {
             return Err(invalid("eject_after_failures", "must be at least 1"));
         }
-        if self.internal_token.as_ref().is_some_and(|t| t.expose().len() < 16) {
-            return Err(invalid("internal_token", "must be at least 16 characters"));
+        if let Some(t) = &self.internal_token {
+            check_token(t.expose()).map_err(|m| invalid("internal_token", m))?;
         }
-        if self.internal_token.as_ref().is_some_and(|t| {
-            let t = t.expose();
-            t.trim() != t
-                || t.chars().any(|c| c.is_whitespace() || c.is_control())
-                || t.chars().all(|c| c == t.chars().next().unwrap_or(' '))
-        }) {
-            return Err(invalid("internal_token", "must have no whitespace and not be one repeated character"));
-        }
+        let worker_tokens = match &self.worker_tokens_file {
+            Some(path) => load_worker_tokens(path)?,
+            None => BTreeMap::new(),
+        };
         if self.tls_cert.is_some() != self.tls_key.is_some() {
             return Err(invalid("tls_cert", "tls_cert and tls_key go together"));
         }
-        if self.internal_token.is_none() && !self.listen.ip().is_loopback() && !self.allow_insecure_internal {
+        if self.internal_token.is_none()
+            && worker_tokens.is_empty()
+            && !self.listen.ip().is_loopback()
+            && !self.allow_insecure_internal
+        {
             return Err(ConfigError::InsecureInternal { listen: self.listen });
         }
-        Ok(Config { block_size, workers, policy, raw: self })
+        Ok(Config { block_size, workers, policy, worker_tokens, raw: self })
     }
+}
+
+/// A bearer token must be long and not trivially guessable.
+fn check_token(t: &str) -> Result<(), String> {
+    if t.len() < 16 {
+        return Err("must be at least 16 characters".into());
+    }
+    let first = t.chars().next().unwrap_or(' ');
+    if t.chars().any(|c| c.is_whitespace() || c.is_control()) || t.chars().all(|c| c == first) {
+        return Err("must have no whitespace and not be one repeated character".into());
+    }
+    Ok(())
+}
+
+fn load_worker_tokens(path: &std::path::Path) -> Result<BTreeMap<WorkerId, Secret>, ConfigError> {
+    let field = "worker_tokens_file";
+    let text = std::fs::read_to_string(path).map_err(|e| invalid(field, format!("{}: {e}", path.display())))?;
+    let mut out = BTreeMap::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let at = |m: String| invalid(field, format!("{} line {}: {m}", path.display(), n + 1));
+        let (id, token) = line.split_once('=').ok_or_else(|| at("not ID=TOKEN".into()))?;
+        let id = WorkerId::from(id.trim());
+        if id.as_str().is_empty() {
+            return Err(at("empty worker id".into()));
+        }
+        check_token(token.trim()).map_err(at)?;
+        if out.insert(id.clone(), Secret::new(token.trim())).is_some() {
+            return Err(at(format!("worker {id} appears twice")));
+        }
+    }
+    if out.is_empty() {
+        return Err(invalid(field, format!("{} names no worker", path.display())));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

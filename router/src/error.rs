@@ -12,6 +12,10 @@ pub enum RouterError {
     BadRequest { field: Option<String>, message: String },
     #[error("missing or invalid internal token")]
     Unauthorized,
+    #[error("{0}")]
+    Forbidden(String),
+    #[error("{0}")]
+    Unavailable(String),
     #[error("request body exceeds {limit} bytes")]
     PayloadTooLarge { limit: usize },
     #[error("{0}")]
@@ -56,6 +60,8 @@ impl RouterError {
         match self {
             RouterError::BadRequest { .. } => StatusCode::BAD_REQUEST,
             RouterError::Unauthorized => StatusCode::UNAUTHORIZED,
+            RouterError::Forbidden(_) => StatusCode::FORBIDDEN,
+            RouterError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             RouterError::PayloadTooLarge { .. } | RouterError::PromptTooLong { tokens: None, .. } => {
                 StatusCode::PAYLOAD_TOO_LARGE
             }
@@ -77,7 +83,8 @@ impl RouterError {
             | RouterError::PayloadTooLarge { .. }
             | RouterError::PromptTooLong { .. }
             | RouterError::BodyTimeout { .. } => "invalid_request_error",
-            RouterError::Unauthorized => "authentication_error",
+            RouterError::Unauthorized | RouterError::Forbidden(_) => "authentication_error",
+            RouterError::Unavailable(_) => "service_unavailable",
             RouterError::NotFound(_) => "not_found_error",
             RouterError::ModelNotFound { .. } => "NotFoundError",
             RouterError::Overloaded | RouterError::NoHealthyWorker { .. } | RouterError::SessionsFull { .. } => {

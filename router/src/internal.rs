@@ -1,6 +1,8 @@
 //! `POST /internal/eviction` and `POST /internal/sync`: what sidecars push
-//! (DESIGN.md §2). Authenticated by the internal bearer token (compared in
-//! constant time); bad bodies get a 400 naming the field and change nothing.
+//! (DESIGN.md §2). Authenticated by a bearer token compared in constant time:
+//! the worker's own token when `worker_tokens_file` is set (a sidecar then
+//! speaks only for its own id), else the shared internal token. Bad bodies get
+//! a 400 naming the field and change nothing.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -12,33 +14,69 @@ use axum::http::{HeaderMap, header};
 use kvroute_shared::wire::{AckOutcome, EvictionBatch, InternalAck, SyncSnapshot, Validate, decode_valid};
 use subtle::ConstantTimeEq;
 
+use http_body_util::BodyExt;
+use kvroute_shared::WorkerId;
+
+use crate::config::Secret;
 use crate::error::RouterError;
-use crate::proxy::read_body;
 use crate::state::{AppState, now_ms};
 use crate::workers::Source;
 
-fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), RouterError> {
-    let Some(token) = &state.config.raw.internal_token else { return Ok(()) };
-    let presented = headers
+fn presented(headers: &HeaderMap) -> &str {
+    headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    if bool::from(presented.as_bytes().ct_eq(token.expose().as_bytes())) {
-        Ok(())
-    } else {
-        Err(RouterError::Unauthorized)
+        .unwrap_or("")
+}
+
+fn matches(presented: &str, token: &Secret) -> bool {
+    bool::from(presented.as_bytes().ct_eq(token.expose().as_bytes()))
+}
+
+/// Before the body is read: the caller holds some valid token (the shared
+/// one, or any worker's), so strangers cannot make the router read bodies.
+fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<(), RouterError> {
+    let p = presented(headers);
+    let tokens = &state.config.worker_tokens;
+    match &state.config.raw.internal_token {
+        _ if !tokens.is_empty() => {
+            tokens.values().any(|t| matches(p, t)).then_some(()).ok_or(RouterError::Unauthorized)
+        }
+        Some(shared) => matches(p, shared).then_some(()).ok_or(RouterError::Unauthorized),
+        None => Ok(()),
     }
 }
 
-/// Authenticates, reads and decodes an internal push.
+/// After decoding: with per-worker tokens, the token must be `worker`'s own.
+fn authorize_for(state: &AppState, headers: &HeaderMap, worker: &WorkerId) -> Result<(), RouterError> {
+    let tokens = &state.config.worker_tokens;
+    if tokens.is_empty() {
+        return Ok(());
+    }
+    match tokens.get(worker) {
+        Some(t) if matches(presented(headers), t) => Ok(()),
+        _ => {
+            state.metrics.event("forbidden_push", 1);
+            tracing::warn!(worker.id = %worker, "push refused: the token is not this worker's");
+            Err(RouterError::Forbidden(format!("this token may not push for worker {worker}")))
+        }
+    }
+}
+
+/// Authenticates, reads (under the internal body limit) and decodes an internal push.
 async fn push_body<T: serde::de::DeserializeOwned + Validate>(
     state: &AppState,
     headers: &HeaderMap,
     body: Body,
 ) -> Result<T, RouterError> {
-    authorize(state, headers)?;
-    let body = read_body(state, body).await?;
+    authenticate(state, headers)?;
+    let limit = state.config.raw.max_internal_body_bytes;
+    let body = match http_body_util::Limited::new(body, limit).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => return Err(RouterError::PayloadTooLarge { limit }),
+        Err(e) => return Err(RouterError::bad_request("body", format!("could not read the request body: {e}"))),
+    };
     Ok(decode_valid(&body)?)
 }
 
@@ -52,11 +90,24 @@ pub async fn eviction(
     body: Body,
 ) -> Result<Json<InternalAck>, RouterError> {
     let batch: EvictionBatch = push_body(&state, &headers, body).await?;
+    authorize_for(&state, &headers, &batch.worker_id)?;
     let Some(worker) = state.workers.get(&batch.worker_id) else {
         return Ok(ack(&state, AckOutcome::UnknownWorker));
     };
+    let max = state.config.raw.max_sync_keys;
+    if batch.stored_hashes.len() + batch.evicted_hashes.len() > max {
+        state.metrics.event("rejected_too_large", 1);
+        return Err(RouterError::PayloadTooLarge { limit: max });
+    }
     {
         let mut map = state.map.write();
+        // A worker holds at most max_sync_keys entries, however they arrive.
+        let held = map.index.counts(worker.slot);
+        if held.confirmed + held.speculative + batch.stored_hashes.len() > max + batch.evicted_hashes.len() {
+            drop(map);
+            state.metrics.event("rejected_too_large", 1);
+            return Err(RouterError::PayloadTooLarge { limit: max });
+        }
         let seq = map.seqs.entry(batch.worker_id.clone()).or_default();
         if !seq.accept(batch.epoch.as_deref(), batch.seq) {
             drop(map);
@@ -82,6 +133,7 @@ pub async fn sync(
     body: Body,
 ) -> Result<Json<InternalAck>, RouterError> {
     let snap: SyncSnapshot = push_body(&state, &headers, body).await?;
+    authorize_for(&state, &headers, &snap.worker_id)?;
     let want = state.config.block_size;
     if let Some(bs) = snap.block_size
         && bs != want
@@ -101,10 +153,11 @@ pub async fn sync(
         return Err(RouterError::PayloadTooLarge { limit: state.config.raw.max_sync_keys });
     }
     let models = (!snap.models.is_empty()).then_some(snap.models.as_slice());
-    let (worker, how) = state
-        .workers
-        .upsert(&snap.worker_id, snap.url.as_deref(), models, Source::Sidecar)
-        .map_err(|e| RouterError::bad_request("url", e.to_string()))?;
+    let (worker, how) =
+        state.workers.upsert(&snap.worker_id, snap.url.as_deref(), models, Source::Sidecar).map_err(|e| match e {
+            crate::workers::RegistryError::Full => RouterError::Unavailable(e.to_string()),
+            e => RouterError::bad_request("url", e.to_string()),
+        })?;
     if how == crate::workers::Upsert::Added {
         tracing::info!(worker.id = %worker.id, url = %worker.url, "worker registered by sidecar");
     }

@@ -115,6 +115,29 @@ pub enum RegistryError {
     Full,
     #[error("worker {0} is not registered and its sync carries no url")]
     NoUrl(WorkerId),
+    #[error("url {url:?} is not an http:// or https:// URL with a host: {why}")]
+    BadUrl { url: String, why: String },
+}
+
+/// A worker's base URL, checked and normalised (no trailing `/`): `http(s)`,
+/// a host, no credentials, query or fragment.
+pub fn checked_url(url: &str) -> Result<String, RegistryError> {
+    let bad = |why: &str| RegistryError::BadUrl { url: url.chars().take(200).collect(), why: why.to_owned() };
+    let parsed = reqwest::Url::parse(url).map_err(|e| bad(&e.to_string()))?;
+    if !matches!(parsed.scheme(), "http" | "https") {
+        return Err(bad("the scheme must be http or https"));
+    }
+    if parsed.host_str().is_none_or(str::is_empty) {
+        return Err(bad("no host"));
+    }
+    if !parsed.username().is_empty()
+        || parsed.password().is_some()
+        || parsed.query().is_some()
+        || parsed.fragment().is_some()
+    {
+        return Err(bad("credentials, queries and fragments are not allowed"));
+    }
+    Ok(url.trim_end_matches('/').to_owned())
 }
 
 /// What a registration changed.
@@ -152,9 +175,18 @@ impl Registry {
         let _w = self.write.lock();
         let current = self.snapshot.load_full();
         let mut next: Vec<Arc<Worker>> = current.iter().cloned().collect();
+        let url = url.map(checked_url).transpose()?;
         if let Some(pos) = next.iter().position(|w| &w.id == id) {
             let old = &next[pos];
-            let url = url.map(|u| u.trim_end_matches('/').to_owned()).unwrap_or_else(|| old.url.clone());
+            // A static worker's URL is the operator's: a push never moves it.
+            let url = match url {
+                Some(u) if old.source == Source::Static && u != old.url => {
+                    tracing::warn!(worker.id = %id, pushed = %u, kept = %old.url, "ignoring a pushed URL for a static worker");
+                    old.url.clone()
+                }
+                Some(u) => u,
+                None => old.url.clone(),
+            };
             let models = models.map(<[ModelName]>::to_vec).unwrap_or_else(|| old.models.clone());
             if url == old.url && models == old.models {
                 return Ok((old.clone(), Upsert::Unchanged));
@@ -180,7 +212,7 @@ impl Registry {
         let worker = Arc::new(Worker {
             id: id.clone(),
             slot,
-            url: url.trim_end_matches('/').to_owned(),
+            url,
             models: models.map(<[ModelName]>::to_vec).unwrap_or_default(),
             source,
             id_hash: id_hash(id),

@@ -325,6 +325,74 @@ async fn internal_endpoints_require_the_token() {
     assert!(ack["router_epoch"].as_str().unwrap().len() == 16);
 }
 
+/// With per-worker tokens, a sidecar speaks only for its own id: it cannot
+/// register another id, move another worker's URL or write its keys.
+#[tokio::test]
+async fn per_worker_tokens_confine_each_sidecar_to_its_own_worker() {
+    let dir = std::env::temp_dir().join(format!("kvroute-worker-tokens-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("tokens");
+    std::fs::write(&file, "# id=token\nw1=token-of-worker-one-123\nw2=token-of-worker-two-456\n").unwrap();
+    let r = router(&[], |raw| raw.worker_tokens_file = Some(file.clone())).await;
+    let push = |path: &'static str, token: &'static str, body: Value| {
+        r.http.post(format!("{}{path}", r.url)).bearer_auth(token).json(&body).send()
+    };
+    let sync = |id: &str, url: &str| json!({"worker_id": id, "url": url, "hashes": []});
+    assert_eq!(
+        push("/internal/sync", "token-of-worker-one-123", sync("w1", "http://10.0.0.1:8000")).await.unwrap().status(),
+        200
+    );
+    assert_eq!(
+        push("/internal/sync", "token-of-worker-two-456", sync("w2", "http://10.0.0.2:8000")).await.unwrap().status(),
+        200
+    );
+    // w2's token cannot move w1, register a new id, or write w1's keys.
+    assert_eq!(
+        push("/internal/sync", "token-of-worker-two-456", sync("w1", "http://evil:80")).await.unwrap().status(),
+        403
+    );
+    assert_eq!(
+        push("/internal/sync", "token-of-worker-two-456", sync("w9", "http://evil:80")).await.unwrap().status(),
+        403
+    );
+    let evict = json!({"worker_id": "w1", "evicted_hashes": [], "stored_hashes": ["00000000000000aa"]});
+    assert_eq!(push("/internal/eviction", "token-of-worker-two-456", evict).await.unwrap().status(), 403);
+    // The shared token authorizes no push once per-worker tokens are set.
+    assert_eq!(r.internal("/internal/sync", sync("w1", "http://evil:80")).await.status(), 401);
+    let workers: Value = r.http.get(format!("{}/admin/workers", r.url)).send().await.unwrap().json().await.unwrap();
+    let url_of =
+        |id: &str| workers["workers"].as_array().unwrap().iter().find(|w| w["id"] == id).unwrap()["url"].clone();
+    assert_eq!(url_of("w1"), "http://10.0.0.1:8000");
+    assert_eq!(workers["workers"].as_array().unwrap().len(), 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn pushes_never_move_a_static_worker_and_bad_urls_are_refused() {
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let r = router(&[("w1", &w.url)], |_| {}).await;
+    let ack = r.internal("/internal/sync", json!({"worker_id": "w1", "url": "http://127.0.0.1:9", "hashes": []})).await;
+    assert_eq!(ack.status(), 200);
+    assert_eq!(r.complete(json!({"model": "m", "prompt": "x"})).await.status(), 200, "still the operator's URL");
+    for bad in ["http://", "http://a b c", "ftp://host:1", "http://user:pw@host:1", "not a url"] {
+        let resp = r.internal("/internal/sync", json!({"worker_id": "w2", "url": bad, "hashes": []})).await;
+        assert_eq!(resp.status(), 400, "{bad}");
+    }
+}
+
+#[tokio::test]
+async fn stored_hashes_are_bounded_like_syncs() {
+    let r = router(&[], |raw| raw.max_sync_keys = 4).await;
+    let ok = r.internal("/internal/sync", json!({"worker_id": "w1", "url": "http://127.0.0.1:9", "hashes": []})).await;
+    assert_eq!(ok.status(), 200);
+    let keys = |from: u64, n: u64| (from..from + n).map(|i| format!("{i:016x}")).collect::<Vec<_>>();
+    let push =
+        |stored: Vec<String>| r.internal("/internal/eviction", json!({"worker_id": "w1", "stored_hashes": stored}));
+    assert_eq!(push(keys(0, 5)).await.status(), 413, "one batch beyond max_sync_keys");
+    assert_eq!(push(keys(0, 3)).await.status(), 200);
+    assert_eq!(push(keys(10, 3)).await.status(), 413, "the worker would hold 6 > 4 entries");
+}
+
 #[tokio::test]
 async fn sync_registers_and_routes_to_the_holder() {
     let w1 = fake_worker("w1", Behaviour::Ok).await;
