@@ -14,7 +14,6 @@
 """
 
 import hashlib
-import json
 import random
 import struct
 import threading
@@ -104,7 +103,10 @@ class SimEngine:
         return eventually(f"kvroute-sim to print {prefix.strip()!r}", 30, probe)
 
     def wait_ready(self) -> None:
-        eventually("kvroute-sim to serve", 30, lambda: True if requests.get(f"{self.url}/health", timeout=2).ok else None)
+        def probe():
+            return True if requests.get(f"{self.url}/health", timeout=2).ok else None
+
+        eventually("kvroute-sim to serve", 30, probe)
 
 
 # ---------------------------------------------------------------- workload
@@ -150,7 +152,8 @@ def workload(seed: int, n: int, longest_prompt: int) -> List[dict]:
             out.append({"path": "/v1/completions", "body": {"prompt": prompt}})
         elif kind < 0.75:
             prefix = text_prefixes[min(int(rng.expovariate(0.8)), len(text_prefixes) - 1)]
-            out.append({"path": "/v1/completions", "body": {"prompt": prefix + " " + words(rng, rng.randrange(1, 120))}})
+            prompt = prefix + " " + words(rng, rng.randrange(1, 120))
+            out.append({"path": "/v1/completions", "body": {"prompt": prompt}})
         else:
             messages = [{"role": "system", "content": rng.choice(systems)}]
             for turn in range(rng.randrange(0, 3)):
@@ -371,10 +374,6 @@ def wait_for_sentinel(log: EventLog, key: bytes, timeout: float = 60) -> List[li
         return None
 
     return eventually(f"{log.name} to publish the sentinel's block", timeout, probe, every=0.2)
-
-
-def dumps(x) -> str:
-    return json.dumps(x, default=str)[:2000]
 
 
 def now() -> float:

@@ -12,16 +12,21 @@ shared prefixes, with exact repeats and block-aligned lengths.
   the prompts' token ids (render endpoints), the answers to
   `/reset_prefix_cache` (idle, and while a request runs), and a batch prompt's
   answer shape.
-- Eight in flight: total cached tokens within 1 %, queries equal.
+- A scripted preemption (requests queued behind a big one, admitted in one
+  step, outgrowing the pool): equal event for event, one preemption each.
+- Eight in flight (at least 400 requests): total cached tokens within 1 %,
+  prefix-cache queries equal.
 
     target/vllm-venv/bin/python -m pytest tests/vllm/test_conformance.py -s
 
 KVROUTE_CONFORMANCE_REQUESTS (default 150) sets the requests sent one at a
-time and, above 400, the concurrent ones too (e.g. 2000 for a long run by hand). Nothing skips: without vLLM or a built
-kvroute-sim (`cargo build --workspace --bins`), the test fails saying so.
+time and, above 400, the concurrent ones too (2000 for a long run by hand).
+Nothing skips: without vLLM or a built kvroute-sim (`cargo build --workspace
+--bins`), the test fails saying so.
 """
 
 import os
+import random
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -143,7 +148,7 @@ def test_one_at_a_time_everything_is_equal(pair):
             answers = both(lambda e: post(f"{e.url}/reset_prefix_cache", {}), vllm, sim)
             assert answers == ({"success": True}, {"success": True}), answers
         a, b = both(lambda e: post(f"{e.url}{req['path']}", req["body"]), vllm, sim)
-        cached.append((a["usage"]["prompt_tokens_details"]["cached_tokens"], b["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        cached.append(tuple(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (a, b)))
         assert b["usage"]["prompt_tokens"] == a["usage"]["prompt_tokens"] == len(prompts[i])
         assert b["usage"]["completion_tokens"] == a["usage"]["completion_tokens"] == req["body"]["max_tokens"]
     both(lambda e: post(f"{e.url}/v1/completions", {"model": MODEL, "prompt": sentinel, "max_tokens": 1}), vllm, sim)
@@ -205,16 +210,73 @@ def check_reset_refused_while_running(vllm, sim):
     assert both(refused, vllm, sim) == ({"success": False}, {"success": False})
 
 
+def idle_reset(e):
+    """Resets once nothing holds blocks (aborted streams may still be draining)."""
+    def probe():
+        return True if post(f"{e.url}/reset_prefix_cache", {})["success"] else None
+
+    return eventually(f"{e.name} to reset", 60, probe)
+
+
+def sync_point(pair, vllm, sim, label: int) -> list:
+    """Sends the same one-block request to both and waits until its batch
+    is out: the number of batches each engine had published by then."""
+    tokens = [130_000 + 64 * label + i for i in range(BLOCK_SIZE)]
+    both(lambda e: post(f"{e.url}/v1/completions", {"model": MODEL, "prompt": tokens, "max_tokens": 1}), vllm, sim)
+    key = chain_key(None, tokens)
+    published = both(lambda e: wait_for_sentinel(pair.logs["vllm" if e is vllm else "sim"], key), vllm, sim)
+    return [len(b) for b in published]
+
+
+def test_preemption_is_equal(pair):
+    """A deterministic preemption: X fills most of the pool while A and B
+    queue behind it (their prompts do not fit); when X ends both are admitted
+    in the same step, and their decoding outgrows the pool, so B, the last
+    running request, is preempted, A finishes, and B resumes from what is
+    left of its cached blocks. Everything must be equal, event for event."""
+    vllm, sim = pair.get()
+    start = sync_point(pair, vllm, sim, 1)
+    both(idle_reset, vllm, sim)
+    rng = random.Random(5)
+    x = [rng.randrange(1000, 100_000) for _ in range(3000)]
+    a = [rng.randrange(1000, 100_000) for _ in range(1400)]
+    b = [rng.randrange(1000, 100_000) for _ in range(1400)]
+    preempted_before = both(lambda e: metric(e, "vllm:num_preemptions_total"), vllm, sim)
+
+    def script(e):
+        def send(prompt, max_tokens):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+            return post(f"{e.url}/v1/completions", body)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        def gauge(name, want):
+            return eventually(f"{e.name}: {name} = {want}", 30, lambda: True if metric(e, name) == want else None, 0.02)
+
+        with ThreadPoolExecutor(3) as ex:
+            fx = ex.submit(send, x, 250)
+            gauge("vllm:num_requests_running", 1.0)
+            fa = ex.submit(send, a, 700)
+            gauge("vllm:num_requests_waiting", 1.0)
+            fb = ex.submit(send, b, 700)
+            gauge("vllm:num_requests_waiting", 2.0)
+            return fx.result(), fa.result(), fb.result()
+
+    cached = both(script, vllm, sim)
+    end = sync_point(pair, vllm, sim, 2)
+    preempted_after = both(lambda e: metric(e, "vllm:num_preemptions_total"), vllm, sim)
+    preempted = [after - before for after, before in zip(preempted_after, preempted_before)]
+    raw = [pair.logs[k].snapshot()[s:n] for k, s, n in zip(("vllm", "sim"), start, end)]
+    blocks = prompt_keys([x, a, b, [130_000 + 128 + i for i in range(BLOCK_SIZE)]])
+    streams = [Canon(blocks).batches(r) for r in raw]
+    print(f"\npreemption: cached tokens {cached}, preemptions {preempted}, events vLLM {summary(streams[0])}, "
+          f"sim {summary(streams[1])}")
+    assert cached[0] == cached[1]
+    assert preempted[0] == preempted[1] >= 1, f"preemptions: vLLM {preempted[0]}, sim {preempted[1]}"
+    diff = compare_streams(*streams)
+    assert diff is None, diff
+
+
 def test_eight_in_flight_totals_agree(pair):
     vllm, sim = pair.get()
-
-    def idle_reset(e):
-        # The previous test's abandoned streams may still be being aborted.
-        def probe():
-            return True if post(f"{e.url}/reset_prefix_cache", {})["success"] else None
-
-        return eventually(f"{e.name} to reset", 60, probe)
-
     both(idle_reset, vllm, sim)
     reqs = workload(seed=23, n=max(REQUESTS, CONCURRENT_MIN), longest_prompt=LONGEST_PROMPT)
     before = both(counters, vllm, sim)
