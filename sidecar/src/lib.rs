@@ -164,6 +164,7 @@ async fn start(
         engine: view,
         state: state.clone(),
         fast_interval: config.fast_interval,
+        seq: Default::default(),
     });
     let supervisor = Supervisor {
         router_urls: config.routers.clone(),

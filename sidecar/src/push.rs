@@ -13,6 +13,7 @@ mod client;
 pub use client::{HttpRouterClient, PushError, RouterClient};
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use kvroute_shared::wire::{AckOutcome, EvictionBatch, InternalAck, Load, SyncSnapshot};
@@ -47,6 +48,10 @@ pub struct Pusher {
     pub engine: Arc<EngineView>,
     pub state: Arc<WorkerState>,
     pub fast_interval: Duration,
+    /// The last seq sent, shared by every router's task: a task respawned
+    /// (a router's address changed) continues the sequence instead of
+    /// restarting at 0 under the same epoch, which routers would call stale.
+    pub seq: AtomicU64,
 }
 
 /// What one round did.
@@ -58,7 +63,6 @@ enum Round {
 /// Per-router connection state that lives in the task.
 struct Link {
     target: RouterTarget,
-    seq: u64,
     router_epoch: Option<String>,
     last_load: Option<Load>,
     last_sent: Option<tokio::time::Instant>,
@@ -71,11 +75,11 @@ impl Pusher {
             let Some(content) = self.state.take_sync(&link.target) else {
                 return Ok(Round::Idle);
             };
-            link.seq += 1;
+            let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
             let body = SyncSnapshot {
                 worker_id: self.worker_id.clone(),
                 epoch: Some(content.epoch.as_str().to_owned()),
-                seq: Some(link.seq),
+                seq: Some(seq),
                 as_of_ms: Some(content.as_of_ms),
                 url: Some(self.advertise_url.clone()),
                 models: self.engine.models(),
@@ -95,11 +99,11 @@ impl Pusher {
         if delta.is_empty() && load == link.last_load && !heartbeat_due {
             return Ok(Round::Idle);
         }
-        link.seq += 1;
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
         let body = EvictionBatch {
             worker_id: self.worker_id.clone(),
             epoch: Some(epoch.as_str().to_owned()),
-            seq: Some(link.seq),
+            seq: Some(seq),
             evicted_hashes: delta.evicted,
             stored_hashes: delta.stored,
             cleared: delta.cleared,
@@ -120,6 +124,10 @@ impl Pusher {
         self.state.metrics().pushes.get_or_create(&Self::labels(&link.target, kind)).inc();
         let restarted = link.router_epoch.as_ref().is_some_and(|e| *e != ack.router_epoch);
         link.router_epoch = Some(ack.router_epoch);
+        if ack.outcome == AckOutcome::Stale {
+            warn!(router = %link.target.0, "the router called a push stale: continuing under a new epoch with a full sync");
+            self.state.renew_epoch();
+        }
         if restarted || ack.outcome == AckOutcome::UnknownWorker {
             debug!(router = %link.target.0, restarted, "router needs a full sync");
             self.state.require_sync(&link.target);
@@ -130,7 +138,7 @@ impl Pusher {
 
 /// Pushes to `target` until cancelled; `wake` makes it act before its next tick.
 pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Notify>, cancel: CancellationToken) {
-    let mut link = Link { target, seq: 0, router_epoch: None, last_load: None, last_sent: None };
+    let mut link = Link { target, router_epoch: None, last_load: None, last_sent: None };
     let mut tick = tokio::time::interval(pusher.fast_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut backoff = BACKOFF_MIN;

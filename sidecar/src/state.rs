@@ -23,13 +23,27 @@ use crate::metrics::Metrics;
 use crate::translate::{KeySink, Rank, Translator};
 
 /// Identifies this sidecar-and-engine incarnation to routers; a new one is
-/// drawn at start and whenever the engine restarts or events were lost.
+/// drawn at start, whenever the engine restarts or events were lost, and when
+/// a router calls a push stale. Ordered: the draw time in milliseconds, then
+/// 32 random bits, as fixed-width hex, so a later epoch compares greater.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct Epoch(String);
 
 impl Epoch {
-    pub fn random() -> Self {
-        Epoch(format!("{:016x}", rand::thread_rng().r#gen::<u64>()))
+    pub fn draw() -> Self {
+        Self::at(SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64))
+    }
+
+    fn at(ms: u64) -> Self {
+        Epoch(format!("{ms:012x}{:08x}", rand::thread_rng().r#gen::<u32>()))
+    }
+
+    /// A new epoch ordered after `self`, even within one millisecond or if
+    /// the wall clock stepped back.
+    pub fn next(&self) -> Self {
+        let prev = self.0.get(..12).and_then(|h| u64::from_str_radix(h, 16).ok()).unwrap_or(0);
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        Self::at(now.max(prev + 1))
     }
 
     pub fn as_str(&self) -> &str {
@@ -82,7 +96,7 @@ pub struct WorkerState {
 impl WorkerState {
     pub fn new(translator: Translator, metrics: Arc<Metrics>, max_pending: usize) -> Self {
         WorkerState {
-            inner: Mutex::new(Inner { translator, routers: BTreeMap::new(), epoch: Epoch::random() }),
+            inner: Mutex::new(Inner { translator, routers: BTreeMap::new(), epoch: Epoch::draw() }),
             metrics,
             max_pending,
         }
@@ -111,9 +125,18 @@ impl WorkerState {
         let mut inner = self.inner.lock();
         let Inner { translator, routers, epoch } = &mut *inner;
         translator.clear_rank(rank, &mut Fanout(routers));
-        *epoch = Epoch::random();
+        *epoch = epoch.next();
         routers.values_mut().for_each(Pending::require_sync);
         self.update_gauges(translator);
+    }
+
+    /// A router refused a push as stale (its epoch/seq is ahead of ours: a
+    /// replayed or forged push, or a seq that went back): continue under a
+    /// new epoch, with a full sync to every router.
+    pub fn renew_epoch(&self) {
+        let mut inner = self.inner.lock();
+        inner.epoch = inner.epoch.next();
+        inner.routers.values_mut().for_each(Pending::require_sync);
     }
 
     fn update_gauges(&self, translator: &Translator) {

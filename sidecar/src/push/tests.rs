@@ -29,6 +29,7 @@ struct FakeRouter {
     log: Mutex<Vec<(Instant, Sent)>>,
     attempts: Mutex<Vec<Instant>>,
     failures_left: Mutex<usize>,
+    stale_left: Mutex<usize>,
     epoch: Mutex<String>,
 }
 
@@ -38,6 +39,7 @@ impl FakeRouter {
             log: Mutex::new(Vec::new()),
             attempts: Mutex::new(Vec::new()),
             failures_left: Mutex::new(0),
+            stale_left: Mutex::new(0),
             epoch: Mutex::new("r1".into()),
         })
     }
@@ -50,7 +52,14 @@ impl FakeRouter {
             return Err(PushError::Status { url: "fake".into(), status: 503 });
         }
         self.log.lock().push((Instant::now(), sent));
-        Ok(InternalAck { router_epoch: self.epoch.lock().clone(), outcome: AckOutcome::Applied })
+        let mut stale = self.stale_left.lock();
+        let outcome = if *stale > 0 {
+            *stale -= 1;
+            AckOutcome::Stale
+        } else {
+            AckOutcome::Applied
+        };
+        Ok(InternalAck { router_epoch: self.epoch.lock().clone(), outcome })
     }
 
     fn sent(&self) -> Vec<Sent> {
@@ -96,6 +105,7 @@ fn start() -> Setup {
         engine: Arc::new(EngineView::new(vec![ModelName::new("m")])),
         state: state.clone(),
         fast_interval: Duration::from_millis(100),
+        seq: Default::default(),
     });
     let cancel = CancellationToken::new();
     tokio::spawn(run_target(pusher, target, Arc::new(Notify::new()), cancel.clone()));
@@ -188,6 +198,27 @@ async fn failures_back_off_and_recovery_starts_with_a_sync() {
         held.extend(b.stored_hashes.iter().copied());
     }
     assert_eq!(held.len(), 50, "every store reached the router once it recovered");
+    s.cancel.cancel();
+}
+
+/// A router that calls a push stale holds a newer epoch/seq for this worker
+/// (a forged push, say): the sidecar continues under a new, later epoch with
+/// a full sync at once, and its seq never goes back.
+#[tokio::test(start_paused = true)]
+async fn a_stale_reply_draws_a_new_epoch_and_resyncs() {
+    let s = start();
+    advance(1).await;
+    let Sent::Sync(first) = &s.router.sent()[0] else { panic!() };
+    let old_epoch = first.epoch.clone().unwrap();
+    *s.router.stale_left.lock() = 1;
+    s.state.apply(Rank(0), &store(1, [1, 1, 1, 1]));
+    advance(100).await;
+    let sent = s.router.sent();
+    let [Sent::Sync(_), Sent::Eviction(stale), Sent::Sync(resync), ..] = &sent[..] else { panic!("{sent:?}") };
+    let new_epoch = resync.epoch.clone().unwrap();
+    assert!(new_epoch > old_epoch, "epochs are ordered: {new_epoch} after {old_epoch}");
+    assert!(resync.seq > stale.seq);
+    assert_eq!(resync.hashes, vec![key([1, 1, 1, 1])]);
     s.cancel.cancel();
 }
 

@@ -340,8 +340,13 @@ impl Harness {
         r.json().await.ok()
     }
 
+    /// The sidecar's current epoch, as routers see it: from the first push
+    /// that arrives after this call (idle links send a heartbeat every 500 ms;
+    /// `/health` no longer shows it).
     pub async fn epoch(&self) -> String {
-        self.health().await.unwrap()["epoch"].as_str().unwrap().to_owned()
+        let seen = self.received().len();
+        wait("a push carrying the current epoch", || async { self.received().len() > seen }).await;
+        self.received()[seen..].last().unwrap().body["epoch"].as_str().unwrap().to_owned()
     }
 
     /// PUB/SUB joins late: publish probes until the sidecar counts one, then
