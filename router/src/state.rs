@@ -40,6 +40,15 @@ impl SeqState {
         if self.epoch.as_deref() == epoch && self.seq.is_some_and(|last| seq <= last) {
             return false;
         }
+        // Ordered epochs (20 hex digits, draw time first): an older one is a
+        // replayed or forged push. Older sidecars' random epochs are not ordered.
+        if let (Some(held), Some(new)) = (self.epoch.as_deref(), epoch)
+            && held.len() == 20
+            && new.len() == 20
+            && new < held
+        {
+            return false;
+        }
         self.epoch = epoch.map(str::to_owned);
         self.seq = Some(seq);
         true
@@ -144,5 +153,15 @@ mod tests {
         assert!(s.accept(Some("b"), Some(0)));
         // No seq: always applied (the paper's minimal body).
         assert!(s.accept(None, None));
+    }
+
+    #[test]
+    fn ordered_epochs_never_go_back() {
+        let (old, new) = ("0190000000000000aaaa", "0190000000010000bbbb");
+        let mut s = SeqState::default();
+        assert!(s.accept(Some(old), Some(7)));
+        assert!(s.accept(Some(new), Some(8)), "a later epoch is a restart");
+        assert!(!s.accept(Some(old), Some(u64::MAX)), "an earlier epoch is a replay or a forgery");
+        assert!(s.accept(Some(new), Some(9)));
     }
 }

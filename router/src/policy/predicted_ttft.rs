@@ -1,0 +1,194 @@
+//! `predicted_ttft`: choose the worker with the lowest *predicted* time to
+//! first token, load counted in tokens, not requests (issue 12).
+//!
+//! For each candidate the router predicts
+//!
+//! `ttft(w) = (queued(w) + uncached(w)) · prefill_us + steps(w) · (overhead + decoders(w) · decode_us)`
+//!
+//! - `queued(w)`: prefill already queued ahead there: this router's own
+//!   not-yet-prefilled tokens, plus the engine-reported waiting requests that
+//!   are not this router's (other replicas' traffic) at the mean prompt size;
+//! - `uncached(w)`: this request's tokens the worker does not hold, turned
+//!   into time with the worker's prefill rate (`prefill_us_per_token`);
+//! - decode pressure: every step until the request's prefill is done also
+//!   carries the worker's running sequences (`decoders`), and a full KV cache
+//!   stalls admission (`kv_usage` above `kv_knee` inflates the estimate).
+//!
+//! Guardrails: a spill gate drops candidates carrying far more requests than
+//! the mean (stale reports and other replicas' bursts can make a holder look
+//! idle), and candidates predicted within `near_best` of the best are treated
+//! as equal and broken by rendezvous hashing of the block where the prompt
+//! leaves the cache, so independent replicas agree and a new conversation's
+//! later turns follow its first one.
+
+use serde::Deserialize;
+
+use super::{Decision, Policy, Reason, RouteView, rendezvous};
+
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PredictedTtftParams {
+    /// The workers' prefill cost per uncached token, µs (kvroute-sim's
+    /// default model: an 8B model on one H100).
+    pub prefill_us_per_token: f64,
+    /// Fixed cost of an engine step, µs.
+    pub step_overhead_us: f64,
+    /// Extra step cost per running sequence, µs.
+    pub decode_us_per_seq: f64,
+    /// vLLM's `max_num_batched_tokens`: prefill per step.
+    pub max_batched_tokens: u64,
+    /// Candidates within this fraction (plus one step) of the best are equal.
+    pub near_best: f64,
+    /// A candidate with more than `spill_factor` × mean + `spill_slack`
+    /// requests is not eligible (unless none is).
+    pub spill_factor: f64,
+    pub spill_slack: f64,
+    /// KV usage above which admission is expected to stall.
+    pub kv_knee: f64,
+}
+
+impl Default for PredictedTtftParams {
+    fn default() -> Self {
+        PredictedTtftParams {
+            prefill_us_per_token: 70.0,
+            step_overhead_us: 5_000.0,
+            decode_us_per_seq: 40.0,
+            max_batched_tokens: 8_192,
+            near_best: 0.10,
+            spill_factor: 2.0,
+            spill_slack: 8.0,
+            kv_knee: 0.9,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct PredictedTtft {
+    pub params: PredictedTtftParams,
+}
+
+impl PredictedTtft {
+    /// Predicted TTFT of the request on candidate `i`, in µs.
+    pub fn predict(&self, view: &RouteView<'_>, i: usize) -> f64 {
+        let p = &self.params;
+        let c = &view.candidates[i];
+        let foreign_waiting = c.load.waiting.saturating_sub(c.load.inflight);
+        let queued = c.load.pending_prefill_tokens as f64 + f64::from(foreign_waiting) * view.mean_prompt_tokens;
+        let tokens = queued + view.uncached_tokens(c) as f64;
+        let steps = (tokens / p.max_batched_tokens.max(1) as f64).ceil().max(1.0);
+        let decoders = f64::from(c.load.running.max(c.load.inflight));
+        let t = tokens * p.prefill_us_per_token + steps * (p.step_overhead_us + decoders * p.decode_us_per_seq);
+        t * (1.0 + 10.0 * (c.load.kv_usage - p.kv_knee).max(0.0))
+    }
+}
+
+impl Policy for PredictedTtft {
+    fn name(&self) -> &'static str {
+        "predicted_ttft"
+    }
+
+    fn choose(&self, view: &RouteView<'_>) -> Decision {
+        let p = &self.params;
+        let n = view.candidates.len();
+        let predicted: Vec<f64> = (0..n).map(|i| self.predict(view, i)).collect();
+        let loads: Vec<u64> = view.candidates.iter().map(|c| c.load.requests()).collect();
+        let mean = loads.iter().sum::<u64>() as f64 / n.max(1) as f64;
+        let limit = p.spill_factor * mean + p.spill_slack;
+        let mut eligible: Vec<usize> = (0..n).filter(|&i| loads[i] as f64 <= limit).collect();
+        let spilled = eligible.len() < n;
+        if eligible.is_empty() {
+            eligible = (0..n).collect();
+        }
+        let best = eligible.iter().map(|&i| predicted[i]).fold(f64::INFINITY, f64::min);
+        let bound = best * (1.0 + p.near_best) + p.step_overhead_us;
+        let deepest = view.candidates.iter().map(|c| c.matched_blocks).max().unwrap_or(0);
+        // Where the prompt leaves the cache (the head hash for a prompt
+        // shorter than a block): equal on every replica.
+        let anchor = view.keys.get(deepest).or(view.keys.last()).map_or(view.head_hash, |k| k.0);
+        let chosen = eligible
+            .iter()
+            .copied()
+            .filter(|&i| predicted[i] <= bound)
+            .max_by_key(|&i| rendezvous(anchor, view.candidates[i].id_hash))
+            .unwrap_or(0);
+        let reason = if view.keys.is_empty() {
+            Reason::NoFullBlock
+        } else if deepest == 0 {
+            Reason::ColdPlacement
+        } else if spilled && !eligible.iter().any(|&i| view.candidates[i].matched_blocks == deepest) {
+            Reason::Imbalanced
+        } else {
+            Reason::BestCost
+        };
+        let mut ranked: Vec<usize> = (0..n).collect();
+        ranked.sort_by(|&a, &b| predicted[a].total_cmp(&predicted[b]));
+        ranked.retain(|&i| i != chosen);
+        ranked.insert(0, chosen);
+        Decision { ranked, reason, costs: predicted.iter().map(|t| Some(t / 1e3)).collect() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::{cand, keys, view};
+    use super::*;
+
+    #[test]
+    fn a_long_cached_prefix_wins_over_an_idle_worker() {
+        let k = keys(100);
+        let mut holder = cand(0, 100, 2);
+        holder.load.pending_prefill_tokens = 300;
+        let c = [holder, cand(1, 0, 0)];
+        let d = PredictedTtft::default().choose(&view(&k, &c));
+        assert_eq!((d.chosen(), d.reason), (Some(0), Reason::BestCost));
+    }
+
+    #[test]
+    fn queued_prefill_tokens_outweigh_a_small_hit() {
+        let k = keys(100);
+        // The holder has 2 blocks of the prompt but 30k tokens queued ahead.
+        let mut holder = cand(0, 2, 3);
+        holder.load.pending_prefill_tokens = 30_000;
+        let c = [holder, cand(1, 0, 0), cand(2, 0, 1)];
+        let d = PredictedTtft::default().choose(&view(&k, &c));
+        assert_ne!(d.chosen(), Some(0));
+    }
+
+    #[test]
+    fn other_routers_queue_counts_and_ours_counts_once() {
+        let k = keys(10);
+        let mut busy = cand(0, 0, 1);
+        busy.load.waiting = 4;
+        busy.load.pending_prefill_tokens = 0;
+        let p = PredictedTtft::default();
+        let v = view(&k, std::slice::from_ref(&busy));
+        // 3 foreign waiting requests at the mean (1,000 tokens) + 165 own.
+        let expected = (3_000.0 + 165.0) * 70.0 + 5_000.0 + 40.0;
+        assert!((p.predict(&v, 0) - expected).abs() < 1e-6, "{}", p.predict(&v, 0));
+    }
+
+    #[test]
+    fn equal_candidates_are_broken_identically_by_independent_routers_and_spread() {
+        let c = [cand(0, 0, 0), cand(1, 0, 0), cand(2, 0, 0), cand(3, 0, 0)];
+        let mut chosen = std::collections::BTreeSet::new();
+        for s in 0..64u64 {
+            let k: Vec<_> = (0..3).map(|i| kvroute_shared::BlockKey(s * 1000 + i)).collect();
+            let a = PredictedTtft::default().choose(&view(&k, &c));
+            let b = PredictedTtft::default().choose(&view(&k, &c));
+            assert_eq!(a.chosen(), b.chosen());
+            assert_eq!(a.reason, Reason::ColdPlacement);
+            chosen.insert(a.chosen());
+        }
+        assert_eq!(chosen.len(), 4);
+    }
+
+    #[test]
+    fn the_spill_gate_moves_work_off_a_swamped_holder() {
+        let k = keys(100);
+        let mut holder = cand(0, 100, 40);
+        holder.load.pending_prefill_tokens = 0;
+        let c = [holder, cand(1, 0, 1), cand(2, 0, 1)];
+        let d = PredictedTtft::default().choose(&view(&k, &c));
+        assert_ne!(d.chosen(), Some(0));
+    }
+}
