@@ -14,7 +14,8 @@ use kvroute_shared::{BlockSize, WorkerId};
 use serde::Deserialize;
 
 use crate::policy::{
-    CacheAware, CacheAwareParams, ConsistentHash, LeastLoaded, POLICY_NAMES, Policy, PowerOfTwo, PrefixThreshold,
+    CacheAware, CacheAwareParams, ConsistentHash, DynamoKv, DynamoParams, LeastLoaded, LlmdParams, LlmdWeighted,
+    POLICY_NAMES, Policy, PowerOfTwo, Preble, PrebleParams, PredictedTtft, PredictedTtftParams, PrefixThreshold,
     PrefixThresholdParams, RoundRobin, StickyLeastLoaded,
 };
 
@@ -175,6 +176,10 @@ pub enum PolicyConfig {
     ConsistentHash { load_factor: f64 },
     StickyLeastLoaded { prefix_tokens: usize },
     PrefixThreshold(PrefixThresholdParams),
+    PredictedTtft(PredictedTtftParams),
+    DynamoKv(DynamoParams),
+    LlmdWeighted(LlmdParams),
+    Preble(PrebleParams),
 }
 
 impl PolicyConfig {
@@ -187,6 +192,10 @@ impl PolicyConfig {
             PolicyConfig::ConsistentHash { load_factor } => Box::new(ConsistentHash { load_factor }),
             PolicyConfig::StickyLeastLoaded { prefix_tokens } => Box::new(StickyLeastLoaded { prefix_tokens }),
             PolicyConfig::PrefixThreshold(params) => Box::new(PrefixThreshold { params }),
+            PolicyConfig::PredictedTtft(params) => Box::new(PredictedTtft { params }),
+            PolicyConfig::DynamoKv(params) => Box::new(DynamoKv::new(params)),
+            PolicyConfig::LlmdWeighted(params) => Box::new(LlmdWeighted { params }),
+            PolicyConfig::Preble(params) => Box::new(Preble { params }),
         }
     }
 }
@@ -239,6 +248,10 @@ impl RawConfig {
             "consistent_hash" => PolicyConfig::ConsistentHash { load_factor: self.consistent_hash_load_factor },
             "sticky_least_loaded" => PolicyConfig::StickyLeastLoaded { prefix_tokens: self.head_tokens },
             "prefix_threshold" => PolicyConfig::PrefixThreshold(self.prefix_threshold),
+            "predicted_ttft" => PolicyConfig::PredictedTtft(PredictedTtftParams::default()),
+            "dynamo_kv" => PolicyConfig::DynamoKv(DynamoParams::default()),
+            "llmd_weighted" => PolicyConfig::LlmdWeighted(LlmdParams::default()),
+            "preble" => PolicyConfig::Preble(PrebleParams::default()),
             other => return Err(invalid("policy", format!("{other:?} is not one of {}", POLICY_NAMES.join(", ")))),
         };
         if !(1.0..=10.0).contains(&self.consistent_hash_load_factor) {

@@ -8,6 +8,10 @@
 
 mod baselines;
 mod cache_aware;
+mod dynamo;
+mod llm_d;
+mod preble;
+mod predicted_ttft;
 mod prefix_threshold;
 mod sticky;
 
@@ -18,6 +22,10 @@ use serde::Serialize;
 
 pub use baselines::{ConsistentHash, LeastLoaded, PowerOfTwo, RoundRobin};
 pub use cache_aware::{CacheAware, CacheAwareParams};
+pub use dynamo::{DynamoKv, DynamoParams};
+pub use llm_d::{LlmdParams, LlmdWeighted};
+pub use preble::{Preble, PrebleParams};
+pub use predicted_ttft::{PredictedTtft, PredictedTtftParams};
 pub use prefix_threshold::{PrefixThreshold, PrefixThresholdParams};
 pub use sticky::StickyLeastLoaded;
 
@@ -187,6 +195,10 @@ pub const POLICY_NAMES: &[&str] = &[
     "consistent_hash",
     "sticky_least_loaded",
     "prefix_threshold",
+    "predicted_ttft",
+    "dynamo_kv",
+    "llmd_weighted",
+    "preble",
 ];
 
 /// Rendezvous (highest-random-weight) score of a worker for a request: equal

@@ -72,7 +72,11 @@ impl Policy for DynamoKv {
             let span = (hi - lo).max(1e-9);
             let weights: Vec<f64> =
                 logits.iter().map(|&l| (-(l - lo) / span / self.params.temperature).exp()).collect();
-            let draw = if view.dry_run { self.draws.load(Ordering::Relaxed) } else { self.draws.fetch_add(1, Ordering::Relaxed) };
+            let draw = if view.dry_run {
+                self.draws.load(Ordering::Relaxed)
+            } else {
+                self.draws.fetch_add(1, Ordering::Relaxed)
+            };
             let u = (splitmix64(draw ^ view.head_hash) >> 11) as f64 / (1u64 << 53) as f64;
             let mut target = u * weights.iter().sum::<f64>();
             weights

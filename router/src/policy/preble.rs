@@ -25,7 +25,12 @@ pub struct PrebleParams {
 
 impl Default for PrebleParams {
     fn default() -> Self {
-        PrebleParams { exploit_ratio: 0.5, rebalance_factor: 2.0, rebalance_slack_tokens: 8_192.0, decode_token_weight: 32.0 }
+        PrebleParams {
+            exploit_ratio: 0.5,
+            rebalance_factor: 2.0,
+            rebalance_slack_tokens: 8_192.0,
+            decode_token_weight: 32.0,
+        }
     }
 }
 
@@ -39,7 +44,9 @@ impl Preble {
     fn load(&self, view: &RouteView<'_>, i: usize) -> f64 {
         let c = &view.candidates[i].load;
         let foreign = f64::from(c.waiting.saturating_sub(c.inflight)) * view.mean_prompt_tokens;
-        c.pending_prefill_tokens as f64 + foreign + f64::from(c.running.max(c.inflight)) * self.params.decode_token_weight
+        c.pending_prefill_tokens as f64
+            + foreign
+            + f64::from(c.running.max(c.inflight)) * self.params.decode_token_weight
     }
 }
 
