@@ -84,6 +84,14 @@ pub struct RawConfig {
     /// Longest gap between two body chunks of a streaming answer.
     #[serde(with = "humantime_serde")]
     pub idle_timeout: Duration,
+    /// Until a streamed answer's first chunk (the first token), plus
+    /// `first_token_timeout_per_1k_tokens` per thousand uncached prompt
+    /// tokens; past it, with nothing sent yet, the request is cancelled and
+    /// tried on another worker.
+    #[serde(with = "humantime_serde")]
+    pub first_token_timeout: Duration,
+    #[serde(with = "humantime_serde")]
+    pub first_token_timeout_per_1k_tokens: Duration,
     /// Time allowed to receive a request's whole body (408 beyond it).
     #[serde(with = "humantime_serde")]
     pub body_read_timeout: Duration,
@@ -141,6 +149,8 @@ impl Default for RawConfig {
             first_byte_timeout: Duration::from_secs(600),
             idle_timeout: Duration::from_secs(300),
             body_read_timeout: Duration::from_secs(30),
+            first_token_timeout: Duration::from_secs(60),
+            first_token_timeout_per_1k_tokens: Duration::from_secs(2),
             max_body_bytes: 16 << 20,
             max_messages: 4096,
             max_prompt_tokens: 262_144,

@@ -158,6 +158,47 @@ async fn dispatch(
                     message: format!("answered {}", upstream.status()),
                 });
             }
+            Ok(upstream) if streaming && upstream.status().is_success() => {
+                // vLLM sends a stream's headers at once: only the first chunk
+                // says the engine is producing. Until it arrives nothing has
+                // reached the client, so a wedged, slow or ejected worker's
+                // request is cancelled (dropped) and tried elsewhere.
+                let status = upstream.status();
+                let head = upstream.headers().clone();
+                let mut chunks: ChunkStream = Box::pin(upstream.bytes_stream());
+                let deadline = first_token_deadline(state, plan.uncached_tokens(cand));
+                match wait_first_chunk(worker, &mut chunks, deadline).await {
+                    First::Chunk(first) => {
+                        note_success(worker);
+                        let chunks: ChunkStream = Box::pin(futures::stream::once(async { Ok(first) }).chain(chunks));
+                        return Ok(relay(state, status, &head, chunks, guard, true));
+                    }
+                    First::End => {
+                        note_success(worker);
+                        return Ok(relay(state, status, &head, chunks, guard, true));
+                    }
+                    First::TimedOut => {
+                        guard.failed("first_token_timeout");
+                        state.metrics.event("first_token_timeout", 1);
+                        last_err = Some(RouterError::UpstreamTimeout { worker: worker.id.clone() });
+                    }
+                    First::Broken => {
+                        guard.failed("broken_stream");
+                        last_err = Some(RouterError::UpstreamFailed {
+                            worker: worker.id.clone(),
+                            message: "the stream broke before its first chunk".into(),
+                        });
+                    }
+                    First::Ejected => {
+                        guard.failed("ejected");
+                        last_err = Some(RouterError::UpstreamFailed {
+                            worker: worker.id.clone(),
+                            message: "ejected before its first chunk".into(),
+                        });
+                        continue; // already ejected: not another failure
+                    }
+                }
+            }
             Ok(upstream) => {
                 note_success(worker);
                 return Ok(respond(state, upstream, guard, streaming));
@@ -201,13 +242,66 @@ async fn send(
     }
 }
 
+type ChunkStream = std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<Bytes>> + Send>>;
+
+/// How a streaming answer began.
+enum First {
+    Chunk(Bytes),
+    /// The stream ended without a chunk.
+    End,
+    TimedOut,
+    Broken,
+    Ejected,
+}
+
+/// Time allowed until a stream's first chunk: `first_token_timeout` plus
+/// `first_token_timeout_per_1k_tokens` for each thousand uncached prompt
+/// tokens (prefill time grows with them).
+fn first_token_deadline(state: &AppState, uncached_tokens: u64) -> Duration {
+    let raw = &state.config.raw;
+    raw.first_token_timeout + raw.first_token_timeout_per_1k_tokens.mul_f64(uncached_tokens as f64 / 1000.0)
+}
+
+/// Waits for the first chunk, up to `deadline`, giving up early if the worker
+/// is ejected meanwhile (its requests are retried while nothing was sent).
+async fn wait_first_chunk(worker: &Worker, chunks: &mut ChunkStream, deadline: Duration) -> First {
+    let until = tokio::time::Instant::now() + deadline;
+    let mut check = tokio::time::interval(Duration::from_millis(250));
+    loop {
+        tokio::select! {
+            next = chunks.next() => return match next {
+                Some(Ok(b)) if b.is_empty() => continue,
+                Some(Ok(b)) => First::Chunk(b),
+                Some(Err(_)) => First::Broken,
+                None => First::End,
+            },
+            _ = tokio::time::sleep_until(until) => return First::TimedOut,
+            _ = check.tick() => if !worker.live.is_healthy() { return First::Ejected },
+        }
+    }
+}
+
 /// Builds the client's response around the upstream's body stream.
 fn respond(state: &AppState, upstream: reqwest::Response, guard: InflightGuard, streaming: bool) -> Response {
-    let status = StatusCode::from_u16(upstream.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let status = upstream.status();
+    let head = upstream.headers().clone();
+    relay(state, status, &head, Box::pin(upstream.bytes_stream()), guard, streaming)
+}
+
+/// The client's response: the upstream's status and headers we pass on, and
+/// its chunks relayed one by one under the idle timeout.
+fn relay(
+    state: &AppState,
+    status: reqwest::StatusCode,
+    head: &reqwest::header::HeaderMap,
+    chunks: ChunkStream,
+    guard: InflightGuard,
+    streaming: bool,
+) -> Response {
+    let status = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     let mut headers = HeaderMap::new();
     for name in [header::CONTENT_TYPE, header::CACHE_CONTROL, HeaderName::from_static("x-request-id")] {
-        if let Some(v) = upstream.headers().get(name.as_str()).and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok())
-        {
+        if let Some(v) = head.get(name.as_str()).and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok()) {
             headers.insert(name, v);
         }
     }
@@ -215,17 +309,14 @@ fn respond(state: &AppState, upstream: reqwest::Response, guard: InflightGuard, 
         headers.insert(WORKER_HEADER, v);
     }
     let sse = streaming
-        && upstream
-            .headers()
+        && head
             .get(header::CONTENT_TYPE.as_str())
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
     let idle = state.config.raw.idle_timeout;
     let outcome = if status.is_success() { "ok" } else { "upstream_4xx" };
-    let chunks = upstream.bytes_stream();
-    let stream = futures::stream::unfold(
-        Relay { chunks: Box::pin(chunks), guard, sse, done: false, outcome },
-        move |mut st| async move {
+    let stream =
+        futures::stream::unfold(Relay { chunks, guard, sse, done: false, outcome }, move |mut st| async move {
             if st.done {
                 return None;
             }
@@ -249,8 +340,7 @@ fn respond(state: &AppState, upstream: reqwest::Response, guard: InflightGuard, 
                     }
                 }
             }
-        },
-    );
+        });
     let mut resp = Response::new(Body::from_stream(stream));
     *resp.status_mut() = status;
     *resp.headers_mut() = headers;
@@ -258,7 +348,7 @@ fn respond(state: &AppState, upstream: reqwest::Response, guard: InflightGuard, 
 }
 
 struct Relay {
-    chunks: std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<Bytes>> + Send>>,
+    chunks: ChunkStream,
     guard: InflightGuard,
     sse: bool,
     done: bool,

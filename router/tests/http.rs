@@ -31,6 +31,8 @@ enum Behaviour {
     Status(u16),
     /// Never answers.
     Hang,
+    /// SSE headers at once (as vLLM sends them), then nothing: a wedged engine.
+    Wedged,
     /// SSE: chunks are sent when the test pushes them; dropping the response
     /// fires `cancelled`.
     Stream(StreamSlot),
@@ -57,6 +59,10 @@ async fn fake_worker(name: &'static str, behaviour: Behaviour) -> Fake {
                 Behaviour::Ok => axum::Json(json!({"worker": name, "choices": [{"text": "hi"}]})).into_response(),
                 Behaviour::Status(s) => (StatusCode::from_u16(s).unwrap(), "upstream says no").into_response(),
                 Behaviour::Hang => futures::future::pending::<Response>().await,
+                Behaviour::Wedged => Response::builder()
+                    .header("content-type", "text/event-stream")
+                    .body(Body::from_stream(futures::stream::pending::<Result<Bytes, std::io::Error>>()))
+                    .unwrap(),
                 Behaviour::Stream(slot) => {
                     let (rx, cancelled) = slot.lock().await.take().expect("one streaming request per fake");
                     let guard = CancelGuard(Some(cancelled));
@@ -241,6 +247,26 @@ async fn failures_before_the_first_byte_are_retried_elsewhere() {
         assert_eq!(resp.headers()["x-kvroute-worker"], "c-good");
     }
     assert!(bad.hits.load(Ordering::SeqCst) >= 1);
+}
+
+/// vLLM sends a stream's headers before any token: a wedged engine's stream
+/// must be given up at the first-token deadline and retried elsewhere.
+#[tokio::test]
+async fn a_stream_without_a_first_token_is_retried_elsewhere() {
+    let wedged = fake_worker("wedged", Behaviour::Wedged).await;
+    let good = fake_worker("good", Behaviour::Ok).await;
+    let r = router(&[("a-wedged", &wedged.url), ("b-good", &good.url)], |raw| {
+        raw.policy = "round_robin".into();
+        raw.first_token_timeout = Duration::from_millis(200);
+        raw.first_token_timeout_per_1k_tokens = Duration::ZERO;
+    })
+    .await;
+    for _ in 0..2 {
+        let resp = r.complete(json!({"model": "m", "prompt": "hello", "stream": true})).await;
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["x-kvroute-worker"], "b-good");
+    }
+    assert!(wedged.hits.load(Ordering::SeqCst) >= 1, "the wedged worker was tried");
 }
 
 #[tokio::test]
