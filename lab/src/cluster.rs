@@ -1,0 +1,252 @@
+//! The whole cluster in virtual time: workload arrivals reach router replicas,
+//! routers choose engines, engines step, sidecars carry KV events and load
+//! back to routers in batches, with losses. One seed, one history.
+
+use std::collections::HashSet;
+use std::time::Instant;
+
+use kvroute_router::policy::Policy;
+use kvroute_shared::{BlockKey, KeyRoot, block_keys};
+use kvroute_sim::config::Config as SimConfig;
+use serde::Serialize;
+
+use crate::engine::{LabEngine, Progress};
+use crate::measure::{RequestRecord, StepModel, Summary, summarize};
+use crate::prompt::{Rng, splitmix64};
+use crate::router::{LabRouter, Routed};
+use crate::sidecar::Sidecar;
+use crate::time::{Event, Micros, Queue};
+use crate::workload::Workload;
+
+/// How sidecars reach routers.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct SidecarModel {
+    /// Fast-path batches (`/internal/eviction`), 100 ms in kvroute.
+    pub batch_every: Micros,
+    /// Full syncs, 5 s.
+    pub sync_every: Micros,
+    /// Engine metrics scrape (running / waiting / KV usage), 1 s.
+    pub load_every: Micros,
+    /// Fraction of pushes (batches and syncs, per router) lost.
+    pub loss: f64,
+}
+
+impl Default for SidecarModel {
+    fn default() -> Self {
+        SidecarModel {
+            batch_every: Micros::from_ms(100),
+            sync_every: Micros::from_ms(5_000),
+            load_every: Micros::from_ms(1_000),
+            loss: 0.0,
+        }
+    }
+}
+
+/// Everything that defines a run besides the workload.
+#[derive(Clone, Debug)]
+pub struct Scenario {
+    pub workers: usize,
+    pub routers: usize,
+    pub engine: SimConfig,
+    pub sidecar: SidecarModel,
+    pub seed: u64,
+    /// The router's `head_tokens` (64) and `speculative_ttl` (10 s).
+    pub head_tokens: usize,
+    pub speculative_ttl_ms: u64,
+}
+
+impl Scenario {
+    /// kvroute-sim's default engine (an 8B model on one H100), with room for
+    /// the trace's longest prompts.
+    pub fn new(workers: usize, routers: usize, seed: u64) -> Scenario {
+        let mut engine = SimConfig::for_model("lab-model");
+        engine.max_model_len = 262_144;
+        Scenario {
+            workers,
+            routers,
+            engine,
+            sidecar: SidecarModel::default(),
+            seed,
+            head_tokens: 64,
+            speculative_ttl_ms: 10_000,
+        }
+    }
+
+    pub fn kv_tokens(&self) -> u64 {
+        self.workers as u64 * u64::from(self.engine.num_blocks - 1) * self.engine.block_size.get() as u64
+    }
+
+    pub fn step_model(&self) -> StepModel {
+        StepModel {
+            overhead_us: self.engine.cost.overhead_us,
+            prefill_us_per_token: self.engine.cost.prefill_us_per_token,
+            max_batched_tokens: self.engine.max_num_batched_tokens,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct RunResult {
+    pub policy: String,
+    pub summary: Summary,
+    /// Decisions by reason, summed over routers.
+    pub reasons: std::collections::BTreeMap<&'static str, u64>,
+    #[serde(skip)]
+    pub records: Vec<RequestRecord>,
+    /// Wall-clock seconds the run took (never part of a comparison).
+    pub wall_s: f64,
+}
+
+/// Runs `workload` on `scenario` with a fresh policy per router from `policy`.
+pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dyn Policy>) -> RunResult {
+    let wall = Instant::now();
+    let n = scenario.workers;
+    let bs = scenario.engine.block_size;
+    let base = Instant::now();
+    let mut engines: Vec<LabEngine> = (0..n).map(|_| LabEngine::new(&scenario.engine, base)).collect();
+    let mut sidecars: Vec<Sidecar> =
+        (0..n).map(|_| Sidecar::new(scenario.engine.model.as_str(), scenario.routers)).collect();
+    let mut routers: Vec<LabRouter> =
+        (0..scenario.routers).map(|_| LabRouter::new(n, policy(), bs.get(), scenario.speculative_ttl_ms)).collect();
+    let policy_name = routers[0].policy_name().to_owned();
+    let root = KeyRoot::new(scenario.engine.model.as_str(), None);
+    let mut loss_rng = Rng::new(scenario.seed ^ 0x1055);
+
+    let reqs = &workload.requests;
+    let mut records: Vec<RequestRecord> = vec![RequestRecord::default(); reqs.len()];
+    let mut routed: Vec<Option<(usize, Routed)>> = vec![None; reqs.len()];
+    let mut seen: HashSet<BlockKey> = HashSet::new();
+    let mut q = Queue::default();
+    if !reqs.is_empty() {
+        q.push(reqs[0].at, Event::Arrival(0));
+    }
+    // Periodic work is staggered so sidecars do not all push at one instant.
+    let sc = scenario.sidecar;
+    let stagger = |every: Micros, i: usize, of: usize| Micros(every.0 * i as u64 / of.max(1) as u64);
+    for e in 0..n {
+        q.push(stagger(sc.batch_every, e, n), Event::SidecarFlush(e as u32));
+        q.push(stagger(sc.sync_every, e, n), Event::SidecarSync(e as u32));
+        q.push(stagger(sc.load_every, e, n), Event::LoadScrape(e as u32));
+    }
+    for r in 0..scenario.routers {
+        q.push(stagger(Micros::from_ms(1_000), r, scenario.routers), Event::Housekeeping(r as u32));
+    }
+
+    let (mut progress, mut events) = (Vec::new(), Vec::new());
+    let mut finished = 0usize;
+    while finished < reqs.len() {
+        let Some((now, ev)) = q.pop() else { break };
+        match ev {
+            Event::Arrival(i) => {
+                let i = i as usize;
+                if i + 1 < reqs.len() {
+                    q.push(reqs[i + 1].at, Event::Arrival(i as u32 + 1));
+                }
+                let spec = &reqs[i];
+                let tokens = spec.prompt.tokens();
+                let keys = block_keys(root, &tokens, bs);
+                let head = &tokens[..tokens.len().min(scenario.head_tokens)];
+                let head_hash = BlockKey::chain(root.0, head).0;
+                // The infinite cache: every block any earlier prompt had,
+                // capped as vLLM caps a hit (the last token is computed).
+                let hittable = tokens.len().saturating_sub(1) / bs.get();
+                let ceiling = keys[..hittable.min(keys.len())].iter().take_while(|k| seen.contains(k)).count();
+                seen.extend(keys.iter().copied());
+                let r = (splitmix64(scenario.seed ^ i as u64) % scenario.routers as u64) as usize;
+                let decision = routers[r].route(tokens.len(), &keys, head_hash, now.as_ms());
+                records[i] = RequestRecord {
+                    arrival: now,
+                    prompt_tokens: tokens.len() as u32,
+                    ceiling_tokens: (ceiling * bs.get()) as u32,
+                    worker: decision.worker as u32,
+                    ..Default::default()
+                };
+                routed[i] = Some((r, decision));
+                if let Some(end) = engines[decision.worker].submit(i as u32, tokens, spec.max_tokens, now) {
+                    q.push(end, Event::StepEnd(decision.worker as u32));
+                }
+            }
+            Event::StepEnd(e) => {
+                let e = e as usize;
+                let next = engines[e].end_step(now, &mut progress, &mut events);
+                sidecars[e].ingest(&events);
+                events.clear();
+                for p in progress.drain(..) {
+                    match p {
+                        Progress::FirstToken { req } => {
+                            records[req as usize].first_token = Some(now);
+                            if let Some((r, d)) = &routed[req as usize] {
+                                routers[*r].first_token(d);
+                            }
+                        }
+                        Progress::Done { req, outcome } => {
+                            let rec = &mut records[req as usize];
+                            rec.done = Some(now);
+                            rec.cached_tokens = outcome.cached_tokens as u32;
+                            if let Some((r, d)) = &routed[req as usize] {
+                                routers[*r].finished(d, true);
+                            }
+                            finished += 1;
+                        }
+                        Progress::Rejected { req } => {
+                            records[req as usize].rejected = true;
+                            if let Some((r, d)) = &routed[req as usize] {
+                                routers[*r].finished(d, false);
+                            }
+                            finished += 1;
+                        }
+                    }
+                }
+                if let Some(end) = next {
+                    q.push(end, Event::StepEnd(e as u32));
+                }
+            }
+            Event::LoadScrape(e) => {
+                sidecars[e as usize].scrape(engines[e as usize].load());
+                q.push(now + sc.load_every, ev);
+            }
+            Event::SidecarFlush(e) => {
+                let batch = sidecars[e as usize].take_batch();
+                for (r, router) in routers.iter_mut().enumerate() {
+                    if sc.loss > 0.0 && loss_rng.chance(sc.loss) {
+                        sidecars[e as usize].mark_stale(r);
+                    } else {
+                        router.apply_batch(e as usize, &batch);
+                    }
+                }
+                q.push(now + sc.batch_every, ev);
+            }
+            Event::SidecarSync(e) => {
+                let s = &mut sidecars[e as usize];
+                for (r, router) in routers.iter_mut().enumerate() {
+                    if !s.needs_sync(r) || (sc.loss > 0.0 && loss_rng.chance(sc.loss)) {
+                        continue;
+                    }
+                    router.sync(e as usize, &s.snapshot(), now.as_ms());
+                    s.synced(r);
+                }
+                q.push(now + sc.sync_every, ev);
+            }
+            Event::Housekeeping(r) => {
+                routers[r as usize].housekeeping(now.as_ms());
+                q.push(now + Micros::from_ms(1_000), ev);
+            }
+        }
+    }
+
+    let prefill: Vec<u64> = engines.iter().map(|e| e.prefill_tokens).collect();
+    let preemptions = engines.iter().map(LabEngine::preemptions).sum();
+    let mut reasons = std::collections::BTreeMap::new();
+    for r in &routers {
+        for (k, v) in &r.reasons {
+            *reasons.entry(*k).or_insert(0) += v;
+        }
+    }
+    RunResult {
+        policy: policy_name,
+        summary: summarize(&records, &prefill, preemptions, scenario.step_model()),
+        reasons,
+        records,
+        wall_s: wall.elapsed().as_secs_f64(),
+    }
+}

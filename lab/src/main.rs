@@ -1,0 +1,155 @@
+//! `kvroute-lab`: run one lab scenario, or a matrix of them, from the command line.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use kvroute_lab::cluster::{SidecarModel, run};
+use kvroute_lab::matrix::{GoodputSpec, MatrixSpec, markdown, run_matrix, scenario_for, workload_for};
+use kvroute_lab::policies::{all, factory};
+use kvroute_lab::workload::{WorkloadKind, default_trace_path};
+
+#[derive(Parser, Debug)]
+#[command(name = "kvroute-lab", about = "Virtual-time cluster lab: routing policies on simulated vLLM engines")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(clap::Args, Debug)]
+struct Common {
+    #[arg(long, default_value_t = 2_000)]
+    requests: usize,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Fraction of sidecar pushes lost.
+    #[arg(long, default_value_t = 0.0)]
+    loss: f64,
+    /// Mooncake-format trace for the `trace` workload.
+    #[arg(long, default_value_os_t = default_trace_path())]
+    trace: PathBuf,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// One run: prints its summary as JSON.
+    Run {
+        #[arg(long, value_enum)]
+        workload: WorkloadKind,
+        #[arg(long, default_value_t = 16)]
+        workers: usize,
+        #[arg(long, default_value_t = 1)]
+        routers: usize,
+        #[arg(long, default_value = "cache_aware")]
+        policy: String,
+        /// Load level (1 = saturation for a perfect router).
+        #[arg(long, default_value_t = 0.6)]
+        load: f64,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Workloads × loads × workers × routers × policies: writes report.md and results.json.
+    Matrix {
+        #[arg(long, value_enum, value_delimiter = ',', default_values_t = WorkloadKind::ALL)]
+        workloads: Vec<WorkloadKind>,
+        #[arg(long, value_delimiter = ',', default_values_t = [0.3, 0.6, 0.9])]
+        loads: Vec<f64>,
+        #[arg(long, value_delimiter = ',', default_values_t = [4, 16, 64, 256])]
+        workers: Vec<usize>,
+        #[arg(long, value_delimiter = ',', default_values_t = [1, 3])]
+        routers: Vec<usize>,
+        /// Policies (default: every policy the router knows).
+        #[arg(long, value_delimiter = ',')]
+        policies: Vec<String>,
+        /// Goodput search: TTFT p90 SLO in ms (off if absent).
+        #[arg(long)]
+        goodput_slo_ms: Option<f64>,
+        #[arg(long, default_value_t = 16)]
+        goodput_workers: usize,
+        #[arg(long, default_value_t = 1_000)]
+        goodput_requests: usize,
+        #[arg(long, default_value = "lab-results")]
+        out: PathBuf,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// The CI gate's check, per workload, with its figures.
+    Gate {
+        #[arg(long, value_enum, value_delimiter = ',', default_values_t = WorkloadKind::ALL)]
+        workloads: Vec<WorkloadKind>,
+    },
+}
+
+fn sidecar(loss: f64) -> SidecarModel {
+    SidecarModel { loss, ..Default::default() }
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Run { workload, workers, routers, policy, load, common } => {
+            let s = scenario_for(workload, workers, routers, common.seed, sidecar(common.loss));
+            let (w, unit) = workload_for(workload, &s, common.requests, &common.trace)?;
+            let r = run(&s, &w.at_rate(load * unit), &factory(&policy)?);
+            eprintln!("{} requests in {:.2} s wall", w.requests.len(), r.wall_s);
+            println!("{}", serde_json::to_string_pretty(&r)?);
+        }
+        Cmd::Matrix {
+            workloads,
+            loads,
+            workers,
+            routers,
+            policies,
+            goodput_slo_ms,
+            goodput_workers,
+            goodput_requests,
+            out,
+            common,
+        } => {
+            let policies = if policies.is_empty() { all().iter().map(|s| (*s).to_owned()).collect() } else { policies };
+            let spec = MatrixSpec {
+                workloads,
+                loads,
+                workers,
+                routers,
+                policies,
+                requests: common.requests,
+                seed: common.seed,
+                sidecar: sidecar(common.loss),
+                trace_path: common.trace,
+                goodput: goodput_slo_ms.map(|slo| GoodputSpec {
+                    slo_p90_ms: slo,
+                    workers: goodput_workers,
+                    requests: goodput_requests,
+                }),
+            };
+            let result = run_matrix(&spec, |r| {
+                eprintln!(
+                    "{:>9} w={:<3} r={} load={:.2} {:<20} p50 {:>7.0} p99 {:>7.0} hit {:.3}/{:.3} ({:.1} s)",
+                    r.workload.as_str(),
+                    r.workers,
+                    r.routers,
+                    r.load,
+                    r.policy,
+                    r.summary.ttft_p50_ms,
+                    r.summary.ttft_p99_ms,
+                    r.summary.hit_rate,
+                    r.summary.ceiling,
+                    r.wall_s
+                );
+            })?;
+            std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+            std::fs::write(out.join("report.md"), markdown(&result))?;
+            std::fs::write(out.join("results.json"), serde_json::to_string_pretty(&result)?)?;
+            eprintln!("wrote {}/report.md and results.json", out.display());
+        }
+        Cmd::Gate { workloads } => {
+            for kind in workloads {
+                match kvroute_lab::gate::check(kind)? {
+                    Ok(report) => println!("pass  {report}"),
+                    Err(report) => println!("FAIL  {report}"),
+                }
+            }
+        }
+    }
+    Ok(())
+}

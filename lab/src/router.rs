@@ -1,0 +1,158 @@
+//! One router replica: the router's real [`Index`] and a real [`Policy`],
+//! with the per-worker figures `routing.rs` puts into each [`Candidate`]:
+//! this router's in-flight requests and pending prefill tokens (counted as
+//! `proxy.rs`'s in-flight guard counts them) and the engine load the
+//! sidecars last reported.
+//!
+//! One `Index` holds at most `MAX_WORKERS` (128) workers; past that the lab
+//! gives each 128 workers an index of their own and concatenates their match
+//! depths, which is what raising the bitset's width would do.
+
+use kvroute_router::index::{Index, MAX_WORKERS, Slot};
+use kvroute_router::policy::{Candidate, LoadView, Policy, Reason, RouteView};
+use kvroute_router::workers::id_hash;
+use kvroute_shared::{BlockKey, WorkerId};
+
+use crate::engine::EngineLoad;
+use crate::sidecar::Batch;
+
+/// Where one request went and why.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Routed {
+    pub worker: usize,
+    pub reason: Reason,
+    /// Prompt tokens the router believed uncached there (its pending prefill).
+    pub uncached: u64,
+    pub matched_blocks: usize,
+}
+
+#[derive(Debug)]
+pub struct LabRouter {
+    shards: Vec<Index>,
+    policy: Box<dyn Policy>,
+    id_hashes: Vec<u64>,
+    inflight: Vec<u32>,
+    pending: Vec<u64>,
+    reported: Vec<EngineLoad>,
+    mean_prompt_tokens: f64,
+    block_size: usize,
+    speculative_ttl_ms: u64,
+    /// Decisions by reason, for the report.
+    pub reasons: std::collections::BTreeMap<&'static str, u64>,
+}
+
+impl LabRouter {
+    pub fn new(workers: usize, policy: Box<dyn Policy>, block_size: usize, speculative_ttl_ms: u64) -> LabRouter {
+        LabRouter {
+            shards: (0..workers.div_ceil(MAX_WORKERS)).map(|_| Index::new()).collect(),
+            policy,
+            id_hashes: (0..workers).map(|w| id_hash(&WorkerId::new(format!("w{w}")))).collect(),
+            inflight: vec![0; workers],
+            pending: vec![0; workers],
+            reported: vec![EngineLoad::default(); workers],
+            // `AppState`'s starting estimate.
+            mean_prompt_tokens: 512.0,
+            block_size,
+            speculative_ttl_ms,
+            reasons: Default::default(),
+        }
+    }
+
+    pub fn policy_name(&self) -> &'static str {
+        self.policy.name()
+    }
+
+    fn shard(&mut self, worker: usize) -> (&mut Index, Slot) {
+        (&mut self.shards[worker / MAX_WORKERS], Slot((worker % MAX_WORKERS) as u16))
+    }
+
+    /// Routes a request (as `routing::plan` does for a live request), records
+    /// it speculatively and counts it in flight.
+    pub fn route(&mut self, prompt_tokens: usize, keys: &[BlockKey], head_hash: u64, now_ms: u64) -> Routed {
+        let mut depth = vec![0usize; self.id_hashes.len()];
+        for (s, index) in self.shards.iter().enumerate() {
+            for (slot, d) in index.match_depths(keys) {
+                depth[s * MAX_WORKERS + slot.0 as usize] = d;
+            }
+        }
+        let candidates: Vec<Candidate> = (0..self.id_hashes.len())
+            .map(|w| {
+                let r = self.reported[w];
+                Candidate {
+                    slot: Slot(w as u16),
+                    matched_blocks: depth[w],
+                    load: LoadView {
+                        inflight: self.inflight[w],
+                        pending_prefill_tokens: self.pending[w],
+                        running: r.running,
+                        waiting: r.waiting,
+                        kv_usage: r.kv_usage,
+                    },
+                    id_hash: self.id_hashes[w],
+                }
+            })
+            .collect();
+        let view = RouteView {
+            prompt_tokens,
+            block_size: self.block_size,
+            keys,
+            head_hash,
+            candidates: &candidates,
+            mean_prompt_tokens: self.mean_prompt_tokens,
+            prefix_hint: None,
+            dry_run: false,
+        };
+        let decision = self.policy.choose(&view);
+        let worker = decision.chosen().unwrap_or(0);
+        let uncached = view.uncached_tokens(&candidates[worker]);
+        *self.reasons.entry(decision.reason.as_str()).or_default() += 1;
+        if !keys.is_empty() {
+            let (index, slot) = self.shard(worker);
+            index.record_routed(slot, keys, now_ms);
+        }
+        self.inflight[worker] += 1;
+        self.pending[worker] += uncached;
+        self.mean_prompt_tokens = self.mean_prompt_tokens * 0.95 + prompt_tokens as f64 * 0.05;
+        Routed { worker, reason: decision.reason, uncached, matched_blocks: candidates[worker].matched_blocks }
+    }
+
+    /// The first byte came back: the request's prefill is no longer pending.
+    pub fn first_token(&mut self, r: &Routed) {
+        self.pending[r.worker] -= r.uncached;
+    }
+
+    /// The answer ended (or failed before its first byte, `first_seen` false).
+    pub fn finished(&mut self, r: &Routed, first_seen: bool) {
+        if !first_seen {
+            self.pending[r.worker] -= r.uncached;
+        }
+        self.inflight[r.worker] -= 1;
+    }
+
+    /// `/internal/eviction`.
+    pub fn apply_batch(&mut self, worker: usize, batch: &Batch) {
+        let (index, slot) = self.shard(worker);
+        index.apply_events(slot, batch.cleared, &batch.evicted, &batch.stored);
+        if let Some(load) = batch.load {
+            self.reported[worker] = load;
+        }
+    }
+
+    /// `/internal/sync`.
+    pub fn sync(&mut self, worker: usize, keys: &[BlockKey], as_of_ms: u64) {
+        let (index, slot) = self.shard(worker);
+        index.sync(slot, keys, as_of_ms);
+    }
+
+    /// The router's once-a-second housekeeping: speculative entries expire.
+    pub fn housekeeping(&mut self, now_ms: u64) {
+        let ttl = self.speculative_ttl_ms;
+        for index in &mut self.shards {
+            index.expire_speculative(now_ms, ttl);
+        }
+    }
+
+    pub fn entries(&self) -> usize {
+        self.shards.iter().map(Index::entry_count).sum()
+    }
+}
