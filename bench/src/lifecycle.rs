@@ -25,6 +25,8 @@ const WAIT: Duration = Duration::from_secs(30);
 /// How long an engine may refuse `/reset_prefix_cache` (vLLM does while
 /// dropped streams still hold blocks).
 const RESET_WAIT: Duration = Duration::from_secs(120);
+/// A prompt shorter than a block: it runs an engine step and caches nothing.
+const NUDGE: &[u32] = &[11, 12, 13];
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Step {
@@ -309,6 +311,9 @@ async fn states(rig: &mut Rig, ctx: &Ctx, args: &LifecycleArgs) -> Result<Vec<St
     let (learn, _) = ctx.until_route(&probe_prompt, |v| v.matched_blocks(&other) > 0).await?;
     let evict_at = Instant::now();
     probe::reset_prefix_cache(&ctx.http, &ctx.engines[h], RESET_WAIT).await?;
+    // vLLM (and the sim) publish AllBlocksCleared with the engine's next step;
+    // an idle engine takes none, so one tiny request (no full block) runs one.
+    ctx.send(&ctx.engines[h], NUDGE, 1).await?;
     let (evict_latency, view) = match ctx.until_route(&probe_prompt, |v| v.matched_blocks(&holder) == 0).await {
         Ok(x) => (Some(evict_at.elapsed()), Some(x.1)),
         Err(_) => (None, None),
@@ -332,6 +337,7 @@ async fn states(rig: &mut Rig, ctx: &Ctx, args: &LifecycleArgs) -> Result<Vec<St
     let reset_at = Instant::now();
     for e in &ctx.engines {
         probe::reset_prefix_cache(&ctx.http, e, RESET_WAIT).await?;
+        ctx.send(e, NUDGE, 1).await?;
     }
     let (_, cold) = ctx.until_route(&probe_prompt, |v| v.matched.iter().all(|m| m.1 == 0)).await?;
     let forgot = reset_at.elapsed();

@@ -47,6 +47,9 @@ async fn after_traffic_the_map_equals_the_engines_cache_exactly() {
     // /reset_prefix_cache (vLLM's AllBlocksCleared): the worker's entries go.
     let resp = c.post(&format!("{}/reset_prefix_cache", engines[0]), json!({})).await;
     assert!(resp.status().is_success());
+    // Like vLLM, the engine publishes AllBlocksCleared with its next step.
+    let nudge = json!({"model": "sim-model", "prompt": "hi", "max_tokens": 1});
+    assert!(c.post(&format!("{}/v1/completions", engines[0]), nudge).await.status().is_success());
     eventually("w1's entries gone after the reset", WAIT, || {
         let (c, r) = (c.clone(), r.clone());
         async move { confirmed(&c, &r, "w1").await.is_empty().then_some(()) }

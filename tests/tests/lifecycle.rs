@@ -119,12 +119,21 @@ fn worker_index(id: &str) -> usize {
 }
 
 /// `POST /reset_prefix_cache` on an engine, retried while requests still run
-/// (vLLM refuses to reset with requests in flight).
+/// (vLLM answers `{"success": false}` with blocks in use), then one tiny
+/// request: like vLLM, the engine publishes `AllBlocksCleared` only with its
+/// next step, and an idle engine takes none.
 async fn reset(c: &Client, engine: &str) {
     eventually("the engine to reset its prefix cache", WAIT, || {
         let c = c.clone();
         let url = format!("{engine}/reset_prefix_cache");
-        async move { c.http.post(&url).send().await.ok().filter(|r| r.status().is_success()).map(|_| ()) }
+        async move {
+            let resp = c.http.post(&url).send().await.ok().filter(|r| r.status().is_success())?;
+            let body: serde_json::Value = resp.json().await.ok()?;
+            (body["success"] == true).then_some(())
+        }
     })
     .await;
+    let url = format!("{engine}/v1/completions");
+    let nudge = c.post(&url, json!({"model": "sim-model", "prompt": "hi", "max_tokens": 1})).await;
+    assert!(nudge.status().is_success());
 }

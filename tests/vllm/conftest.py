@@ -70,7 +70,7 @@ class Cluster:
         return "\n\n".join(f"--- {p.name} ({p.log_path})\n{p.log(30)}" for p in procs)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster():
     # 40 blocks of 32 tokens per engine: the tests' traffic needs several
     # times that, so engines evict.

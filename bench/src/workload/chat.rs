@@ -5,9 +5,11 @@
 //! closed-loop: a user's next turn starts after the previous answer plus a
 //! think time. Users start staggered.
 //!
-//! The answers in the history are synthetic tokens, not the engine's output:
-//! kvroute-sim caches prompt blocks only, so what matters for caching is that
-//! turn k's prompt extends turn k-1's, which holds by construction.
+//! The answers in the history are synthetic tokens, not the engine's output.
+//! Engines (vLLM and kvroute-sim alike) also cache the blocks they generate,
+//! but those hold the engine's own answer, which the next turn does not
+//! repeat here: what it reuses is turn k-1's prompt, which turn k extends by
+//! construction.
 
 use std::sync::Arc;
 use std::time::Duration;
