@@ -12,7 +12,9 @@ fn qwen3() -> Option<&'static PromptTokenizer> {
     static TOK: std::sync::OnceLock<Option<PromptTokenizer>> = std::sync::OnceLock::new();
     TOK.get_or_init(|| match tokenizer_dir("qwen3") {
         Ok(dir) => Some(PromptTokenizer::load(&dir).expect("qwen3 loads")),
-        Err(why) => panic!("no qwen3 tokenizer: {why} (install npm, or place the shared test data at ../shared/testdata)"),
+        Err(why) => {
+            panic!("no qwen3 tokenizer: {why} (install npm, or place the shared test data at ../shared/testdata)")
+        }
     })
     .as_ref()
 }

@@ -18,7 +18,9 @@ fn jsonl(path: PathBuf) -> Vec<Value> {
 fn load(name: &str) -> Option<PromptTokenizer> {
     match tokenizer_dir(name) {
         Ok(dir) => Some(PromptTokenizer::load(&dir).unwrap()),
-        Err(why) => panic!("no {name} tokenizer: {why} (install npm, or place the shared test data at ../shared/testdata)"),
+        Err(why) => {
+            panic!("no {name} tokenizer: {why} (install npm, or place the shared test data at ../shared/testdata)")
+        }
     }
 }
 
