@@ -18,6 +18,8 @@ async fn main() -> anyhow::Result<()> {
     }
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("KVROUTE_LOG").unwrap_or_else(|_| "info".into()))
+        // Colour only on a terminal: redirected logs stay plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .init();
     let raw = cli.serve.load(std::env::vars()).context("loading configuration")?;
     let config = raw.validate()?;

@@ -9,8 +9,14 @@ use kvroute_sidecar::cli::Cli;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        // KVROUTE_LOG, as for the router (RUST_LOG is still read when it is unset).
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KVROUTE_LOG")
+                .or_else(|_| tracing_subscriber::EnvFilter::try_from_default_env())
+                .unwrap_or_else(|_| "info".into()),
+        )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let mut cli = Cli::parse();
     let mut layers = config::Config::builder();
