@@ -112,6 +112,8 @@ const ENV_KEYS: &[&str] = &[
     "first_byte_timeout",
     "idle_timeout",
     "body_read_timeout",
+    "header_read_timeout",
+    "max_connections",
     "first_token_timeout",
     "first_token_timeout_per_1k_tokens",
     "max_body_bytes",

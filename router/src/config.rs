@@ -92,6 +92,12 @@ pub struct RawConfig {
     pub first_token_timeout: Duration,
     #[serde(with = "humantime_serde")]
     pub first_token_timeout_per_1k_tokens: Duration,
+    /// Open client connections at most; at the cap, accepting pauses.
+    pub max_connections: usize,
+    /// Time allowed to receive a request's headers; the connection is closed
+    /// beyond it (slow-loris clients).
+    #[serde(with = "humantime_serde")]
+    pub header_read_timeout: Duration,
     /// Time allowed to receive a request's whole body (408 beyond it).
     #[serde(with = "humantime_serde")]
     pub body_read_timeout: Duration,
@@ -149,6 +155,8 @@ impl Default for RawConfig {
             first_byte_timeout: Duration::from_secs(600),
             idle_timeout: Duration::from_secs(300),
             body_read_timeout: Duration::from_secs(30),
+            max_connections: 10_000,
+            header_read_timeout: Duration::from_secs(10),
             first_token_timeout: Duration::from_secs(60),
             first_token_timeout_per_1k_tokens: Duration::from_secs(2),
             max_body_bytes: 16 << 20,
@@ -269,6 +277,9 @@ impl RawConfig {
         }
         if self.cache_aware.placement_factor < 1.0 || self.cache_aware.load_weight < 0.0 {
             return Err(invalid("cache_aware", "placement_factor must be ≥ 1 and load_weight ≥ 0"));
+        }
+        if self.max_connections == 0 {
+            return Err(invalid("max_connections", "must be at least 1"));
         }
         if self.max_prompt_tokens == 0 {
             return Err(invalid("max_prompt_tokens", "must be at least 1"));

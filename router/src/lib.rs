@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod policy;
 pub mod proxy;
 pub mod routing;
+pub mod serve;
 pub mod sessions;
 pub mod state;
 pub mod tls;
@@ -155,13 +156,16 @@ pub async fn run(
         shutdown.await;
         stop.cancel();
     });
-    let drained = token.clone();
     let router = app(state.clone());
-    let until = async move { drained.cancelled().await };
+    let limits = serve::Limits {
+        max_connections: state.config.raw.max_connections,
+        header_read_timeout: state.config.raw.header_read_timeout,
+    };
+    let stopping = token.clone();
     let mut serve = match tls {
         Some(config) => {
             let listener = tls::TlsListener::new(listener, config)?;
-            tokio::spawn(async move { axum::serve(listener, router).with_graceful_shutdown(until).await })
+            tokio::spawn(serve::serve(listener, router, limits, stopping))
         }
         // Nagle would hold a streamed token back until the previous one is
         // acknowledged (~40 ms stalls on loopback): every chunk goes out now.
@@ -169,13 +173,11 @@ pub async fn run(
             let listener = listener.tap_io(|tcp| {
                 let _ = tcp.set_nodelay(true);
             });
-            tokio::spawn(async move { axum::serve(listener, router).with_graceful_shutdown(until).await })
+            tokio::spawn(serve::serve(listener, router, limits, stopping))
         }
     };
-    let flatten = |r: Result<std::io::Result<()>, tokio::task::JoinError>| match r {
-        Ok(result) => result.map_err(RunError::Serve),
-        Err(join) => Err(RunError::Serve(std::io::Error::other(join))),
-    };
+    let flatten =
+        |r: Result<(), tokio::task::JoinError>| r.map_err(|join| RunError::Serve(std::io::Error::other(join)));
     tokio::select! {
         r = &mut serve => return flatten(r),
         _ = token.cancelled() => {}

@@ -630,6 +630,34 @@ fn tokio_stream_from(
     futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
 }
 
+/// Slow-loris: connections that never finish their headers are cut at the
+/// header deadline (they would otherwise stay open forever), which also
+/// frees the connection slots they hold.
+#[tokio::test]
+async fn slow_headers_are_cut_off_and_free_their_connection_slots() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let r = router(&[("w1", &w.url)], |raw| {
+        raw.max_connections = 2;
+        raw.header_read_timeout = Duration::from_millis(300);
+    })
+    .await;
+    let addr = r.url.trim_start_matches("http://").to_owned();
+    let mut slow = Vec::new();
+    for _ in 0..2 {
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+        slow.push(s);
+    }
+    for s in &mut slow {
+        let mut rest = Vec::new();
+        let closed = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await;
+        assert!(closed.is_ok(), "a connection stuck in its headers was left open");
+    }
+    let resp = r.http.get(format!("{}/health", r.url)).send().await.unwrap();
+    assert_eq!(resp.status(), 200, "the slots are free again");
+}
+
 #[tokio::test]
 async fn load_shedding_answers_503_with_retry_after() {
     let hang = fake_worker("hang", Behaviour::Hang).await;
