@@ -63,16 +63,21 @@ fn trusting(pem: &str) -> reqwest::Client {
         .unwrap()
 }
 
-#[tokio::test]
-async fn serves_https_and_refuses_plain_http() {
-    let c = certs("serve");
-    let addr = serve_router(RawConfig {
+/// A router serving HTTPS with `c`, its address.
+async fn https_router(c: &Certs) -> String {
+    serve_router(RawConfig {
         tls_cert: Some(c.cert.clone()),
         tls_key: Some(c.key.clone()),
         internal_token: Some(Secret::new(TOKEN)),
         ..Default::default()
     })
-    .await;
+    .await
+}
+
+#[tokio::test]
+async fn serves_https_and_refuses_plain_http() {
+    let c = certs("serve");
+    let addr = https_router(&c).await;
     let https = trusting(&c.pem);
     let health = https.get(format!("https://{addr}/health")).send().await.unwrap();
     assert_eq!(health.status(), 200);
@@ -98,13 +103,7 @@ async fn serves_https_and_refuses_plain_http() {
 #[tokio::test]
 async fn curl_gets_answers_over_http2_and_http1() {
     let c = certs("curl");
-    let addr = serve_router(RawConfig {
-        tls_cert: Some(c.cert.clone()),
-        tls_key: Some(c.key.clone()),
-        internal_token: Some(Secret::new(TOKEN)),
-        ..Default::default()
-    })
-    .await;
+    let addr = https_router(&c).await;
     for (flag, version) in [("--http2", "2"), ("--http1.1", "1.1")] {
         let out = tokio::process::Command::new("curl")
             .args(["-sS", "--max-time", "10", flag, "--cacert"])

@@ -199,12 +199,17 @@ class Engine:
             s.close()
 
     def metric(self, name: str) -> float:
-        text = requests.get(f"{self.url}/metrics", timeout=5).text
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " ")
-        )
+        return metric_sum(self.url, name)
+
+
+def metric_sum(base_url: str, name: str) -> float:
+    """A Prometheus metric from `base_url/metrics`, summed over its label sets."""
+    text = requests.get(f"{base_url}/metrics", timeout=5).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " ")
+    )
 
 
 def _u64(h) -> int:
@@ -273,12 +278,7 @@ class Sidecar:
         self.url = self.proc.announced_url()
 
     def metric(self, name: str) -> float:
-        text = requests.get(f"{self.url}/metrics", timeout=5).text
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " ")
-        )
+        return metric_sum(self.url, name)
 
 
 class Router:
