@@ -36,8 +36,9 @@ cargo test --workspace --no-fail-fast 2>&1 | tee "$out/cargo.txt"
 echo "== Python tests"
 junit=()
 if [ -n "${KVROUTE_PYTHON:-}" ]; then
-  "$KVROUTE_PYTHON" -m pytest -q -p no:cacheprovider --junitxml="$out/python.xml" \
-    python-hooks/tests tests/python tests/vllm
+  # The venv's bin first: tools installed there (hadolint) are found.
+  PATH="$(dirname "$KVROUTE_PYTHON"):$PATH" "$KVROUTE_PYTHON" -m pytest -q -rs -p no:cacheprovider \
+    --junitxml="$out/python.xml" python-hooks/tests tests/python tests/vllm
   junit=(--junit "$out/python.xml")
 fi
 

@@ -200,11 +200,18 @@ impl Stream {
                     );
                     self.state.metrics().replays.get_or_create(&ReplayLabels { outcome: "idle_probe" }).inc();
                 }
+                let mut last = None;
                 for (seq, batch) in missed {
                     if self.expected.is_some_and(|e| seq < e) {
                         continue; // arrived live meanwhile
                     }
                     Box::pin(self.on_batch(seq, batch)).await;
+                    last = Some(seq);
+                }
+                // Their live copies may still be queued in the socket: those
+                // are duplicates, not an engine that restarted.
+                if let Some(last) = last {
+                    self.replayed_through = Some(last);
                 }
             }
             Err(e) => tracing::debug!(error = %e, "idle replay probe failed"),

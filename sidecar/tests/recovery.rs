@@ -24,6 +24,29 @@ async fn a_gap_is_replayed_in_order() {
     h.stop().await;
 }
 
+/// The idle probe recovers a batch the live stream lost; when the stream then
+/// delivers its late copy, that is a duplicate, not an engine restart (which
+/// would clear the worker while the engine still holds everything).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_copy_of_a_batch_the_idle_probe_recovered_is_no_restart() {
+    let mut h = Harness::start_with(Options { replay_keep_last: Some(10_000), ..Options::sync("60s") }).await;
+    let tokens: Vec<u32> = (0..8).collect();
+    h.publisher.publish(vec![stored(&[1], None, &tokens[..4])]).await;
+    let lost_at = h.publisher.seq;
+    h.publisher.drop_next(vec![stored(&[2], Some(1), &tokens[4..])]);
+    let k = keys(&tokens);
+    support::wait("the batch the idle probe recovered", || async { h.router_view() == hex_set(&k) }).await;
+    h.publisher.publish_at(lost_at, vec![stored(&[2], Some(1), &tokens[4..])]).await;
+    let next: Vec<u32> = (20..24).collect();
+    h.publisher.seq = lost_at + 1;
+    h.publisher.publish(vec![stored(&[3], None, &next)]).await;
+    let mut all = k.clone();
+    all.extend(keys(&next));
+    support::wait("every key, none cleared", || async { h.router_view() == hex_set(&all) }).await;
+    assert_eq!(h.metric("kvroute_sidecar_engine_restarts_total").await, 0.0, "a duplicate is no restart");
+    h.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gap_beyond_the_replay_buffer_clears_and_resyncs() {
     let mut h = Harness::start_with(Options { replay_keep_last: Some(2), ..Options::sync("60s") }).await;

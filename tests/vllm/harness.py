@@ -5,8 +5,10 @@ group, with its output kept in a log file that failures print.
 Ports: kvroute's binaries bind port 0 and print `listening on URL`, which is
 read back. vLLM cannot report a port it chose (its API socket, its ZMQ event
 and replay endpoints and the plugin's snapshot socket all take a number), so
-for vLLM a free port is taken from the OS, released, and passed in; a clash
-with another process in that instant makes the engine fail to start, loudly.
+for vLLM free ports are found and passed in. They are drawn below the
+kernel's ephemeral range (32768+), where vLLM's own internal sockets and every
+other bind(0) land: under data parallelism vLLM and the plugin also bind
+port + rank, which an ephemeral port handed out meanwhile could take.
 """
 
 import hashlib
@@ -48,10 +50,21 @@ def tiny_model() -> pathlib.Path:
     return pathlib.Path(out.stdout.strip().splitlines()[-1])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_rng = __import__("random").Random()
+
+
+def free_port(span: int = 1) -> int:
+    """A port P in 20000–32000 with P … P+span-1 all free right now."""
+    for _ in range(1000):
+        p = _rng.randrange(20000, 32000 - span)
+        try:
+            for q in range(p, p + span):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", q))
+        except OSError:
+            continue
+        return p
+    raise RuntimeError("no free port range below the ephemeral ports")
 
 
 def eventually(what: str, timeout: float, probe: Callable[[], Optional[T]], every: float = 0.2) -> T:
@@ -134,7 +147,11 @@ class Engine:
         self.name = name
         self.num_blocks = num_blocks
         self.extra = extra or []
-        self.port, self.events, self.replay, self.snapshot = (free_port() for _ in range(4))
+        ranks = 1
+        if "--data-parallel-size" in self.extra:
+            ranks = int(self.extra[self.extra.index("--data-parallel-size") + 1])
+        # Each of these is a base that rank r offsets by r.
+        self.port, self.events, self.replay, self.snapshot = (free_port(ranks) for _ in range(4))
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = Proc(f"vllm-{name}", self._cmd())
 
