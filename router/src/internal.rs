@@ -165,7 +165,7 @@ pub async fn sync(
     let outcome = {
         let mut map = state.map.write();
         let seq = map.seqs.entry(snap.worker_id.clone()).or_default();
-        if seq.accept(snap.epoch.as_deref(), snap.seq) {
+        if seq.accept_as(snap.epoch.as_deref(), snap.seq, true) {
             // A sidecar reports for this worker: its index is exact from now on.
             map.index.set_approximate(worker.slot, None);
             Some(map.index.sync(worker.slot, &snap.hashes, as_of))

@@ -36,13 +36,24 @@ impl SeqState {
     /// Accepts (and records) a message unless it is not newer than the last
     /// one of the same epoch.
     pub fn accept(&mut self, epoch: Option<&str>, seq: Option<u64>) -> bool {
+        self.accept_as(epoch, seq, false)
+    }
+
+    /// As [`SeqState::accept`]; a full sync (`is_sync`) is also accepted from
+    /// an epoch older than the one held. A delta from an older epoch is a
+    /// replayed or forged push and is refused; a sync replaces the worker's
+    /// whole state, and refusing it would lock out a sidecar whose clock is
+    /// behind its predecessor's (a pod rescheduled on another node): its
+    /// stale reply → new epoch → sync loop would never end.
+    pub fn accept_as(&mut self, epoch: Option<&str>, seq: Option<u64>, is_sync: bool) -> bool {
         let Some(seq) = seq else { return true };
         if self.epoch.as_deref() == epoch && self.seq.is_some_and(|last| seq <= last) {
             return false;
         }
-        // Ordered epochs (20 hex digits, draw time first): an older one is a
-        // replayed or forged push. Older sidecars' random epochs are not ordered.
+        // Ordered epochs (20 hex digits, draw time first). Older sidecars'
+        // random epochs are not ordered.
         if let (Some(held), Some(new)) = (self.epoch.as_deref(), epoch)
+            && !is_sync
             && held.len() == 20
             && new.len() == 20
             && new < held
@@ -161,7 +172,12 @@ mod tests {
         let mut s = SeqState::default();
         assert!(s.accept(Some(old), Some(7)));
         assert!(s.accept(Some(new), Some(8)), "a later epoch is a restart");
-        assert!(!s.accept(Some(old), Some(u64::MAX)), "an earlier epoch is a replay or a forgery");
+        assert!(!s.accept(Some(old), Some(u64::MAX)), "an earlier epoch's delta is a replay or a forgery");
         assert!(s.accept(Some(new), Some(9)));
+        // A sync replaces everything: accepted even from an older epoch (a
+        // sidecar whose clock is behind its predecessor's), and it then holds.
+        let skewed = "018f000000000000cccc";
+        assert!(s.accept_as(Some(skewed), Some(1), true));
+        assert!(s.accept(Some(skewed), Some(2)));
     }
 }
