@@ -41,22 +41,8 @@ use error::BenchError;
 pub async fn run(command: Command) -> Result<String, BenchError> {
     tokio::select! {
         r = run_command(command) => r,
-        () = interrupted() => Err(BenchError::Interrupted),
+        () = kvroute_sim::cluster::shutdown_signal() => Err(BenchError::Interrupted),
     }
-}
-
-async fn interrupted() {
-    #[cfg(unix)]
-    {
-        if let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-            return;
-        }
-    }
-    let _ = tokio::signal::ctrl_c().await;
 }
 
 async fn run_command(command: Command) -> Result<String, BenchError> {

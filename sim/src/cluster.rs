@@ -369,32 +369,7 @@ impl Cluster {
     /// Waits until router `i` lists every worker as healthy (for sidecar
     /// clusters: every sidecar has registered by sync).
     pub async fn wait_router_ready(&self, i: usize) -> Result<(), ClusterError> {
-        let client = reqwest::Client::new();
-        let url = format!("{}/admin/workers", self.routers[i].url);
-        let started = Instant::now();
-        let mut pause = Duration::from_millis(10);
-        loop {
-            if let Ok(resp) = client.get(&url).send().await
-                && let Ok(v) = resp.json::<serde_json::Value>().await
-            {
-                let healthy = v["workers"]
-                    .as_array()
-                    .map_or(0, |ws| ws.iter().filter(|w| w["healthy"] == serde_json::Value::Bool(true)).count());
-                if healthy >= self.engines.len() {
-                    return Ok(());
-                }
-            }
-            if started.elapsed() > READY_TIMEOUT {
-                return Err(ClusterError::NotReady {
-                    name: self.routers[i].proc.name.clone(),
-                    secs: READY_TIMEOUT.as_secs(),
-                    log: self.routers[i].proc.log(),
-                });
-            }
-            // Polling a readiness endpoint with backoff, not a fixed sleep.
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(200));
-        }
+        wait_router_ready(&self.routers[i].proc, &self.routers[i].url, self.engines.len()).await
     }
 
     /// Restarts router `i` (after a kill) on the same port; sidecars notice
@@ -589,7 +564,39 @@ pub async fn run_cluster(args: ClusterArgs) -> Result<(), ClusterError> {
     }
 }
 
-async fn shutdown_signal() {
+/// Waits until the router at `url` (process `proc`) lists `workers` healthy
+/// workers, polling with backoff; used by the cluster and the benchmark rigs.
+pub async fn wait_router_ready(proc: &Proc, url: &str, workers: usize) -> Result<(), ClusterError> {
+    let client = reqwest::Client::new();
+    let url = format!("{url}/admin/workers");
+    let started = Instant::now();
+    let mut pause = Duration::from_millis(10);
+    loop {
+        if let Ok(resp) = client.get(&url).send().await
+            && let Ok(v) = resp.json::<serde_json::Value>().await
+        {
+            let healthy = v["workers"]
+                .as_array()
+                .map_or(0, |ws| ws.iter().filter(|w| w["healthy"] == serde_json::Value::Bool(true)).count());
+            if healthy >= workers {
+                return Ok(());
+            }
+        }
+        if started.elapsed() > READY_TIMEOUT {
+            return Err(ClusterError::NotReady {
+                name: proc.name.clone(),
+                secs: READY_TIMEOUT.as_secs(),
+                log: proc.log(),
+            });
+        }
+        // Polling a readiness endpoint with backoff, not a fixed sleep.
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(200));
+    }
+}
+
+/// Ctrl-C or SIGTERM (the cluster command and the benchmarks stop on either).
+pub async fn shutdown_signal() {
     #[cfg(unix)]
     {
         if let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {

@@ -4,7 +4,7 @@
 //! simulated engines itself.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvroute_sim::cluster::{LOCAL_TOKEN, Proc, worker_id};
 
@@ -36,7 +36,6 @@ pub struct FrontSpec {
     pub bin_dir: PathBuf,
 }
 
-const READY_TIMEOUT: Duration = Duration::from_secs(60);
 const GRACE: Duration = Duration::from_secs(5);
 
 /// A router's flags, listening on `listen` (`127.0.0.1:0` for any port).
@@ -151,32 +150,8 @@ impl Front {
 
     /// Waits until router `i` lists every worker as healthy.
     pub async fn wait_router_ready(&self, i: usize) -> Result<(), BenchError> {
-        let client = crate::client::http_client();
-        let url = format!("{}/admin/workers", self.routers[i].url);
-        let started = Instant::now();
-        let mut pause = Duration::from_millis(10);
-        loop {
-            if let Ok(resp) = client.get(&url).send().await
-                && let Ok(v) = resp.json::<serde_json::Value>().await
-            {
-                let healthy = v["workers"]
-                    .as_array()
-                    .map_or(0, |ws| ws.iter().filter(|w| w["healthy"] == serde_json::Value::Bool(true)).count());
-                if healthy >= self.workers {
-                    return Ok(());
-                }
-            }
-            if started.elapsed() > READY_TIMEOUT {
-                return Err(kvroute_sim::cluster::ClusterError::NotReady {
-                    name: self.routers[i].proc.name.clone(),
-                    secs: READY_TIMEOUT.as_secs(),
-                    log: self.routers[i].proc.log(),
-                }
-                .into());
-            }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(200));
-        }
+        let r = &self.routers[i];
+        Ok(kvroute_sim::cluster::wait_router_ready(&r.proc, &r.url, self.workers).await?)
     }
 
     /// SIGKILL router `i` (fault injection).
