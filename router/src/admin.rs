@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 
 use crate::error::RouterError;
 use crate::index::Kind;
-use crate::proxy::{parse, read_body};
+use crate::proxy::{admit, parse};
 use crate::routing;
 use crate::state::{AppState, now_ms};
 
@@ -63,15 +63,7 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
 pub async fn debug_route(State(state): State<Arc<AppState>>, body: Body) -> Result<Json<Value>, RouterError> {
     // Same limits as a real request: body deadline, concurrency slot, prompt
     // size, tokenizing off the runtime.
-    let timeout = state.config.raw.body_read_timeout;
-    let body = tokio::time::timeout(timeout, read_body(&state, body))
-        .await
-        .map_err(|_| RouterError::BodyTimeout { after: timeout })??;
-    let Ok(_permit) = state.concurrency.clone().try_acquire_owned() else {
-        state.metrics.shed.inc();
-        return Err(RouterError::Overloaded);
-    };
-    routing::check_prompt_bytes(&state, body.len())?;
+    let (body, _permit) = admit(&state, body).await?;
     let req = std::sync::Arc::new(parse(&state, endpoint_of(&body), &body)?);
     let prepared = routing::prepare_off_runtime(&state, req).await?;
     let plan = routing::plan(&state, prepared, None, false)?;

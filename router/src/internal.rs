@@ -14,11 +14,11 @@ use axum::http::{HeaderMap, header};
 use kvroute_shared::wire::{AckOutcome, EvictionBatch, InternalAck, SyncSnapshot, Validate, decode_valid};
 use subtle::ConstantTimeEq;
 
-use http_body_util::BodyExt;
 use kvroute_shared::WorkerId;
 
 use crate::config::Secret;
 use crate::error::RouterError;
+use crate::proxy::read_body_within;
 use crate::state::{AppState, now_ms};
 use crate::workers::Source;
 
@@ -71,12 +71,7 @@ async fn push_body<T: serde::de::DeserializeOwned + Validate>(
     body: Body,
 ) -> Result<T, RouterError> {
     authenticate(state, headers)?;
-    let limit = state.config.raw.max_internal_body_bytes;
-    let body = match http_body_util::Limited::new(body, limit).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => return Err(RouterError::PayloadTooLarge { limit }),
-        Err(e) => return Err(RouterError::bad_request("body", format!("could not read the request body: {e}"))),
-    };
+    let body = read_body_within(body, state.config.raw.max_internal_body_bytes).await?;
     Ok(decode_valid(&body)?)
 }
 

@@ -17,6 +17,7 @@ use futures::StreamExt;
 use http_body_util::BodyExt;
 use kvroute_shared::openai::{Endpoint, PromptRequest};
 use kvroute_shared::wire::ErrorBody;
+use tokio::sync::OwnedSemaphorePermit;
 
 use crate::error::RouterError;
 use crate::metrics::WorkerLabel;
@@ -34,7 +35,11 @@ const FORWARDED: &[&str] = &["authorization", "x-request-id", "traceparent", "tr
 
 /// Reads a body up to the configured limit (413 beyond it).
 pub async fn read_body(state: &AppState, body: Body) -> Result<Bytes, RouterError> {
-    let limit = state.config.raw.max_body_bytes;
+    read_body_within(body, state.config.raw.max_body_bytes).await
+}
+
+/// Reads a body up to `limit` bytes (413 beyond it).
+pub async fn read_body_within(body: Body, limit: usize) -> Result<Bytes, RouterError> {
     match http_body_util::Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(RouterError::PayloadTooLarge { limit }),
@@ -54,6 +59,23 @@ pub fn parse(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Prompt
         ));
     }
     Ok(req)
+}
+
+/// Admits a request that will be planned (proxied or explained): its body is
+/// read under a deadline *before* a concurrency slot is taken (clients that
+/// send slowly must not hold the slots real requests need), then a slot, then
+/// the prompt-size check that comes before any tokenizing.
+pub async fn admit(state: &AppState, body: Body) -> Result<(Bytes, OwnedSemaphorePermit), RouterError> {
+    let timeout = state.config.raw.body_read_timeout;
+    let body = tokio::time::timeout(timeout, read_body(state, body))
+        .await
+        .map_err(|_| RouterError::BodyTimeout { after: timeout })??;
+    let Ok(permit) = state.concurrency.clone().try_acquire_owned() else {
+        state.metrics.shed.inc();
+        return Err(RouterError::Overloaded);
+    };
+    routing::check_prompt_bytes(state, body.len())?;
+    Ok((body, permit))
 }
 
 /// Session id and TTL from the request headers, when valid.
@@ -97,16 +119,7 @@ pub async fn proxy(
     body: Body,
     new_session: Option<(String, Duration)>,
 ) -> Result<Response, RouterError> {
-    // The body is read under a deadline and before a concurrency slot is
-    // taken: clients that send slowly must not hold the slots real requests need.
-    let body = tokio::time::timeout(state.config.raw.body_read_timeout, read_body(state, body))
-        .await
-        .map_err(|_| RouterError::BodyTimeout { after: state.config.raw.body_read_timeout })??;
-    let Ok(_permit) = state.concurrency.clone().try_acquire_owned() else {
-        state.metrics.shed.inc();
-        return Err(RouterError::Overloaded);
-    };
-    routing::check_prompt_bytes(state, body.len())?;
+    let (body, _permit) = admit(state, body).await?;
     let req = Arc::new(parse(state, endpoint, &body)?);
     if new_session.is_some() && !state.sessions.has_room(Instant::now()) {
         return Err(RouterError::SessionsFull { max: state.sessions.max() });
