@@ -7,12 +7,17 @@
 //!   sessions, drop sidecar-registered workers that stopped reporting, fall
 //!   back to the approximate index for static workers whose sidecar went
 //!   silent, refresh the gauges.
+//!
+//! Each works from a registry snapshot, which may be out of date by the time
+//! it acts: every change to a worker's slot is made under the index lock
+//! after checking there that the worker is still the slot's member
+//! (`state::MapState`), so it never lands on a worker registered since.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::metrics::{WorkerKind, WorkerLabel};
+use crate::metrics::{ENGINE_KINDS, INDEX_KINDS, WorkerKind, WorkerLabel};
 use crate::proxy::note_failure;
 use crate::state::{AppState, now_ms};
 use crate::workers::{Source, Worker};
@@ -20,7 +25,13 @@ use crate::workers::{Source, Worker};
 /// Takes an unhealthy worker out of the index: its cache state is unknown
 /// (it may come back restarted and empty).
 pub fn eject(state: &AppState, worker: &Worker) {
-    let purged = state.map.write().index.clear_worker(worker.slot);
+    let purged = {
+        let mut map = state.map.write();
+        if !map.is_member(&state.workers, worker) {
+            return;
+        }
+        map.index.clear_worker(worker.slot)
+    };
     state.metrics.ejections.get_or_create(&WorkerLabel { worker: worker.id.to_string() }).inc();
     tracing::warn!(worker.id = %worker.id, purged, "worker ejected after consecutive failures");
 }
@@ -67,7 +78,11 @@ async fn learn_capacity(state: &AppState, worker: &Worker) {
         _ => String::new(),
     };
     let blocks = parse_num_gpu_blocks(&text).unwrap_or(state.config.raw.approx_capacity_blocks);
-    state.map.write().index.set_approximate(worker.slot, Some(blocks));
+    // A sidecar may have registered or synced while /metrics was read.
+    let mut map = state.map.write();
+    if map.is_member(&state.workers, worker) && !worker.live.has_sidecar.load(Ordering::Relaxed) {
+        map.index.set_approximate(worker.slot, Some(blocks));
+    }
 }
 
 pub fn parse_num_gpu_blocks(metrics: &str) -> Option<usize> {
@@ -97,33 +112,46 @@ pub fn housekeeping(state: &AppState) {
     state.metrics.speculative_expired.inc_by(expired as u64);
     state.sessions.sweep(Instant::now());
 
-    let expiry = state.config.raw.worker_expiry.as_millis() as u64;
     for w in state.workers.snapshot().iter() {
-        let last = w.live.last_report_ms.load(Ordering::Relaxed);
-        let silent = w.live.has_sidecar.load(Ordering::Relaxed) && now.saturating_sub(last) > expiry;
-        if !silent {
-            continue;
-        }
-        match w.source {
-            Source::Sidecar => {
-                tracing::warn!(worker.id = %w.id, "sidecar stopped reporting: worker removed");
-                state.workers.remove(&w.id);
-                let mut map = state.map.write();
-                map.index.remove_worker(w.slot);
-                map.seqs.remove(&w.id);
-                drop(map);
-                state.metrics.forget_worker(w.id.as_str());
-            }
-            Source::Static => {
-                tracing::warn!(worker.id = %w.id, "sidecar stopped reporting: back to the approximate index");
-                w.live.has_sidecar.store(false, Ordering::Relaxed);
-                let mut map = state.map.write();
-                map.index.clear_worker(w.slot);
-                map.index.set_approximate(w.slot, Some(state.config.raw.approx_capacity_blocks));
-            }
+        if is_silent(state, w, now) {
+            expire(state, w, now);
         }
     }
     housekeeping_gauges(state);
+}
+
+/// Has the worker's sidecar said nothing for longer than `worker_expiry`?
+fn is_silent(state: &AppState, w: &Worker, now: u64) -> bool {
+    let expiry = state.config.raw.worker_expiry.as_millis() as u64;
+    let last = w.live.last_report_ms.load(Ordering::Relaxed);
+    w.live.has_sidecar.load(Ordering::Relaxed) && now.saturating_sub(last) > expiry
+}
+
+/// A silent sidecar's worker: a sidecar-registered one leaves (registry,
+/// index, seqs and metric series), a static one goes back to the approximate
+/// index. `w` comes from a snapshot, so under the lock it is checked again
+/// that it is still registered and still silent: a push may have arrived,
+/// or the worker been replaced in its slot, since.
+fn expire(state: &AppState, w: &Worker, now: u64) {
+    let mut map = state.map.write();
+    if !map.is_member(&state.workers, w) || !is_silent(state, w, now) {
+        return;
+    }
+    match w.source {
+        Source::Sidecar => {
+            map.remove(&state.workers, w);
+            drop(map);
+            tracing::warn!(worker.id = %w.id, "sidecar stopped reporting: worker removed");
+            state.metrics.retire_worker(w);
+        }
+        Source::Static => {
+            w.live.has_sidecar.store(false, Ordering::Relaxed);
+            map.index.clear_worker(w.slot);
+            map.index.set_approximate(w.slot, Some(state.config.raw.approx_capacity_blocks));
+            drop(map);
+            tracing::warn!(worker.id = %w.id, "sidecar stopped reporting: back to the approximate index");
+        }
+    }
 }
 
 /// Brings the gauges up to date (also done right before each scrape).
@@ -136,7 +164,7 @@ pub fn housekeeping_gauges(state: &AppState) {
     for w in workers.iter() {
         let c = map.index.counts(w.slot);
         let id = w.id.to_string();
-        for (kind, n) in [("confirmed", c.confirmed), ("speculative", c.speculative), ("approximate", c.approximate)] {
+        for (kind, n) in INDEX_KINDS.into_iter().zip([c.confirmed, c.speculative, c.approximate]) {
             m.index_worker_entries.get_or_create(&WorkerKind { worker: id.clone(), kind }).set(n as i64);
         }
         let load = w.live.load();
@@ -149,18 +177,92 @@ pub fn housekeeping_gauges(state: &AppState) {
         if last_sync > 0 {
             m.worker_sync_age.get_or_create(&label).set(now_ms().saturating_sub(last_sync) as f64 / 1000.0);
         }
-        m.worker_engine_requests
-            .get_or_create(&WorkerKind { worker: id.clone(), kind: "running" })
-            .set(i64::from(load.running));
-        m.worker_engine_requests
-            .get_or_create(&WorkerKind { worker: id, kind: "waiting" })
-            .set(i64::from(load.waiting));
+        for (kind, n) in ENGINE_KINDS.into_iter().zip([load.running, load.waiting]) {
+            m.worker_engine_requests.get_or_create(&WorkerKind { worker: id.clone(), kind }).set(i64::from(n));
+        }
     }
+    drop(map);
+    // This refresh's snapshot is let go first, so it does not keep a removed
+    // worker's series alive for another round.
+    drop(workers);
+    let current = state.workers.snapshot();
+    m.sweep_departed(|id| current.iter().any(|w| w.id.as_str() == id));
 }
 
 #[cfg(test)]
 mod tests {
+    use kvroute_shared::{BlockKey, WorkerId};
+    use tokio_util::sync::CancellationToken;
+
     use super::*;
+    use crate::config::RawConfig;
+
+    fn state() -> Arc<AppState> {
+        crate::build_state(RawConfig::default().validate().unwrap(), CancellationToken::new()).unwrap()
+    }
+
+    /// Registers `id` as a sidecar would, its last report at `at_ms`, holding `keys`.
+    fn registered(state: &AppState, id: &str, at_ms: u64, keys: &[BlockKey]) -> Arc<Worker> {
+        let mut map = state.map.write();
+        let w = map
+            .register_sidecar(&state.workers, &WorkerId::new(id), Some("http://10.0.0.1:8000"), None, at_ms)
+            .unwrap()
+            .worker;
+        map.index.sync(w.slot, keys, at_ms);
+        w
+    }
+
+    #[test]
+    fn an_expiry_decided_from_an_old_snapshot_spares_whoever_holds_the_slot_now() {
+        let state = state();
+        let now = now_ms();
+        let long_ago = now - 60_000;
+        let a = registered(&state, "a", long_ago, &[BlockKey(1)]);
+        let old_snapshot = state.workers.snapshot();
+        // Meanwhile a expired and b took its slot with a fresh sync.
+        expire(&state, &a, now);
+        let b = registered(&state, "b", now, &[BlockKey(2)]);
+        assert_eq!(b.slot, a.slot);
+        for w in old_snapshot.iter() {
+            expire(&state, w, now);
+        }
+        assert!(state.workers.is_current(&b));
+        assert_eq!(state.map.read().index.counts(b.slot).confirmed, 1, "b's sync survives");
+    }
+
+    #[test]
+    fn an_expiry_decided_from_an_old_snapshot_spares_the_same_id_registered_again() {
+        let state = state();
+        let now = now_ms();
+        let old = registered(&state, "a", now - 60_000, &[BlockKey(1)]);
+        expire(&state, &old, now);
+        let again = registered(&state, "a", now, &[BlockKey(2)]);
+        expire(&state, &old, now);
+        assert!(state.workers.is_current(&again));
+        assert_eq!(state.map.read().index.counts(again.slot).confirmed, 1);
+    }
+
+    #[test]
+    fn a_report_after_the_snapshot_keeps_the_worker() {
+        let state = state();
+        let now = now_ms();
+        let w = registered(&state, "a", now - 60_000, &[BlockKey(1)]);
+        assert!(is_silent(&state, &w, now));
+        w.live.last_report_ms.store(now, Ordering::Relaxed);
+        expire(&state, &w, now);
+        assert!(state.workers.is_current(&w));
+    }
+
+    #[test]
+    fn ejecting_a_replaced_worker_leaves_its_slot_alone() {
+        let state = state();
+        let now = now_ms();
+        let a = registered(&state, "a", now - 60_000, &[BlockKey(1)]);
+        expire(&state, &a, now);
+        let b = registered(&state, "b", now, &[BlockKey(2)]);
+        eject(&state, &a);
+        assert_eq!(state.map.read().index.counts(b.slot).confirmed, 1);
+    }
 
     #[test]
     fn reads_num_gpu_blocks_from_vllm_metrics() {

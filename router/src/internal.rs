@@ -3,6 +3,10 @@
 //! the worker's own token when `worker_tokens_file` is set (a sidecar then
 //! speaks only for its own id), else the shared internal token. Bad bodies get
 //! a 400 naming the field and change nothing.
+//!
+//! A push is applied under the index lock together with the check that its
+//! worker is still registered (`state::MapState`), so membership changes and
+//! pushes never interleave.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -18,9 +22,10 @@ use kvroute_shared::WorkerId;
 
 use crate::config::Secret;
 use crate::error::RouterError;
+use crate::index::SyncOutcome;
 use crate::proxy::read_body_within;
-use crate::state::{AppState, now_ms};
-use crate::workers::Source;
+use crate::state::{AppState, Registered, now_ms};
+use crate::workers::{RegistryError, Upsert, Worker};
 
 fn presented(headers: &HeaderMap) -> &str {
     headers
@@ -79,6 +84,18 @@ fn ack(state: &AppState, outcome: AckOutcome) -> Json<InternalAck> {
     Json(InternalAck { router_epoch: state.router_epoch.clone(), outcome })
 }
 
+/// How applying a push under the index lock went.
+#[derive(Debug, PartialEq, Eq)]
+enum Push<T> {
+    Applied(T),
+    /// Not newer than what was applied (reordered, duplicated or replayed).
+    Stale,
+    /// The worker it was looked up as is no longer registered.
+    NotMember,
+    /// It would make the worker hold more than `max_sync_keys` entries.
+    TooLarge,
+}
+
 pub async fn eviction(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
@@ -86,6 +103,8 @@ pub async fn eviction(
 ) -> Result<Json<InternalAck>, RouterError> {
     let batch: EvictionBatch = push_body(&state, &headers, body).await?;
     authorize_for(&state, &headers, &batch.worker_id)?;
+    // Looked up without the lock, so unknown ids cost no write lock; whether
+    // it is still the member is checked again where the batch is applied.
     let Some(worker) = state.workers.get(&batch.worker_id) else {
         return Ok(ack(&state, AckOutcome::UnknownWorker));
     };
@@ -94,22 +113,17 @@ pub async fn eviction(
         state.metrics.event("rejected_too_large", 1);
         return Err(RouterError::PayloadTooLarge { limit: max });
     }
-    {
-        let mut map = state.map.write();
-        // A worker holds at most max_sync_keys entries, however they arrive.
-        let held = map.index.counts(worker.slot);
-        if held.confirmed + held.speculative + batch.stored_hashes.len() > max + batch.evicted_hashes.len() {
-            drop(map);
-            state.metrics.event("rejected_too_large", 1);
-            return Err(RouterError::PayloadTooLarge { limit: max });
-        }
-        let seq = map.seqs.entry(batch.worker_id.clone()).or_default();
-        if !seq.accept(batch.epoch.as_deref(), batch.seq) {
-            drop(map);
+    match apply_eviction(&state, &worker, &batch) {
+        Push::Applied(()) => {}
+        Push::NotMember => return Ok(ack(&state, AckOutcome::UnknownWorker)),
+        Push::Stale => {
             state.metrics.event("stale_batch", 1);
             return Ok(ack(&state, AckOutcome::Stale));
         }
-        map.index.apply_events(worker.slot, batch.cleared, &batch.evicted_hashes, &batch.stored_hashes);
+        Push::TooLarge => {
+            state.metrics.event("rejected_too_large", 1);
+            return Err(RouterError::PayloadTooLarge { limit: max });
+        }
     }
     let m = &state.metrics;
     m.event("cleared", usize::from(batch.cleared));
@@ -118,8 +132,30 @@ pub async fn eviction(
     if let Some(load) = &batch.load {
         worker.live.set_reported(load);
     }
-    worker.live.last_report_ms.store(now_ms(), Ordering::Relaxed);
     Ok(ack(&state, AckOutcome::Applied))
+}
+
+/// Applies `batch` to `worker`'s slot in one critical section with the check
+/// that `worker` is still its member: a batch that was in flight while its
+/// worker expired (and its slot perhaps went to another) is refused.
+fn apply_eviction(state: &AppState, worker: &Worker, batch: &EvictionBatch) -> Push<()> {
+    let mut map = state.map.write();
+    if !map.is_member(&state.workers, worker) {
+        return Push::NotMember;
+    }
+    // A worker holds at most max_sync_keys entries, however they arrive.
+    let max = state.config.raw.max_sync_keys;
+    let held = map.index.counts(worker.slot);
+    if held.confirmed + held.speculative + batch.stored_hashes.len() > max + batch.evicted_hashes.len() {
+        return Push::TooLarge;
+    }
+    if !map.seq(worker.slot).accept(batch.epoch.as_deref(), batch.seq) {
+        return Push::Stale;
+    }
+    map.index.apply_events(worker.slot, batch.cleared, &batch.evicted_hashes, &batch.stored_hashes);
+    // Under the lock, so an expiry deciding under it sees this report.
+    worker.live.last_report_ms.store(now_ms(), Ordering::Relaxed);
+    Push::Applied(())
 }
 
 pub async fn sync(
@@ -147,39 +183,98 @@ pub async fn sync(
         state.metrics.sync("rejected_too_large");
         return Err(RouterError::PayloadTooLarge { limit: state.config.raw.max_sync_keys });
     }
-    let models = (!snap.models.is_empty()).then_some(snap.models.as_slice());
-    let (worker, how) =
-        state.workers.upsert(&snap.worker_id, snap.url.as_deref(), models, Source::Sidecar).map_err(|e| match e {
-            crate::workers::RegistryError::Full => RouterError::Unavailable(e.to_string()),
-            e => RouterError::bad_request("url", e.to_string()),
-        })?;
-    if how == crate::workers::Upsert::Added {
+    let (registered, applied) = apply_sync(&state, &snap).map_err(|e| match e {
+        RegistryError::Full => RouterError::Unavailable(e.to_string()),
+        e => RouterError::bad_request("url", e.to_string()),
+    })?;
+    let worker = &registered.worker;
+    if let Some(gone) = &registered.reclaimed {
+        tracing::warn!(worker.id = %gone.id, by = %worker.id, "every slot taken: a silent worker's slot reclaimed");
+        state.metrics.retire_worker(gone);
+    }
+    if registered.how == Upsert::Added {
         tracing::info!(worker.id = %worker.id, url = %worker.url, "worker registered by sidecar");
     }
-    let as_of = snap.as_of_ms.unwrap_or_else(now_ms);
-    let outcome = {
-        let mut map = state.map.write();
-        let seq = map.seqs.entry(snap.worker_id.clone()).or_default();
-        if seq.accept_as(snap.epoch.as_deref(), snap.seq, true) {
-            // A sidecar reports for this worker: its index is exact from now on.
-            map.index.set_approximate(worker.slot, None);
-            Some(map.index.sync(worker.slot, &snap.hashes, as_of))
-        } else {
-            None
+    let outcome = match applied {
+        Push::Applied(outcome) => outcome,
+        _ => {
+            state.metrics.sync("stale");
+            return Ok(ack(&state, AckOutcome::Stale));
         }
-    };
-    let Some(outcome) = outcome else {
-        state.metrics.sync("stale");
-        return Ok(ack(&state, AckOutcome::Stale));
     };
     state.metrics.sync("applied");
     tracing::debug!(worker.id = %worker.id, added = outcome.added, removed = outcome.removed, kept = outcome.kept_speculative, "sync applied");
-    worker.live.has_sidecar.store(true, Ordering::Relaxed);
     if let Some(load) = &snap.load {
         worker.live.set_reported(load);
     }
-    let now = now_ms();
-    worker.live.last_report_ms.store(now, Ordering::Relaxed);
-    worker.live.last_sync_ms.store(now, Ordering::Relaxed);
     Ok(ack(&state, AckOutcome::Applied))
+}
+
+/// Registers (or updates) the worker and applies its key set in one
+/// critical section: an expiry cannot come between them and wipe the fresh
+/// sync, and the slot cannot change hands in between.
+fn apply_sync(state: &AppState, snap: &SyncSnapshot) -> Result<(Registered, Push<SyncOutcome>), RegistryError> {
+    let now = now_ms();
+    let as_of = snap.as_of_ms.unwrap_or(now);
+    let models = (!snap.models.is_empty()).then_some(snap.models.as_slice());
+    let mut map = state.map.write();
+    let registered = map.register_sidecar(&state.workers, &snap.worker_id, snap.url.as_deref(), models, now)?;
+    let w = &registered.worker;
+    if !map.seq(w.slot).accept_as(snap.epoch.as_deref(), snap.seq, true) {
+        return Ok((registered, Push::Stale));
+    }
+    // A sidecar reports for this worker: its index is exact from now on.
+    map.index.set_approximate(w.slot, None);
+    let outcome = map.index.sync(w.slot, &snap.hashes, as_of);
+    w.live.has_sidecar.store(true, Ordering::Relaxed);
+    w.live.last_report_ms.store(now, Ordering::Relaxed);
+    w.live.last_sync_ms.store(now, Ordering::Relaxed);
+    Ok((registered, Push::Applied(outcome)))
+}
+
+#[cfg(test)]
+mod tests {
+    use kvroute_shared::BlockKey;
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+    use crate::config::RawConfig;
+
+    fn sync_of(id: &str, hashes: Vec<BlockKey>) -> SyncSnapshot {
+        SyncSnapshot {
+            worker_id: WorkerId::new(id),
+            epoch: None,
+            seq: Some(1),
+            as_of_ms: None,
+            url: Some("http://10.0.0.1:8000".into()),
+            models: Vec::new(),
+            block_size: None,
+            hashes,
+            load: None,
+        }
+    }
+
+    #[test]
+    fn a_late_batch_for_a_replaced_worker_is_refused() {
+        let state = crate::build_state(RawConfig::default().validate().unwrap(), CancellationToken::new()).unwrap();
+        let (a, _) = apply_sync(&state, &sync_of("a", vec![BlockKey(1)])).unwrap();
+        // The handler looked a up; before it took the lock, a expired and b
+        // registered in its slot.
+        let looked_up = state.workers.get(&WorkerId::new("a")).unwrap();
+        assert!(state.map.write().remove(&state.workers, &a.worker));
+        let (b, _) = apply_sync(&state, &sync_of("b", vec![BlockKey(2)])).unwrap();
+        assert_eq!(b.worker.slot, looked_up.slot);
+        let late = EvictionBatch {
+            worker_id: WorkerId::new("a"),
+            epoch: None,
+            seq: Some(2),
+            evicted_hashes: vec![BlockKey(2)],
+            stored_hashes: vec![BlockKey(9)],
+            cleared: true,
+            load: None,
+        };
+        assert_eq!(apply_eviction(&state, &looked_up, &late), Push::NotMember);
+        let map = state.map.read();
+        assert_eq!(map.index.keys_of(b.worker.slot).into_iter().map(|(k, _)| k).collect::<Vec<_>>(), [BlockKey(2)]);
+    }
 }

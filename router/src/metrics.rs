@@ -1,13 +1,28 @@
 //! The router's Prometheus metrics. Every label set is bounded: worker ids
 //! (at most `MAX_WORKERS`), policy and reason names, fixed outcome and event
 //! kinds — never a prompt, an error string or a request id.
+//!
+//! A removed worker's series are removed with it ([`Metrics::retire_worker`]),
+//! and again at each refresh while anything that may still write them (an
+//! in-flight request, a scrape's snapshot) holds the removed worker: ids come
+//! and go (sidecar registrations), and their series must not pile up.
 
+use std::sync::{Arc, Weak};
+
+use parking_lot::{Mutex, RwLock};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+
+use crate::workers::{Worker, WorkerLive};
+
+/// The `kind` labels of [`Metrics::index_worker_entries`].
+pub const INDEX_KINDS: [&str; 3] = ["confirmed", "speculative", "approximate"];
+/// The `kind` labels of [`Metrics::worker_engine_requests`].
+pub const ENGINE_KINDS: [&str; 2] = ["running", "waiting"];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WorkerOutcome {
@@ -66,6 +81,13 @@ pub struct Metrics {
     pub shed: Counter,
     pub speculative_expired: Counter,
     pub ejections: Family<WorkerLabel, Counter>,
+    /// Every `outcome` label [`Metrics::request`] has used: the (worker,
+    /// outcome) series a removed worker may have.
+    outcomes: RwLock<Vec<&'static str>>,
+    /// Removed workers whose series something may still write: the id, and
+    /// the live figures every copy of that registration shares (gone once
+    /// the last copy is dropped).
+    departed: Mutex<Vec<(String, Weak<WorkerLive>)>>,
 }
 
 impl Default for Metrics {
@@ -175,10 +197,18 @@ impl Metrics {
             shed,
             speculative_expired,
             ejections,
+            outcomes: RwLock::new(Vec::new()),
+            departed: Mutex::new(Vec::new()),
         }
     }
 
     pub fn request(&self, worker: &str, outcome: &'static str) {
+        if !self.outcomes.read().contains(&outcome) {
+            let mut seen = self.outcomes.write();
+            if !seen.contains(&outcome) {
+                seen.push(outcome);
+            }
+        }
         self.requests.get_or_create(&WorkerOutcome { worker: worker.to_owned(), outcome }).inc();
     }
 
@@ -190,8 +220,31 @@ impl Metrics {
         self.syncs.get_or_create(&KindLabel { kind }).inc();
     }
 
-    /// Forgets a removed worker's label sets, keeping label cardinality bounded.
-    pub fn forget_worker(&self, worker: &str) {
+    /// Removes a removed worker's series now, and again at each
+    /// [`Metrics::sweep_departed`] until nothing can write them any more.
+    pub fn retire_worker(&self, worker: &Worker) {
+        self.forget_worker(worker.id.as_str());
+        self.departed.lock().push((worker.id.to_string(), Arc::downgrade(&worker.live)));
+    }
+
+    /// Removes departed workers' series again (an in-flight request or a
+    /// refresh from an older snapshot may have written them since) and lets
+    /// go of those nothing holds any more. An id registered again
+    /// (`is_registered`) owns its series from then on.
+    pub fn sweep_departed(&self, is_registered: impl Fn(&str) -> bool) {
+        self.departed.lock().retain(|(id, live)| {
+            if is_registered(id) {
+                return false;
+            }
+            // Read before removing: once no copy is left, nothing writes after.
+            let gone = live.strong_count() == 0;
+            self.forget_worker(id);
+            !gone
+        });
+    }
+
+    /// Removes every series labelled with this worker.
+    fn forget_worker(&self, worker: &str) {
         let w = WorkerLabel { worker: worker.to_owned() };
         self.worker_inflight.remove(&w);
         self.worker_pending_tokens.remove(&w);
@@ -199,11 +252,15 @@ impl Metrics {
         self.worker_healthy.remove(&w);
         self.worker_sync_age.remove(&w);
         self.ttft.remove(&w);
-        for kind in ["running", "waiting"] {
+        self.ejections.remove(&w);
+        for kind in ENGINE_KINDS {
             self.worker_engine_requests.remove(&WorkerKind { worker: worker.to_owned(), kind });
         }
-        for kind in ["confirmed", "speculative", "approximate"] {
+        for kind in INDEX_KINDS {
             self.index_worker_entries.remove(&WorkerKind { worker: worker.to_owned(), kind });
+        }
+        for &outcome in self.outcomes.read().iter() {
+            self.requests.remove(&WorkerOutcome { worker: worker.to_owned(), outcome });
         }
     }
 
@@ -212,5 +269,70 @@ impl Metrics {
         // Writing to a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvroute_shared::WorkerId;
+
+    use super::*;
+    use crate::index::Slot;
+    use crate::workers::{Source, id_hash};
+
+    fn worker(id: &str) -> Arc<Worker> {
+        let id = WorkerId::new(id);
+        Arc::new(Worker {
+            id_hash: id_hash(&id),
+            id,
+            slot: Slot(0),
+            generation: 0,
+            url: "http://w".into(),
+            models: Vec::new(),
+            source: Source::Sidecar,
+            live: Arc::new(WorkerLive::default()),
+        })
+    }
+
+    fn series_of(m: &Metrics, id: &str) -> usize {
+        m.encode().lines().filter(|l| l.contains(&format!("worker=\"{id}\""))).count()
+    }
+
+    #[test]
+    fn a_retired_worker_leaves_no_series_even_when_written_late() {
+        let m = Metrics::new();
+        let w = worker("gone");
+        let label = WorkerLabel { worker: "gone".into() };
+        m.request("gone", "ok");
+        m.ttft.get_or_create(&label).observe(0.1);
+        m.ejections.get_or_create(&label).inc();
+        m.worker_inflight.get_or_create(&label).set(1);
+        m.index_worker_entries.get_or_create(&WorkerKind { worker: "gone".into(), kind: "confirmed" }).set(3);
+        m.request("stays", "ok");
+        m.retire_worker(&w);
+        assert_eq!(series_of(&m, "gone"), 0, "{}", m.encode());
+        // A request in flight on the removed worker finishes after its removal.
+        m.request("gone", "broken_stream");
+        m.sweep_departed(|_| false);
+        assert_eq!(series_of(&m, "gone"), 0);
+        let late = w.clone();
+        drop(w);
+        m.ttft.get_or_create(&label).observe(0.2);
+        drop(late);
+        m.sweep_departed(|_| false);
+        assert_eq!(series_of(&m, "gone"), 0);
+        assert!(m.departed.lock().is_empty(), "nothing holds the worker: forgotten");
+        assert!(series_of(&m, "stays") > 0);
+    }
+
+    #[test]
+    fn an_id_registered_again_keeps_its_series() {
+        let m = Metrics::new();
+        let w = worker("back");
+        m.retire_worker(&w);
+        m.request("back", "ok");
+        m.sweep_departed(|id| id == "back");
+        assert!(series_of(&m, "back") > 0);
+        assert!(m.departed.lock().is_empty());
     }
 }

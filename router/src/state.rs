@@ -5,24 +5,28 @@
 //! records take the write side for microseconds (a 100 k-key sync for a few
 //! milliseconds, see BENCHMARKS.md). A single-owner task fed by a channel
 //! would add a hop to every request's match for no gain at these hold times.
+//!
+//! The same lock makes membership atomic (see [`MapState`]): a worker's
+//! registration, its index entries and its seq state change in one critical
+//! section, never one after another where a push can slip in between.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use kvroute_shared::WorkerId;
 use kvroute_shared::tokenize::PromptTokenizer;
+use kvroute_shared::{ModelName, WorkerId};
 use parking_lot::RwLock;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::index::Index;
+use crate::index::{Index, Slot};
 use crate::metrics::Metrics;
 use crate::policy::Policy;
 use crate::sessions::Sessions;
-use crate::workers::Registry;
+use crate::workers::{Registry, RegistryError, Source, Upsert, Worker};
 
 /// The last (epoch, seq) applied per worker: reordered or duplicated sidecar
 /// batches are dropped.
@@ -66,11 +70,112 @@ impl SeqState {
     }
 }
 
-/// The index and the sequence numbers it was built from, changed together.
+/// When every slot is taken, a sidecar registration takes the slot of the
+/// sidecar-registered worker silent longest, once it has been silent this
+/// long: four missed heartbeats (a live sidecar pushes at least every 500 ms,
+/// `kvroute_sidecar::push::HEARTBEAT`), well under `worker_expiry`.
+///
+/// Who a registration flood can lock out:
+/// - static workers (`--worker`) never: they take their slots at start-up and
+///   are never expired or reclaimed;
+/// - workers with their own token (`worker_tokens_file`) never, as long as
+///   static workers plus listed ids fit in `MAX_WORKERS`: with per-worker
+///   tokens only the listed ids can register at all (`internal::authorize_for`),
+///   and the shared token is refused;
+/// - with the shared token, every holder is trusted alike and ids are not
+///   told apart: fakes that keep reporting hold their slots until they stop;
+///   fakes that registered once give their slot to the next newcomer after
+///   this silence (and leave at `worker_expiry` anyway). Deployments where
+///   not every pusher is trusted use per-worker tokens.
+pub const RECLAIM_AFTER_SILENCE: Duration = Duration::from_secs(2);
+
+/// Membership and the cache map, changed together under one lock: the index,
+/// the (epoch, seq) table and, through the methods below, the worker
+/// registry, whose snapshot is only ever swapped while this state is locked
+/// for writing (`build_state` excepted, before anything is served).
+///
+/// Whatever changes a slot — a batch, a sync, an expiry, an ejection — first
+/// checks under that same lock that its worker is still the slot's member
+/// ([`MapState::is_member`], by registration generation): a late batch from
+/// a removed worker, or a removal decided from an old snapshot, cannot touch
+/// the worker that has taken the slot since.
 #[derive(Debug, Default)]
 pub struct MapState {
     pub index: Index,
-    pub seqs: HashMap<WorkerId, SeqState>,
+    /// Per slot, reset whenever the slot changes hands.
+    seqs: HashMap<Slot, SeqState>,
+}
+
+/// What [`MapState::register_sidecar`] did.
+#[derive(Debug)]
+pub struct Registered {
+    pub worker: Arc<Worker>,
+    pub how: Upsert,
+    /// The silent worker whose slot was taken, when every slot was.
+    pub reclaimed: Option<Arc<Worker>>,
+}
+
+impl MapState {
+    /// Is `worker` (from some registry snapshot) still registered, as the
+    /// same registration? Holding `&self` means holding the lock, under which
+    /// the answer cannot change.
+    pub fn is_member(&self, registry: &Registry, worker: &Worker) -> bool {
+        registry.is_current(worker)
+    }
+
+    /// The seq state of the slot's current member.
+    pub fn seq(&mut self, slot: Slot) -> &mut SeqState {
+        self.seqs.entry(slot).or_default()
+    }
+
+    /// Registers a worker a sidecar reports for, or updates its url and
+    /// models. A new worker starts with an empty slot and seq state, and
+    /// counts as reporting from `now_ms` (so it expires if it goes silent).
+    /// When every slot is taken, the longest-silent sidecar-registered worker
+    /// gives up its slot if silent for [`RECLAIM_AFTER_SILENCE`].
+    pub fn register_sidecar(
+        &mut self,
+        registry: &Registry,
+        id: &WorkerId,
+        url: Option<&str>,
+        models: Option<&[ModelName]>,
+        now_ms: u64,
+    ) -> Result<Registered, RegistryError> {
+        let mut reclaimed = None;
+        let (worker, how) = match registry.upsert(id, url, models, Source::Sidecar) {
+            Err(RegistryError::Full) => {
+                let silence = RECLAIM_AFTER_SILENCE.as_millis() as u64;
+                let victim = registry
+                    .longest_silent_sidecar()
+                    .filter(|w| now_ms.saturating_sub(w.live.last_report_ms.load(Ordering::Relaxed)) > silence)
+                    .ok_or(RegistryError::Full)?;
+                self.remove(registry, &victim);
+                reclaimed = Some(victim);
+                registry.upsert(id, url, models, Source::Sidecar)?
+            }
+            other => other?,
+        };
+        if how == Upsert::Added {
+            // Whatever a previous member, a late push or a stale plan left in
+            // the slot is not this worker's.
+            self.index.remove_worker(worker.slot);
+            self.seqs.remove(&worker.slot);
+            worker.live.has_sidecar.store(true, Ordering::Relaxed);
+            worker.live.last_report_ms.store(now_ms, Ordering::Relaxed);
+        }
+        Ok(Registered { worker, how, reclaimed })
+    }
+
+    /// Removes this registration of `worker` with its index entries and seq
+    /// state; false (nothing changed) if it is not a member any more.
+    pub fn remove(&mut self, registry: &Registry, worker: &Worker) -> bool {
+        if !registry.remove(worker) {
+            return false;
+        }
+        self.index.remove_worker(worker.slot);
+        self.seqs.remove(&worker.slot);
+        true
+    }
 }
 
 /// Tokenizers by served model name, with a default for other models.
@@ -179,5 +284,49 @@ mod tests {
         let skewed = "018f000000000000cccc";
         assert!(s.accept_as(Some(skewed), Some(1), true));
         assert!(s.accept(Some(skewed), Some(2)));
+    }
+
+    fn sidecar(map: &mut MapState, r: &Registry, id: &str, now_ms: u64) -> Result<Registered, RegistryError> {
+        map.register_sidecar(r, &WorkerId::new(id), Some("http://10.0.0.1:8000"), None, now_ms)
+    }
+
+    #[test]
+    fn a_new_member_starts_with_an_empty_slot_and_seq() {
+        let (mut map, r) = (MapState::default(), Registry::default());
+        let a = sidecar(&mut map, &r, "a", 1_000).unwrap().worker;
+        assert!(map.remove(&r, &a));
+        // What a stale plan or a late push could leave in the free slot.
+        map.index.record_routed(a.slot, &[kvroute_shared::BlockKey(7)], 2_000);
+        assert!(map.seq(a.slot).accept(Some("0190000000010000bbbb"), Some(50)));
+        let b = sidecar(&mut map, &r, "b", 3_000).unwrap();
+        assert_eq!((b.how, b.worker.slot), (Upsert::Added, a.slot));
+        assert_eq!(map.index.counts(b.worker.slot), crate::index::Counts::default());
+        assert!(map.seq(b.worker.slot).accept(Some("0190000000000000aaaa"), Some(1)), "b's seqs are its own");
+        assert_eq!(b.worker.live.last_report_ms.load(Ordering::Relaxed), 3_000, "silent from now on, it expires");
+    }
+
+    #[test]
+    fn a_full_table_reclaims_the_longest_silent_sidecar_slot_never_a_static_one() {
+        let (mut map, r) = (MapState::default(), Registry::default());
+        let now = 100_000;
+        let (stat, _) = r.upsert(&WorkerId::new("static"), Some("http://10.0.0.9:8000"), None, Source::Static).unwrap();
+        let fakes: Vec<Arc<Worker>> = (0..crate::index::MAX_WORKERS - 1)
+            .map(|i| sidecar(&mut map, &r, &format!("fake{i}"), now).unwrap().worker)
+            .collect();
+        // All reported half a second ago: a newcomer waits.
+        assert_eq!(sidecar(&mut map, &r, "real", now + 500).unwrap_err(), RegistryError::Full);
+        // Two went silent; the static worker never reported (it is oldest of all).
+        fakes[5].live.last_report_ms.store(now - 10_000, Ordering::Relaxed);
+        fakes[6].live.last_report_ms.store(now - 5_000, Ordering::Relaxed);
+        map.index.apply_events(fakes[5].slot, false, &[], &[kvroute_shared::BlockKey(1)]);
+        let real = sidecar(&mut map, &r, "real", now + 500).unwrap();
+        assert_eq!(real.reclaimed.as_ref().map(|w| w.id.as_str()), Some("fake5"));
+        assert_eq!(real.worker.slot, fakes[5].slot);
+        assert_eq!(map.index.counts(real.worker.slot), crate::index::Counts::default());
+        assert!(r.get(&WorkerId::new("fake5")).is_none());
+        let next = sidecar(&mut map, &r, "real2", now + 500).unwrap();
+        assert_eq!(next.reclaimed.map(|w| w.slot), Some(fakes[6].slot));
+        assert_eq!(sidecar(&mut map, &r, "real3", now + 500).unwrap_err(), RegistryError::Full);
+        assert!(r.is_current(&stat));
     }
 }

@@ -2,6 +2,10 @@
 //! request reads one consistent list without a lock, while each worker's live
 //! figures (in-flight, reported load, health) are atomics shared across
 //! snapshots.
+//!
+//! Membership changes go through `state::MapState`, which holds the index
+//! lock while it changes the registry, the index and the seq table: the
+//! registry alone does not know what a slot holds.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -30,6 +34,11 @@ pub enum Source {
 pub struct Worker {
     pub id: WorkerId,
     pub slot: Slot,
+    /// Which registration this is, unique per router: a worker removed and
+    /// registered again, or another worker in its slot, has a new one. A
+    /// snapshot's copy is still the slot's member only while the registry
+    /// holds the same generation (checked under the index lock).
+    pub generation: u64,
     /// Base URL without a trailing slash.
     pub url: String,
     /// Served models; empty means unknown (a static worker before its first
@@ -151,8 +160,8 @@ pub enum Upsert {
 #[derive(Debug, Default)]
 pub struct Registry {
     snapshot: ArcSwap<Vec<Arc<Worker>>>,
-    /// Serialises writers; readers never take it.
-    write: Mutex<()>,
+    /// Serialises writers (readers never take it) and holds the next generation.
+    write: Mutex<u64>,
 }
 
 impl Registry {
@@ -164,7 +173,27 @@ impl Registry {
         self.snapshot.load().iter().find(|w| &w.id == id).cloned()
     }
 
-    /// Adds a worker, or updates its url / models (keeping its slot and live figures).
+    /// Is this snapshot's copy of a worker still the registered one (same
+    /// registration, possibly with a newer url or models)? Stable only while
+    /// the index lock is held, as every registry change happens under it.
+    pub fn is_current(&self, worker: &Worker) -> bool {
+        self.snapshot.load().iter().any(|w| w.id == worker.id && w.generation == worker.generation)
+    }
+
+    /// The sidecar-registered worker whose last report is oldest: the one a
+    /// registration may take the slot of when every slot is taken.
+    pub fn longest_silent_sidecar(&self) -> Option<Arc<Worker>> {
+        self.snapshot
+            .load()
+            .iter()
+            .filter(|w| w.source == Source::Sidecar)
+            .min_by_key(|w| w.live.last_report_ms.load(Ordering::Relaxed))
+            .cloned()
+    }
+
+    /// Adds a worker, or updates its url / models (keeping its slot, generation
+    /// and live figures). Outside start-up, call it through
+    /// `MapState::register_sidecar`, which also resets the slot's index and seqs.
     pub fn upsert(
         &self,
         id: &WorkerId,
@@ -172,7 +201,7 @@ impl Registry {
         models: Option<&[ModelName]>,
         source: Source,
     ) -> Result<(Arc<Worker>, Upsert), RegistryError> {
-        let _w = self.write.lock();
+        let mut next_generation = self.write.lock();
         let current = self.snapshot.load_full();
         let mut next: Vec<Arc<Worker>> = current.iter().cloned().collect();
         let url = url.map(checked_url).transpose()?;
@@ -194,6 +223,7 @@ impl Registry {
             let updated = Arc::new(Worker {
                 id: old.id.clone(),
                 slot: old.slot,
+                generation: old.generation,
                 url,
                 models,
                 source: old.source,
@@ -209,9 +239,12 @@ impl Registry {
             .map(Slot)
             .find(|s| !next.iter().any(|w| w.slot == *s))
             .ok_or(RegistryError::Full)?;
+        let generation = *next_generation;
+        *next_generation += 1;
         let worker = Arc::new(Worker {
             id: id.clone(),
             slot,
+            generation,
             url,
             models: models.map(<[ModelName]>::to_vec).unwrap_or_default(),
             source,
@@ -224,13 +257,19 @@ impl Registry {
         Ok((worker, Upsert::Added))
     }
 
-    pub fn remove(&self, id: &WorkerId) -> Option<Arc<Worker>> {
+    /// Removes this registration of the worker; false if it is gone already
+    /// (a registration of the same id since is left alone). Call it through
+    /// `MapState::remove`, which also empties the slot.
+    pub fn remove(&self, worker: &Worker) -> bool {
         let _w = self.write.lock();
         let current = self.snapshot.load_full();
-        let removed = current.iter().find(|w| &w.id == id).cloned()?;
-        let next: Vec<Arc<Worker>> = current.iter().filter(|w| &w.id != id).cloned().collect();
+        let is_it = |w: &Arc<Worker>| w.id == worker.id && w.generation == worker.generation;
+        if !current.iter().any(is_it) {
+            return false;
+        }
+        let next: Vec<Arc<Worker>> = current.iter().filter(|w| !is_it(w)).cloned().collect();
         self.snapshot.store(Arc::new(next));
-        Some(removed)
+        true
     }
 }
 
@@ -257,12 +296,29 @@ mod tests {
     fn slots_are_reused_and_urls_required() {
         let r = Registry::default();
         let (a, _) = r.upsert(&WorkerId::new("a"), Some("http://a"), None, Source::Static).unwrap();
-        r.remove(&WorkerId::new("a"));
+        assert!(r.remove(&a));
         let (b, _) = r.upsert(&WorkerId::new("b"), Some("http://b"), None, Source::Static).unwrap();
         assert_eq!(a.slot, b.slot);
+        assert_ne!(a.generation, b.generation);
         assert_eq!(
             r.upsert(&WorkerId::new("c"), None, None, Source::Sidecar).unwrap_err(),
             RegistryError::NoUrl(WorkerId::new("c"))
         );
+    }
+
+    #[test]
+    fn removal_takes_only_the_registration_it_names() {
+        let r = Registry::default();
+        let id = WorkerId::new("a");
+        let (old, _) = r.upsert(&id, Some("http://a"), None, Source::Sidecar).unwrap();
+        assert!(r.remove(&old));
+        let (new, _) = r.upsert(&id, Some("http://a"), None, Source::Sidecar).unwrap();
+        assert!(!r.is_current(&old) && r.is_current(&new));
+        assert!(!r.remove(&old), "a stale copy of the old registration removes nothing");
+        assert!(r.get(&id).is_some());
+        // An update keeps the registration: a copy from before it is current.
+        let (moved, how) = r.upsert(&id, Some("http://b"), None, Source::Sidecar).unwrap();
+        assert_eq!((how, moved.generation), (Upsert::Updated, new.generation));
+        assert!(r.is_current(&new));
     }
 }
