@@ -13,7 +13,7 @@ use crate::error::RouterError;
 use crate::index::{Index, Slot};
 use crate::metrics::PolicyReason;
 use crate::policy::{Candidate, Decision, Reason, RouteView};
-use crate::state::{AppState, now_ms};
+use crate::state::{AppState, MapState, now_ms};
 use crate::workers::Worker;
 
 /// A routing decision with everything that led to it.
@@ -113,10 +113,21 @@ pub async fn prepare_off_runtime(state: &Arc<AppState>, req: Arc<PromptRequest>)
 /// Plans a prepared request; `pinned` is the worker a live session points
 /// at. A `live` plan is counted in the metrics; `/debug/route` plans are not.
 pub fn plan(state: &AppState, prepared: Prepared, pinned: Option<&WorkerId>, live: bool) -> Result<Plan, RouterError> {
+    plan_against(state, &state.workers.snapshot(), prepared, pinned, live)
+}
+
+/// [`plan`] among the workers of `snapshot`, which is taken before the index
+/// lock and may be out of date by the time the lock is held.
+fn plan_against(
+    state: &AppState,
+    snapshot: &[Arc<Worker>],
+    prepared: Prepared,
+    pinned: Option<&WorkerId>,
+    live: bool,
+) -> Result<Plan, RouterError> {
     let started = Instant::now();
     let Prepared { model, tokens, keys, head_hash, prefix_hint, exact_tokenizer } = prepared;
 
-    let snapshot = state.workers.snapshot();
     let workers: Vec<Arc<Worker>> =
         snapshot.iter().filter(|w| w.live.is_healthy() && w.serves(&model)).cloned().collect();
     if workers.is_empty() {
@@ -163,10 +174,8 @@ pub fn plan(state: &AppState, prepared: Prepared, pinned: Option<&WorkerId>, liv
     let (candidates, decision) = if live {
         let mut map = state.map.write();
         let (candidates, decision) = decide(&map.index);
-        if let Some(i) = decision.chosen()
-            && !keys.is_empty()
-        {
-            map.index.record_routed(workers[i].slot, &keys, now_ms());
+        if let Some(i) = decision.chosen() {
+            record_routed(state, &mut map, &workers[i], &keys);
         }
         (candidates, decision)
     } else {
@@ -206,5 +215,76 @@ pub fn record_dispatch(state: &AppState, worker: &Worker, keys: &[BlockKey]) {
     if keys.is_empty() {
         return;
     }
-    state.map.write().index.record_routed(worker.slot, keys, now_ms());
+    record_routed(state, &mut state.map.write(), worker, keys);
+}
+
+/// Records `keys` as routed to `worker` if it is still its slot's member.
+/// `worker` comes from a snapshot taken before the lock: since then it may
+/// have been removed and another worker registered in its slot, which must
+/// not get entries for blocks sent elsewhere.
+fn record_routed(state: &AppState, map: &mut MapState, worker: &Worker, keys: &[BlockKey]) {
+    if !keys.is_empty() && map.is_member(&state.workers, worker) {
+        map.index.record_routed(worker.slot, keys, now_ms());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvroute_shared::openai::Endpoint;
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+    use crate::config::RawConfig;
+    use crate::index::Counts;
+
+    fn state() -> Arc<AppState> {
+        crate::build_state(RawConfig::default().validate().unwrap(), CancellationToken::new()).unwrap()
+    }
+
+    fn register(state: &AppState, id: &str) -> Arc<Worker> {
+        let mut map = state.map.write();
+        map.register_sidecar(&state.workers, &WorkerId::new(id), Some("http://10.0.0.1:8000"), None, now_ms())
+            .unwrap()
+            .worker
+    }
+
+    /// `a` removed and `b` registered in its slot.
+    fn replace(state: &AppState, a: &Worker) -> Arc<Worker> {
+        assert!(state.map.write().remove(&state.workers, a));
+        let b = register(state, "b");
+        assert_eq!(b.slot, a.slot);
+        b
+    }
+
+    fn prepared(state: &AppState) -> Prepared {
+        let body = br#"{"model": "m", "prompt": "a prompt long enough to fill a block or two of bytes, at least"}"#;
+        let req = crate::proxy::parse(state, Endpoint::Completions, body).unwrap();
+        let p = prepare(state, &req).unwrap();
+        assert!(!p.keys.is_empty());
+        p
+    }
+
+    #[test]
+    fn a_plan_from_an_old_snapshot_records_nothing_for_the_slots_new_member() {
+        let state = state();
+        let a = register(&state, "a");
+        let prepared = prepared(&state);
+        let old_snapshot = state.workers.snapshot();
+        let b = replace(&state, &a);
+        let plan = plan_against(&state, &old_snapshot, prepared, None, true).unwrap();
+        assert_eq!(plan.decision.chosen().map(|i| plan.workers[i].id.as_str()), Some("a"));
+        assert_eq!(state.map.read().index.counts(b.slot), Counts::default());
+    }
+
+    #[test]
+    fn a_retry_on_a_removed_worker_records_nothing_for_the_slots_new_member() {
+        let state = state();
+        let a = register(&state, "a");
+        let keys = prepared(&state).keys;
+        let b = replace(&state, &a);
+        record_dispatch(&state, &a, &keys);
+        assert_eq!(state.map.read().index.counts(b.slot), Counts::default());
+        record_dispatch(&state, &b, &keys);
+        assert_eq!(state.map.read().index.counts(b.slot).speculative, keys.len());
+    }
 }
