@@ -4,9 +4,16 @@
 //!   is ejected after consecutive failures (passive failures from the proxy
 //!   count too) and re-admitted when it answers again.
 //! - Housekeeping, every second: expire unconfirmed speculative entries and
-//!   sessions, drop sidecar-registered workers that stopped reporting, fall
-//!   back to the approximate index for static workers whose sidecar went
-//!   silent, refresh the gauges.
+//!   sessions, fall back to the approximate index for workers whose sidecar
+//!   went silent (static ones always, sidecar-registered ones while their
+//!   engine still answers its health probe), drop sidecar-registered workers
+//!   whose sidecar and engine are both gone, refresh the gauges.
+//!
+//! A sidecar can die while its engine serves on: the worker stays routable,
+//! and the router records its own routing decisions for it as it does for
+//! a worker with no sidecar. The sidecar's exact entries are dropped at the
+//! switch (nothing keeps them true any more); its next full sync makes the
+//! worker exact again (`internal::apply_sync`).
 //!
 //! Each works from a registry snapshot, which may be out of date by the time
 //! it acts: every change to a worker's slot is made under the index lock
@@ -61,6 +68,7 @@ async fn check(state: &AppState, worker: &Arc<Worker>) {
         return;
     }
     worker.live.consecutive_failures.store(0, Ordering::Relaxed);
+    worker.live.last_probe_ok_ms.store(now_ms(), Ordering::Relaxed);
     if !worker.live.healthy.swap(true, Ordering::Relaxed) {
         tracing::info!(worker.id = %worker.id, "worker re-admitted");
     }
@@ -120,38 +128,58 @@ pub fn housekeeping(state: &AppState) {
     housekeeping_gauges(state);
 }
 
-/// Has the worker's sidecar said nothing for longer than `worker_expiry`?
+/// Is something to be done about a worker going quiet: a sidecar silent for
+/// longer than `worker_expiry`, or, for a sidecar-registered worker already
+/// back on the approximate index, an engine that stopped answering its health
+/// probe (ejected, and no answer for `worker_expiry`)?
 fn is_silent(state: &AppState, w: &Worker, now: u64) -> bool {
     let expiry = state.config.raw.worker_expiry.as_millis() as u64;
     let last = w.live.last_report_ms.load(Ordering::Relaxed);
-    w.live.has_sidecar.load(Ordering::Relaxed) && now.saturating_sub(last) > expiry
+    if w.live.has_sidecar.load(Ordering::Relaxed) {
+        return now.saturating_sub(last) > expiry;
+    }
+    let probed = w.live.last_probe_ok_ms.load(Ordering::Relaxed);
+    w.source == Source::Sidecar && !w.live.is_healthy() && now.saturating_sub(last.max(probed)) > expiry
 }
 
-/// A silent sidecar's worker: a sidecar-registered one leaves (registry,
-/// index, seqs and metric series), a static one goes back to the approximate
-/// index. `w` comes from a snapshot, so under the lock it is checked again
-/// that it is still registered and still silent: a push may have arrived,
-/// or the worker been replaced in its slot, since.
+/// Did the worker's engine answer its health probe after its sidecar's last
+/// report, and has it not failed enough probes since to be ejected? Without
+/// such a sign of life (health checks less frequent than `worker_expiry`,
+/// say), a silent sidecar's worker is taken for gone.
+fn engine_answers(w: &Worker) -> bool {
+    let probed = w.live.last_probe_ok_ms.load(Ordering::Relaxed);
+    w.live.is_healthy() && probed >= w.live.last_report_ms.load(Ordering::Relaxed)
+}
+
+/// A worker gone quiet (see [`is_silent`]): it goes back to the approximate
+/// index if it is static or its engine still answers, else (a
+/// sidecar-registered worker whose engine is unreachable too) it leaves:
+/// registry, index, seqs and metric series. `w` comes from a snapshot, so
+/// under the lock it is checked again that it is still registered and still
+/// silent: a push may have arrived, or the worker been replaced in its slot,
+/// since.
 fn expire(state: &AppState, w: &Worker, now: u64) {
     let mut map = state.map.write();
     if !map.is_member(&state.workers, w) || !is_silent(state, w, now) {
         return;
     }
-    match w.source {
-        Source::Sidecar => {
-            map.remove(&state.workers, w);
-            drop(map);
-            tracing::warn!(worker.id = %w.id, "sidecar stopped reporting: worker removed");
-            state.metrics.retire_worker(w);
-        }
-        Source::Static => {
-            w.live.has_sidecar.store(false, Ordering::Relaxed);
-            map.index.clear_worker(w.slot);
-            map.index.set_approximate(w.slot, Some(state.config.raw.approx_capacity_blocks));
-            drop(map);
-            tracing::warn!(worker.id = %w.id, "sidecar stopped reporting: back to the approximate index");
-        }
+    let sidecar = w.live.has_sidecar.load(Ordering::Relaxed);
+    if w.source == Source::Static || (sidecar && engine_answers(w)) {
+        w.live.has_sidecar.store(false, Ordering::Relaxed);
+        let dropped = map.index.clear_worker(w.slot);
+        map.index.set_approximate(w.slot, Some(state.config.raw.approx_capacity_blocks));
+        drop(map);
+        tracing::warn!(worker.id = %w.id, dropped, "sidecar stopped reporting: back to the approximate index");
+        return;
     }
+    map.remove(&state.workers, w);
+    drop(map);
+    if sidecar {
+        tracing::warn!(worker.id = %w.id, "sidecar stopped reporting and the engine does not answer: worker removed");
+    } else {
+        tracing::warn!(worker.id = %w.id, "engine stopped answering and no sidecar reports: worker removed");
+    }
+    state.metrics.retire_worker(w);
 }
 
 /// Brings the gauges up to date (also done right before each scrape).
@@ -262,6 +290,59 @@ mod tests {
         let b = registered(&state, "b", now, &[BlockKey(2)]);
         eject(&state, &a);
         assert_eq!(state.map.read().index.counts(b.slot).confirmed, 1);
+    }
+
+    #[test]
+    fn a_silent_sidecar_whose_engine_answers_leaves_its_worker_routable_and_approximate() {
+        let state = state();
+        let now = now_ms();
+        let w = registered(&state, "a", now - 60_000, &[BlockKey(1), BlockKey(2)]);
+        w.live.last_probe_ok_ms.store(now - 1_000, Ordering::Relaxed);
+        housekeeping(&state);
+        assert!(state.workers.is_current(&w), "still registered");
+        assert!(!w.live.has_sidecar.load(Ordering::Relaxed));
+        let map = state.map.read();
+        assert!(map.index.is_approximate(w.slot));
+        assert_eq!(map.index.counts(w.slot), crate::index::Counts::default(), "the unverifiable entries are gone");
+        drop(map);
+        // Routed to, it is indexed as the router routes, like a worker without a sidecar.
+        crate::routing::record_dispatch(&state, &w, &[BlockKey(7)]);
+        assert_eq!(state.map.read().index.counts(w.slot).approximate, 1);
+        // Its engine answering on, it stays.
+        housekeeping(&state);
+        assert!(state.workers.is_current(&w));
+    }
+
+    #[test]
+    fn a_fallen_back_worker_leaves_once_its_engine_stops_answering() {
+        let state = state();
+        let now = now_ms();
+        let w = registered(&state, "a", now - 120_000, &[BlockKey(1)]);
+        w.live.last_probe_ok_ms.store(now - 100_000, Ordering::Relaxed);
+        expire(&state, &w, now - 60_000);
+        assert!(state.workers.is_current(&w) && !w.live.has_sidecar.load(Ordering::Relaxed));
+        // Ejected: health probes failed; the last answer is long ago.
+        w.live.healthy.store(false, Ordering::Relaxed);
+        housekeeping(&state);
+        assert!(!state.workers.is_current(&w));
+        assert!(state.workers.get(&WorkerId::new("a")).is_none());
+    }
+
+    #[test]
+    fn a_silent_sidecar_whose_engine_was_not_heard_since_takes_its_worker_along() {
+        let state = state();
+        let now = now_ms();
+        // The engine last answered before the sidecar's last report.
+        let w = registered(&state, "a", now - 60_000, &[BlockKey(1)]);
+        w.live.last_probe_ok_ms.store(now - 61_000, Ordering::Relaxed);
+        housekeeping(&state);
+        assert!(!state.workers.is_current(&w));
+        // Answering but ejected (failed probes since) counts as gone too.
+        let w = registered(&state, "b", now - 60_000, &[BlockKey(1)]);
+        w.live.last_probe_ok_ms.store(now - 1_000, Ordering::Relaxed);
+        w.live.healthy.store(false, Ordering::Relaxed);
+        housekeeping(&state);
+        assert!(!state.workers.is_current(&w));
     }
 
     #[test]

@@ -25,7 +25,7 @@ use crate::error::RouterError;
 use crate::index::SyncOutcome;
 use crate::proxy::read_body_within;
 use crate::state::{AppState, Registered, now_ms};
-use crate::workers::{RegistryError, Upsert, Worker};
+use crate::workers::{RegistryError, Source, Upsert, Worker};
 
 fn presented(headers: &HeaderMap) -> &str {
     headers
@@ -90,7 +90,8 @@ enum Push<T> {
     Applied(T),
     /// Not newer than what was applied (reordered, duplicated or replayed).
     Stale,
-    /// The worker it was looked up as is no longer registered.
+    /// The worker it was looked up as is no longer registered, or its index
+    /// no longer follows its sidecar's events: a full sync must come first.
     NotMember,
     /// It would make the worker hold more than `max_sync_keys` entries.
     TooLarge,
@@ -141,6 +142,14 @@ pub async fn eviction(
 fn apply_eviction(state: &AppState, worker: &Worker, batch: &EvictionBatch) -> Push<()> {
     let mut map = state.map.write();
     if !map.is_member(&state.workers, worker) {
+        return Push::NotMember;
+    }
+    // Its sidecar went silent and the worker fell back to the approximate
+    // index (`health::expire`): a delta continues a stream the router stopped
+    // following, so the sidecar is asked for the whole set (it answers an
+    // `unknown_worker` ack with a sync at once). Static workers take deltas
+    // without a sync, as pushers that only ever send evictions rely on.
+    if worker.source == Source::Sidecar && !worker.live.has_sidecar.load(Ordering::Relaxed) {
         return Push::NotMember;
     }
     // A worker holds at most max_sync_keys entries, however they arrive.
@@ -276,5 +285,40 @@ mod tests {
         assert_eq!(apply_eviction(&state, &looked_up, &late), Push::NotMember);
         let map = state.map.read();
         assert_eq!(map.index.keys_of(b.worker.slot).into_iter().map(|(k, _)| k).collect::<Vec<_>>(), [BlockKey(2)]);
+    }
+
+    #[test]
+    fn a_worker_whose_sidecar_fell_silent_takes_a_sync_not_a_delta_and_is_exact_again() {
+        let state = crate::build_state(RawConfig::default().validate().unwrap(), CancellationToken::new()).unwrap();
+        let (a, _) = apply_sync(&state, &sync_of("a", vec![BlockKey(1)])).unwrap();
+        let w = a.worker;
+        // What `health::expire` does when the sidecar is silent and the engine answers.
+        w.live.has_sidecar.store(false, Ordering::Relaxed);
+        {
+            let mut map = state.map.write();
+            map.index.clear_worker(w.slot);
+            map.index.set_approximate(w.slot, Some(100));
+            map.index.record_routed(w.slot, &[BlockKey(5)], now_ms());
+        }
+        let delta = EvictionBatch {
+            worker_id: WorkerId::new("a"),
+            epoch: None,
+            seq: Some(2),
+            evicted_hashes: vec![],
+            stored_hashes: vec![BlockKey(9)],
+            cleared: false,
+            load: None,
+        };
+        assert_eq!(apply_eviction(&state, &w, &delta), Push::NotMember, "the sidecar is asked for a sync");
+        assert_eq!(state.map.read().index.counts(w.slot).confirmed, 0);
+        let mut back = sync_of("a", vec![BlockKey(1), BlockKey(9)]);
+        back.seq = Some(3);
+        let (again, applied) = apply_sync(&state, &back).unwrap();
+        assert!(matches!(applied, Push::Applied(_)));
+        assert_eq!(again.how, Upsert::Unchanged, "the same registration, exact again");
+        assert!(w.live.has_sidecar.load(Ordering::Relaxed));
+        let map = state.map.read();
+        assert!(!map.index.is_approximate(w.slot));
+        assert_eq!(map.index.counts(w.slot), crate::index::Counts { confirmed: 2, speculative: 0, approximate: 0 });
     }
 }

@@ -85,8 +85,13 @@ impl SeqState {
 /// - with the shared token, every holder is trusted alike and ids are not
 ///   told apart: fakes that keep reporting hold their slots until they stop;
 ///   fakes that registered once give their slot to the next newcomer after
-///   this silence (and leave at `worker_expiry` anyway). Deployments where
-///   not every pusher is trusted use per-worker tokens.
+///   this silence (and, unless their url answers health probes, leave at
+///   `worker_expiry` anyway). Deployments where not every pusher is trusted
+///   use per-worker tokens.
+///
+/// Silence is the sidecar's: a worker whose sidecar died but whose engine
+/// serves on (kept, indexed approximately, see `health`) can give its slot
+/// to a newcomer whose sidecar reports.
 pub const RECLAIM_AFTER_SILENCE: Duration = Duration::from_secs(2);
 
 /// Membership and the cache map, changed together under one lock: the index,

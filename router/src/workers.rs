@@ -26,7 +26,9 @@ use crate::policy::LoadView;
 pub enum Source {
     /// `--worker ID=URL`: kept until the router stops.
     Static,
-    /// Registered by a sidecar's sync: removed when it stops reporting.
+    /// Registered by a sidecar's sync. When its sidecar stops reporting it
+    /// stays, indexed approximately, while its engine answers health probes;
+    /// it is removed when the engine does not.
     Sidecar,
 }
 
@@ -69,6 +71,8 @@ pub struct WorkerLive {
     /// Unix ms of the last sidecar message (sync or eviction).
     pub last_report_ms: AtomicU64,
     pub last_sync_ms: AtomicU64,
+    /// Unix ms of the last health probe the engine answered (0: none yet).
+    pub last_probe_ok_ms: AtomicU64,
     /// Is a sidecar reporting for this worker (exact index)?
     pub has_sidecar: AtomicBool,
 }
@@ -85,6 +89,7 @@ impl Default for WorkerLive {
             consecutive_failures: AtomicU32::new(0),
             last_report_ms: AtomicU64::new(0),
             last_sync_ms: AtomicU64::new(0),
+            last_probe_ok_ms: AtomicU64::new(0),
             has_sidecar: AtomicBool::new(false),
         }
     }
