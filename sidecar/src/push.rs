@@ -30,13 +30,19 @@ use crate::state::{RouterTarget, WorkerState};
 /// How long the last batch may take at shutdown.
 const FLUSH_DEADLINE: Duration = Duration::from_secs(1);
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
-/// Capped low so that a router that comes back is whole again within a
-/// second; a retry is one small request.
+/// Retries after a router answered with an error, or timed out: each is a
+/// full sync the router has to read, so they back off to this.
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// An idle link still sends an empty batch this often: it is how a sidecar
 /// learns that a router restarted (a new `router_epoch`) when no KV event
 /// flows, and resyncs it at once instead of at the next periodic sync.
 pub const HEARTBEAT: Duration = Duration::from_millis(500);
+/// Retries while a router cannot be connected to (restarting, say) back off
+/// only to this: a refused connection costs the router nothing, and a
+/// router that comes back after any downtime then hears from every sidecar
+/// within this (jittered into its upper half) plus one fast tick — as soon
+/// as a heartbeat would reach a router that restarted unnoticed.
+const RECONNECT_MAX: Duration = HEARTBEAT;
 
 /// Everything the per-router tasks share.
 #[derive(Debug)]
@@ -136,17 +142,20 @@ impl Pusher {
     }
 }
 
-/// Pushes to `target` until cancelled; `wake` makes it act before its next tick.
+/// Pushes to `target` until cancelled; `wake`, or a reset of the worker
+/// state (`WorkerState::resync_due`), makes it act before its next tick.
 pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Notify>, cancel: CancellationToken) {
     let mut link = Link { target, router_epoch: None, last_load: None, last_sent: None };
     let mut tick = tokio::time::interval(pusher.fast_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut resync = pusher.state.resync_due();
     let mut backoff = BACKOFF_MIN;
     loop {
         tokio::select! {
             _ = cancel.cancelled() => break,
             _ = tick.tick() => {}
             _ = wake.notified() => {}
+            Ok(()) = resync.changed() => {}
         }
         loop {
             match pusher.round(&mut link).await {
@@ -161,7 +170,8 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
                     pusher.state.metrics().push_failures.get_or_create(&Pusher::labels(&link.target, kind)).inc();
                     warn!(router = %link.target.0, error = %error_chain(&e), "push failed; next message is a full sync");
                     pusher.state.require_sync(&link.target);
-                    let pause = jitter(backoff);
+                    let cap = if e.nothing_sent() { RECONNECT_MAX } else { BACKOFF_MAX };
+                    let pause = jitter(backoff.min(cap));
                     backoff = (backoff * 2).min(BACKOFF_MAX);
                     tokio::select! {
                         _ = cancel.cancelled() => return,

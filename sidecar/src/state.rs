@@ -16,6 +16,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use kvroute_shared::BlockKey;
 use parking_lot::Mutex;
 use rand::Rng;
+use tokio::sync::watch;
 
 use crate::coalesce::{Delta, Pending};
 use crate::decode::EventBatch;
@@ -91,6 +92,9 @@ pub struct WorkerState {
     inner: Mutex<Inner>,
     metrics: Arc<Metrics>,
     max_pending: usize,
+    /// Bumped when every router must get a full sync now (a rank reset):
+    /// push tasks watch it and send at once instead of at their next tick.
+    resync: watch::Sender<u64>,
 }
 
 impl WorkerState {
@@ -99,6 +103,7 @@ impl WorkerState {
             inner: Mutex::new(Inner { translator, routers: BTreeMap::new(), epoch: Epoch::draw() }),
             metrics,
             max_pending,
+            resync: watch::Sender::new(0),
         }
     }
 
@@ -119,8 +124,10 @@ impl WorkerState {
         self.update_gauges(translator);
     }
 
-    /// Forgets `rank`'s blocks, draws a new epoch and schedules a full sync to
-    /// every router (engine restart, or events lost beyond replay).
+    /// Forgets `rank`'s blocks, draws a new epoch and has a full sync sent to
+    /// every router at once (engine gone or restarted, or events lost beyond
+    /// replay): until it arrives, routers send requests to blocks that may
+    /// be gone, so it does not wait for the next fast-path tick.
     pub fn reset(&self, rank: Rank) {
         let mut inner = self.inner.lock();
         let Inner { translator, routers, epoch } = &mut *inner;
@@ -128,6 +135,13 @@ impl WorkerState {
         *epoch = epoch.next();
         routers.values_mut().for_each(Pending::require_sync);
         self.update_gauges(translator);
+        drop(inner);
+        self.resync.send_modify(|n| *n += 1);
+    }
+
+    /// Changes whenever a full sync to every router is due at once.
+    pub fn resync_due(&self) -> watch::Receiver<u64> {
+        self.resync.subscribe()
     }
 
     /// A router refused a push as stale (its epoch/seq is ahead of ours: a

@@ -17,6 +17,13 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(3);
 /// A push that the router did not accept.
 #[derive(Debug, thiserror::Error)]
 pub enum PushError {
+    /// No connection to the router: nothing was sent.
+    #[error("cannot connect to {url}")]
+    Unreachable {
+        url: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     #[error("request to {url} failed")]
     Http {
         url: String,
@@ -25,6 +32,13 @@ pub enum PushError {
     },
     #[error("{url} answered {status}")]
     Status { url: String, status: u16 },
+}
+
+impl PushError {
+    /// The router never saw the request (retrying costs it nothing).
+    pub fn nothing_sent(&self) -> bool {
+        matches!(self, PushError::Unreachable { .. })
+    }
 }
 
 /// Delivers the two internal messages to a router and returns its ack.
@@ -65,7 +79,9 @@ impl HttpRouterClient {
             req = req.bearer_auth(&token.0);
         }
         let http = |source| PushError::Http { url: url.clone(), source };
-        let resp = req.send().await.map_err(http)?;
+        let resp = req.send().await.map_err(|e| {
+            if e.is_connect() { PushError::Unreachable { url: url.clone(), source: Box::new(e) } } else { http(e) }
+        })?;
         if !resp.status().is_success() {
             return Err(PushError::Status { url, status: resp.status().as_u16() });
         }

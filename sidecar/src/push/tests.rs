@@ -29,6 +29,8 @@ struct FakeRouter {
     log: Mutex<Vec<(Instant, Sent)>>,
     attempts: Mutex<Vec<Instant>>,
     failures_left: Mutex<usize>,
+    /// Attempts refused as if nothing listened on the router's port.
+    unreachable_left: Mutex<usize>,
     stale_left: Mutex<usize>,
     epoch: Mutex<String>,
 }
@@ -39,6 +41,7 @@ impl FakeRouter {
             log: Mutex::new(Vec::new()),
             attempts: Mutex::new(Vec::new()),
             failures_left: Mutex::new(0),
+            unreachable_left: Mutex::new(0),
             stale_left: Mutex::new(0),
             epoch: Mutex::new("r1".into()),
         })
@@ -46,6 +49,12 @@ impl FakeRouter {
 
     fn answer(&self, sent: Sent) -> Result<InternalAck, PushError> {
         self.attempts.lock().push(Instant::now());
+        let mut refused = self.unreachable_left.lock();
+        if *refused > 0 {
+            *refused -= 1;
+            let source = Box::new(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+            return Err(PushError::Unreachable { url: "fake".into(), source });
+        }
         let mut left = self.failures_left.lock();
         if *left > 0 {
             *left -= 1;
@@ -232,5 +241,41 @@ async fn a_new_router_epoch_gets_a_sync_at_once() {
     let log = s.router.log.lock().clone();
     assert!(matches!(log[..], [(_, Sent::Sync(_)), (_, Sent::Eviction(_)), (_, Sent::Sync(_))]), "{log:?}");
     assert_eq!(log[1].0, log[2].0, "the sync follows the eviction without waiting for a tick");
+    s.cancel.cancel();
+}
+
+/// A router that is down (connections refused) is tried at least every half
+/// second however long it stays down, so one that comes back is resynced
+/// within about that; a router that answers with errors backs off further.
+#[tokio::test(start_paused = true)]
+async fn an_unreachable_router_is_retried_at_least_every_half_second() {
+    let s = start();
+    *s.router.unreachable_left.lock() = 12;
+    advance(20_000).await;
+    let attempts = s.router.attempts.lock().clone();
+    assert!(attempts.len() > 12, "{} attempts", attempts.len());
+    let gaps: Vec<Duration> = attempts.windows(2).take(12).map(|w| w[1] - w[0]).collect();
+    // The pause, then at most one fast tick.
+    assert!(gaps.iter().all(|g| *g <= RECONNECT_MAX + Duration::from_millis(100)), "{gaps:?}");
+    assert!(gaps[4..].iter().all(|g| *g >= RECONNECT_MAX / 2), "still backing off: {gaps:?}");
+    assert!(matches!(s.router.sent()[0], Sent::Sync(_)), "the first message it takes is a sync");
+    s.cancel.cancel();
+}
+
+/// A reset (engine gone, or events lost beyond replay) reaches the router
+/// as a full sync at once, not at the next fast-path tick.
+#[tokio::test(start_paused = true)]
+async fn a_reset_is_synced_at_once() {
+    let s = start();
+    s.state.apply(Rank(0), &store(1, [1, 1, 1, 1]));
+    advance(130).await;
+    let before = s.router.sent().len();
+    let at = Instant::now();
+    s.state.reset(Rank(0));
+    advance(1).await;
+    let log = s.router.log.lock().clone();
+    let [(when, Sent::Sync(sync))] = &log[before..] else { panic!("{log:?}") };
+    assert!(*when - at < Duration::from_millis(1), "sent {:?} after the reset", *when - at);
+    assert!(sync.hashes.is_empty(), "the rank's keys are gone");
     s.cancel.cancel();
 }
