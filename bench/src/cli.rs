@@ -30,6 +30,8 @@ pub enum Command {
     Propagation(crate::propagation::PropagationArgs),
     /// Steady mixed traffic for N minutes: memory, index size, errors over time.
     Soak(crate::soak::SoakArgs),
+    /// Engine, router and sidecar restarts: how soon the router's map is true again.
+    Restarts(crate::restarts::RestartsArgs),
 }
 
 #[derive(Debug, Clone, Args)]

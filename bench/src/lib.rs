@@ -5,7 +5,8 @@
 //! the router's map, checked and timed), `compare` (workloads × policies:
 //! hit rate against the infinite-cache ceiling, TTFT, load spread) and
 //! `overhead` (router vs direct), `propagation` (engine event → router map
-//! latency) and `soak` (memory over a long run). Each writes `results.json`, `report.md`
+//! latency), `soak` (memory over a long run) and `restarts` (engine, router
+//! and sidecar restarts → map true again). Each writes `results.json`, `report.md`
 //! and PNG plots to its output folder.
 //!
 //! Workload generation and the ceiling are pure functions with unit tests;
@@ -23,6 +24,7 @@ pub mod overhead;
 pub mod probe;
 pub mod propagation;
 pub mod report;
+pub mod restarts;
 pub mod rig;
 pub mod setup;
 pub mod soak;
@@ -84,6 +86,11 @@ async fn run_command(command: Command) -> Result<String, BenchError> {
                 r.router_rss_growth_second_half_pct,
                 out.display()
             ))
+        }
+        Command::Restarts(args) => {
+            let out = args.out.clone();
+            let r = restarts::run(args).await?;
+            Ok(format!("restarts: {}; report in {}", r.summary(), out.display()))
         }
         Command::Overhead(mut args) => {
             if args.quick {
