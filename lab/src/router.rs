@@ -35,6 +35,7 @@ pub struct LabRouter {
     pending: Vec<u64>,
     reported: Vec<EngineLoad>,
     mean_prompt_tokens: f64,
+    mean_uncached_tokens: f64,
     block_size: usize,
     speculative_ttl_ms: u64,
     /// Decisions by reason, for the report.
@@ -52,6 +53,7 @@ impl LabRouter {
             reported: vec![EngineLoad::default(); workers],
             // `AppState`'s starting estimate.
             mean_prompt_tokens: 512.0,
+            mean_uncached_tokens: 512.0,
             block_size,
             speculative_ttl_ms,
             reasons: Default::default(),
@@ -99,6 +101,7 @@ impl LabRouter {
             head_hash,
             candidates: &candidates,
             mean_prompt_tokens: self.mean_prompt_tokens,
+            mean_uncached_tokens: self.mean_uncached_tokens,
             prefix_hint: None,
             dry_run: false,
         };
@@ -113,6 +116,7 @@ impl LabRouter {
         self.inflight[worker] += 1;
         self.pending[worker] += uncached;
         self.mean_prompt_tokens = self.mean_prompt_tokens * 0.95 + prompt_tokens as f64 * 0.05;
+        self.mean_uncached_tokens = self.mean_uncached_tokens * 0.95 + uncached as f64 * 0.05;
         Routed { worker, reason: decision.reason, uncached, matched_blocks: candidates[worker].matched_blocks }
     }
 

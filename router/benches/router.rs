@@ -155,6 +155,7 @@ fn report(_: &mut Criterion) {
                 head_hash: i,
                 candidates: &candidates,
                 mean_prompt_tokens: 1000.0,
+                mean_uncached_tokens: 1000.0,
                 prefix_hint: None,
                 dry_run: false,
             };

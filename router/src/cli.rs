@@ -55,7 +55,7 @@ pub struct ServeArgs {
     /// Tokens per KV block; must equal the engines' --block-size [default: 16].
     #[arg(long)]
     pub block_size: Option<u32>,
-    /// Routing policy [default: cache_aware].
+    /// Routing policy [default: predicted_ttft].
     #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(crate::policy::POLICY_NAMES.iter().copied()))]
     pub policy: Option<String>,
     /// Bearer token sidecars must present on /internal/* (≥ 16 characters).

@@ -53,6 +53,7 @@ pub struct RawConfig {
     pub block_size: u32,
     pub policy: String,
     pub cache_aware: CacheAwareParams,
+    pub predicted_ttft: PredictedTtftParams,
     pub prefix_threshold: PrefixThresholdParams,
     pub consistent_hash_load_factor: f64,
     /// Tokens that identify a request for `consistent_hash` and `sticky_least_loaded`.
@@ -137,8 +138,9 @@ impl Default for RawConfig {
             tokenizer: None,
             tokenizers: BTreeMap::new(),
             block_size: 16,
-            policy: "cache_aware".into(),
+            policy: "predicted_ttft".into(),
             cache_aware: CacheAwareParams::default(),
+            predicted_ttft: PredictedTtftParams::default(),
             prefix_threshold: PrefixThresholdParams::default(),
             consistent_hash_load_factor: 1.25,
             head_tokens: 64,
@@ -266,7 +268,7 @@ impl RawConfig {
             "consistent_hash" => PolicyConfig::ConsistentHash { load_factor: self.consistent_hash_load_factor },
             "sticky_least_loaded" => PolicyConfig::StickyLeastLoaded { prefix_tokens: self.head_tokens },
             "prefix_threshold" => PolicyConfig::PrefixThreshold(self.prefix_threshold),
-            "predicted_ttft" => PolicyConfig::PredictedTtft(PredictedTtftParams::default()),
+            "predicted_ttft" => PolicyConfig::PredictedTtft(self.predicted_ttft),
             "dynamo_kv" => PolicyConfig::DynamoKv(DynamoParams::default()),
             "llmd_weighted" => PolicyConfig::LlmdWeighted(LlmdParams::default()),
             "preble" => PolicyConfig::Preble(PrebleParams::default()),
@@ -277,6 +279,18 @@ impl RawConfig {
         }
         if self.cache_aware.placement_factor < 1.0 || self.cache_aware.load_weight < 0.0 {
             return Err(invalid("cache_aware", "placement_factor must be ≥ 1 and load_weight ≥ 0"));
+        }
+        let t = &self.predicted_ttft;
+        if !(t.prefill_us_per_token > 0.0 && t.step_overhead_us >= 0.0 && t.decode_us_per_seq >= 0.0)
+            || t.max_batched_tokens == 0
+            || !(t.near_best >= 0.0 && t.spill_factor >= 1.0 && t.miss_weight >= 0.0 && t.stick_factor >= 1.0)
+            || !(0.0..=1.0).contains(&t.stick_ratio)
+        {
+            return Err(invalid(
+                "predicted_ttft",
+                "costs must be ≥ 0 (prefill_us_per_token > 0), max_batched_tokens ≥ 1, \
+                 spill_factor and stick_factor ≥ 1, stick_ratio within 0..=1",
+            ));
         }
         if self.max_connections == 0 {
             return Err(invalid("max_connections", "must be at least 1"));
@@ -300,6 +314,22 @@ impl RawConfig {
             Some(path) => load_worker_tokens(path)?,
             None => BTreeMap::new(),
         };
+        // Static workers and the ids in the tokens file must all fit in the
+        // index's slots at once: then a registration flood can never lock one
+        // of them out (fakes without a token are refused, and a static
+        // worker's slot is never reclaimed).
+        let reserved: std::collections::BTreeSet<&str> =
+            workers.iter().map(|w| w.id.as_str()).chain(worker_tokens.keys().map(|id| id.as_str())).collect();
+        if reserved.len() > crate::index::MAX_WORKERS {
+            return Err(invalid(
+                "workers",
+                format!(
+                    "{} distinct static and per-token worker ids, but the router has {} worker slots",
+                    reserved.len(),
+                    crate::index::MAX_WORKERS
+                ),
+            ));
+        }
         if self.tls_cert.is_some() != self.tls_key.is_some() {
             return Err(invalid("tls_cert", "tls_cert and tls_key go together"));
         }
@@ -360,7 +390,7 @@ mod tests {
     fn defaults_validate() {
         let c = RawConfig::default().validate().unwrap();
         assert_eq!(c.block_size, BlockSize::DEFAULT);
-        assert!(matches!(c.policy, PolicyConfig::CacheAware(_)));
+        assert!(matches!(c.policy, PolicyConfig::PredictedTtft(_)));
     }
 
     #[test]
@@ -377,8 +407,21 @@ mod tests {
         assert!(e.to_string().contains("`policy`"), "{e}");
         let e = RawConfig { workers: vec!["w1".into()], ..Default::default() }.validate().unwrap_err();
         assert!(e.to_string().contains("`workers`"), "{e}");
+        let bad = PredictedTtftParams { stick_ratio: 2.0, ..Default::default() };
+        let e = RawConfig { predicted_ttft: bad, ..Default::default() }.validate().unwrap_err();
+        assert!(e.to_string().contains("`predicted_ttft`"), "{e}");
         let e = RawConfig { block_size: 0, ..Default::default() }.validate().unwrap_err();
         assert!(e.to_string().contains("`block_size`"), "{e}");
+    }
+
+    #[test]
+    fn more_reserved_worker_ids_than_slots_are_refused() {
+        let many = |n: usize| (0..n).map(|i| format!("w{i}=http://127.0.0.1:{}", 9000 + i)).collect::<Vec<_>>();
+        let fits = RawConfig { workers: many(crate::index::MAX_WORKERS), ..Default::default() };
+        assert!(fits.validate().is_ok());
+        let e =
+            RawConfig { workers: many(crate::index::MAX_WORKERS + 1), ..Default::default() }.validate().unwrap_err();
+        assert!(e.to_string().contains("worker slots"), "{e}");
     }
 
     #[test]

@@ -78,6 +78,9 @@ pub struct RouteView<'a> {
     pub candidates: &'a [Candidate],
     /// Mean prompt tokens of recent requests, to turn request counts into tokens.
     pub mean_prompt_tokens: f64,
+    /// Mean tokens recent requests left to prefill where they were sent (their
+    /// uncached part): what a queued request of another router costs there.
+    pub mean_uncached_tokens: f64,
     /// The request's `prefix_len` (the paper's hint), in tokens.
     pub prefix_hint: Option<usize>,
     /// An explanation (`/debug/route`), not a decision: a policy must not
@@ -263,6 +266,7 @@ pub(crate) mod testkit {
             head_hash: keys.first().map_or(7, |k| k.0),
             candidates,
             mean_prompt_tokens: 1000.0,
+            mean_uncached_tokens: 1000.0,
             prefix_hint: None,
             dry_run: false,
         }

@@ -158,6 +158,7 @@ fn plan_against(
             head_hash,
             candidates: &candidates,
             mean_prompt_tokens: state.mean_prompt_tokens(),
+            mean_uncached_tokens: state.mean_uncached_tokens(),
             prefix_hint,
             dry_run: !live,
         };
@@ -193,7 +194,10 @@ fn plan_against(
         let matched = (candidates[i].matched_blocks * block_size) as f64;
         m.matched_ratio.observe(matched / tokens.len() as f64);
     }
-    state.observe_prompt_tokens(tokens.len());
+    let uncached = decision.chosen().map_or(tokens.len() as u64, |i| {
+        (tokens.len().saturating_sub(candidates[i].matched_blocks * block_size)) as u64
+    });
+    state.observe_prompt_tokens(tokens.len(), uncached);
     m.routing_seconds.observe(started.elapsed().as_secs_f64());
     Ok(Plan { model, tokens, keys, block_size, workers, candidates, decision, exact_tokenizer })
 }

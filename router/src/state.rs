@@ -213,6 +213,8 @@ pub struct AppState {
     pub tokenize_slots: Arc<Semaphore>,
     /// Mean prompt tokens (EWMA, f64 bits), turning request counts into tokens.
     mean_prompt_tokens: AtomicU64,
+    /// Mean uncached tokens of recent requests where they were sent (EWMA).
+    mean_uncached_tokens: AtomicU64,
     pub started: Instant,
     pub shutdown: CancellationToken,
 }
@@ -234,6 +236,7 @@ impl AppState {
             concurrency,
             tokenize_slots: Arc::new(Semaphore::new(std::thread::available_parallelism().map_or(2, |n| n.get()))),
             mean_prompt_tokens: AtomicU64::new(512f64.to_bits()),
+            mean_uncached_tokens: AtomicU64::new(512f64.to_bits()),
             started: Instant::now(),
             shutdown,
             config,
@@ -244,12 +247,20 @@ impl AppState {
         f64::from_bits(self.mean_prompt_tokens.load(Ordering::Relaxed))
     }
 
-    /// Folds one request's prompt size into the moving mean (racy updates
-    /// lose a sample at worst; it is an estimate).
-    pub fn observe_prompt_tokens(&self, tokens: usize) {
-        let old = self.mean_prompt_tokens();
-        let new = old * 0.95 + tokens as f64 * 0.05;
-        self.mean_prompt_tokens.store(new.to_bits(), Ordering::Relaxed);
+    pub fn mean_uncached_tokens(&self) -> f64 {
+        f64::from_bits(self.mean_uncached_tokens.load(Ordering::Relaxed))
+    }
+
+    /// Folds one request's prompt size, and the part of it left uncached
+    /// where it was sent, into the moving means (racy updates lose a sample
+    /// at worst; they are estimates).
+    pub fn observe_prompt_tokens(&self, tokens: usize, uncached: u64) {
+        let fold = |mean: &AtomicU64, x: f64| {
+            let old = f64::from_bits(mean.load(Ordering::Relaxed));
+            mean.store((old * 0.95 + x * 0.05).to_bits(), Ordering::Relaxed);
+        };
+        fold(&self.mean_prompt_tokens, tokens as f64);
+        fold(&self.mean_uncached_tokens, uncached as f64);
     }
 }
 

@@ -683,7 +683,7 @@ async fn metrics_are_exported() {
     let text = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
     for name in [
         "kvroute_requests_total{worker=\"w1\",outcome=\"ok\"} 1",
-        "kvroute_decisions_total{policy=\"cache_aware\",reason=\"cold_placement\"} 1",
+        "kvroute_decisions_total{policy=\"predicted_ttft\",reason=\"cold_placement\"} 1",
         "kvroute_matched_prefix_ratio_bucket",
         "kvroute_index_entries",
         "kvroute_routing_duration_seconds_count 1",

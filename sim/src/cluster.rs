@@ -66,7 +66,7 @@ impl Default for ClusterSpec {
             routers: 1,
             sidecars: true,
             port: 0,
-            policy: "cache_aware".into(),
+            policy: "predicted_ttft".into(),
             model: "sim-model".into(),
             block_size: 16,
             num_blocks: 2048,
@@ -487,7 +487,7 @@ pub struct ClusterArgs {
     /// Router replicas fed by the same sidecars.
     #[arg(long, default_value_t = 1)]
     pub routers: usize,
-    #[arg(long, default_value = "cache_aware")]
+    #[arg(long, default_value = "predicted_ttft")]
     pub policy: String,
     /// Served model name.
     #[arg(long, default_value = "sim-model")]

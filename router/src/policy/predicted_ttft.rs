@@ -1,5 +1,6 @@
-//! `predicted_ttft`: choose the worker with the lowest *predicted* time to
-//! first token, load counted in tokens, not requests (issue 12).
+//! `predicted_ttft`, the router's default: choose the worker with the lowest
+//! *predicted* time to first token, load counted in tokens, not requests
+//! (issue 12).
 //!
 //! For each candidate the router predicts
 //!
@@ -7,19 +8,35 @@
 //!
 //! - `queued(w)`: prefill already queued ahead there: this router's own
 //!   not-yet-prefilled tokens, plus the engine-reported waiting requests that
-//!   are not this router's (other replicas' traffic) at the mean prompt size;
+//!   are not this router's (other replicas' traffic) at the mean *uncached*
+//!   size of recent requests (at the mean prompt size a RAG cluster's queues,
+//!   mostly cache hits, looked ten times longer than they were);
 //! - `uncached(w)`: this request's tokens the worker does not hold, turned
 //!   into time with the worker's prefill rate (`prefill_us_per_token`);
 //! - decode pressure: every step until the request's prefill is done also
 //!   carries the worker's running sequences (`decoders`), and a full KV cache
 //!   stalls admission (`kv_usage` above `kv_knee` inflates the estimate).
 //!
-//! Guardrails: a spill gate drops candidates carrying far more requests than
-//! the mean (stale reports and other replicas' bursts can make a holder look
-//! idle), and candidates predicted within `near_best` of the best are treated
-//! as equal and broken by rendezvous hashing of the block where the prompt
-//! leaves the cache, so independent replicas agree and a new conversation's
-//! later turns follow its first one.
+//! A greedy TTFT minimum alone moves conversations off their holder whenever
+//! its queue is a little longer, and the cluster then recomputes what it had
+//! cached: in the lab (BENCHMARKS.md) it lost up to 15 points of hit rate and
+//! was several times slower than Preble's rule on chat and agent loops. So:
+//!
+//! - stickiness (Preble's exploit rule, on queued tokens): a worker holding
+//!   more than `stick_ratio` of the prompt keeps it unless the prefill queued
+//!   there exceeds `stick_factor` × the shortest queue + `stick_slack_tokens`;
+//! - otherwise, a token another worker holds costs `1 + miss_weight` where it
+//!   would be recomputed: recomputing delays whoever queues behind it and
+//!   spends cache on a second copy;
+//! - a spill gate drops candidates carrying far more requests than the mean
+//!   (stale reports and other replicas' bursts can make a holder look idle);
+//! - candidates within `near_best` (+ `near_best_us`) of the best are equal,
+//!   broken by rendezvous hashing of the block where the prompt leaves the
+//!   cache, so independent replicas agree and a new conversation's later
+//!   turns follow its first one.
+//!
+//! Every default was chosen in the virtual-time lab over 7 workloads × 3
+//! loads × 4 and 16 workers × 1 and 3 routers (`kvroute-lab matrix`).
 
 use serde::Deserialize;
 
@@ -37,14 +54,28 @@ pub struct PredictedTtftParams {
     pub decode_us_per_seq: f64,
     /// vLLM's `max_num_batched_tokens`: prefill per step.
     pub max_batched_tokens: u64,
-    /// Candidates within this fraction (plus one step) of the best are equal.
+    /// Candidates within this fraction of the best, plus `near_best_us`, are
+    /// equal (broken by rendezvous hashing, so that router replicas agree).
     pub near_best: f64,
+    pub near_best_us: f64,
     /// A candidate with more than `spill_factor` × mean + `spill_slack`
     /// requests is not eligible (unless none is).
     pub spill_factor: f64,
     pub spill_slack: f64,
     /// KV usage above which admission is expected to stall.
     pub kv_knee: f64,
+    /// Weight of the work a placement adds beyond the best holder's: each
+    /// token this worker would recompute that another worker holds costs
+    /// `1 + miss_weight` tokens, because it delays every request queued
+    /// behind it there and spends cache on a second copy.
+    pub miss_weight: f64,
+    /// Stickiness (Preble's exploit rule, on predicted waits): when the
+    /// deepest holder holds more than `stick_ratio` of the prompt, it is
+    /// chosen unless the work queued ahead there exceeds `stick_factor` × the
+    /// shortest queue + `stick_slack_tokens`. 0 turns it off.
+    pub stick_ratio: f64,
+    pub stick_factor: f64,
+    pub stick_slack_tokens: f64,
 }
 
 impl Default for PredictedTtftParams {
@@ -55,9 +86,14 @@ impl Default for PredictedTtftParams {
             decode_us_per_seq: 40.0,
             max_batched_tokens: 8_192,
             near_best: 0.10,
+            near_best_us: 1_000.0,
             spill_factor: 2.0,
             spill_slack: 8.0,
             kv_knee: 0.9,
+            miss_weight: 0.25,
+            stick_ratio: 0.5,
+            stick_factor: 2.0,
+            stick_slack_tokens: 4_096.0,
         }
     }
 }
@@ -68,13 +104,18 @@ pub struct PredictedTtft {
 }
 
 impl PredictedTtft {
+    /// Prefill tokens queued ahead on candidate `i`.
+    fn queued(&self, view: &RouteView<'_>, i: usize) -> f64 {
+        let c = &view.candidates[i];
+        let foreign_waiting = c.load.waiting.saturating_sub(c.load.inflight);
+        c.load.pending_prefill_tokens as f64 + f64::from(foreign_waiting) * view.mean_uncached_tokens
+    }
+
     /// Predicted TTFT of the request on candidate `i`, in µs.
     pub fn predict(&self, view: &RouteView<'_>, i: usize) -> f64 {
         let p = &self.params;
         let c = &view.candidates[i];
-        let foreign_waiting = c.load.waiting.saturating_sub(c.load.inflight);
-        let queued = c.load.pending_prefill_tokens as f64 + f64::from(foreign_waiting) * view.mean_prompt_tokens;
-        let tokens = queued + view.uncached_tokens(c) as f64;
+        let tokens = self.queued(view, i) + view.uncached_tokens(c) as f64;
         let steps = (tokens / p.max_batched_tokens.max(1) as f64).ceil().max(1.0);
         let decoders = f64::from(c.load.running.max(c.load.inflight));
         let t = tokens * p.prefill_us_per_token + steps * (p.step_overhead_us + decoders * p.decode_us_per_seq);
@@ -91,6 +132,13 @@ impl Policy for PredictedTtft {
         let p = &self.params;
         let n = view.candidates.len();
         let predicted: Vec<f64> = (0..n).map(|i| self.predict(view, i)).collect();
+        let least_uncached = view.candidates.iter().map(|c| view.uncached_tokens(c)).min().unwrap_or(0);
+        let score: Vec<f64> = (0..n)
+            .map(|i| {
+                let extra = view.uncached_tokens(&view.candidates[i]) - least_uncached;
+                predicted[i] + p.miss_weight * extra as f64 * p.prefill_us_per_token
+            })
+            .collect();
         let loads: Vec<u64> = view.candidates.iter().map(|c| c.load.requests()).collect();
         let mean = loads.iter().sum::<u64>() as f64 / n.max(1) as f64;
         let limit = p.spill_factor * mean + p.spill_slack;
@@ -99,8 +147,25 @@ impl Policy for PredictedTtft {
         if eligible.is_empty() {
             eligible = (0..n).collect();
         }
-        let best = eligible.iter().map(|&i| predicted[i]).fold(f64::INFINITY, f64::min);
-        let bound = best * (1.0 + p.near_best) + p.step_overhead_us;
+        if p.stick_ratio > 0.0 {
+            let holder = eligible.iter().copied().max_by(|&a, &b| {
+                let (ca, cb) = (&view.candidates[a], &view.candidates[b]);
+                ca.matched_blocks.cmp(&cb.matched_blocks).then(predicted[b].total_cmp(&predicted[a]))
+            });
+            if let Some(h) = holder {
+                let held = (view.candidates[h].matched_blocks * view.block_size) as f64;
+                let shortest = eligible.iter().map(|&i| self.queued(view, i)).fold(f64::INFINITY, f64::min);
+                if held > p.stick_ratio * view.prompt_tokens as f64
+                    && self.queued(view, h) <= p.stick_factor * shortest + p.stick_slack_tokens
+                {
+                    let mut d = Decision::with_fallbacks(view, h, Reason::BestCost);
+                    d.costs = predicted.iter().map(|t| Some(t / 1e3)).collect();
+                    return d;
+                }
+            }
+        }
+        let best = eligible.iter().map(|&i| score[i]).fold(f64::INFINITY, f64::min);
+        let bound = best * (1.0 + p.near_best) + p.near_best_us;
         let deepest = view.candidates.iter().map(|c| c.matched_blocks).max().unwrap_or(0);
         // Where the prompt leaves the cache (the head hash for a prompt
         // shorter than a block): equal on every replica.
@@ -108,7 +173,7 @@ impl Policy for PredictedTtft {
         let chosen = eligible
             .iter()
             .copied()
-            .filter(|&i| predicted[i] <= bound)
+            .filter(|&i| score[i] <= bound)
             .max_by_key(|&i| rendezvous(anchor, view.candidates[i].id_hash))
             .unwrap_or(0);
         let reason = if view.keys.is_empty() {
@@ -180,6 +245,60 @@ mod tests {
             chosen.insert(a.chosen());
         }
         assert_eq!(chosen.len(), 4);
+    }
+
+    #[test]
+    fn a_holder_keeps_its_conversation_through_a_moderate_queue() {
+        let k = keys(100);
+        // 1,605 tokens, 1,440 held; 3,000 tokens queued ahead on the holder.
+        let mut holder = cand(0, 90, 3);
+        holder.load.pending_prefill_tokens = 3_000;
+        let c = [holder, cand(1, 0, 0)];
+        let d = PredictedTtft::default().choose(&view(&k, &c));
+        assert_eq!((d.chosen(), d.reason), (Some(0), Reason::BestCost));
+        // A greedy TTFT minimum (no stickiness, misses at face value) moves it.
+        let greedy = PredictedTtftParams { stick_ratio: 0.0, miss_weight: 0.0, ..Default::default() };
+        assert_eq!(PredictedTtft { params: greedy }.choose(&view(&k, &c)).chosen(), Some(1));
+    }
+
+    #[test]
+    fn stickiness_ends_past_twice_the_shortest_queue_plus_the_slack() {
+        let k = keys(100);
+        let mut holder = cand(0, 90, 3);
+        holder.load.pending_prefill_tokens = 20_000;
+        let mut other = cand(1, 0, 1);
+        other.load.pending_prefill_tokens = 1_000;
+        // 20,000 > 2 × 1,000 + 4,096: the request goes where it starts sooner.
+        assert_eq!(PredictedTtft::default().choose(&view(&k, &[holder, other])).chosen(), Some(1));
+    }
+
+    #[test]
+    fn a_recomputed_token_costs_more_than_a_queued_one() {
+        let k = keys(100);
+        // Without stickiness or a tie band: the holder's queue (1,700) is a
+        // little longer than the whole prompt's recompute elsewhere (1,605,
+        // of which 1,440 are held by the holder).
+        let mut holder = cand(0, 90, 1);
+        holder.load.pending_prefill_tokens = 1_700;
+        let c = [holder, cand(1, 0, 0)];
+        let base = PredictedTtftParams { stick_ratio: 0.0, near_best: 0.0, near_best_us: 0.0, ..Default::default() };
+        let at_face_value = PredictedTtftParams { miss_weight: 0.0, ..base };
+        assert_eq!(PredictedTtft { params: at_face_value }.choose(&view(&k, &c)).chosen(), Some(1));
+        let weighted = base;
+        assert_eq!(PredictedTtft { params: weighted }.choose(&view(&k, &c)).chosen(), Some(0));
+    }
+
+    #[test]
+    fn foreign_queues_count_at_the_mean_uncached_size() {
+        let k = keys(10);
+        let mut busy = cand(0, 0, 0);
+        busy.load.waiting = 10;
+        let mut v = view(&k, std::slice::from_ref(&busy));
+        v.mean_prompt_tokens = 8_000.0;
+        v.mean_uncached_tokens = 200.0;
+        let p = PredictedTtft::default();
+        let expected = (10.0 * 200.0 + 165.0) * 70.0 + 5_000.0;
+        assert!((p.predict(&v, 0) - expected).abs() < 1e-6, "{}", p.predict(&v, 0));
     }
 
     #[test]
