@@ -65,7 +65,7 @@ pub async fn debug_route(State(state): State<Arc<AppState>>, body: Body) -> Resu
     // size, tokenizing off the runtime.
     let (body, _permit) = admit(&state, body).await?;
     let req = std::sync::Arc::new(parse(&state, endpoint_of(&body), &body)?);
-    let prepared = routing::prepare_off_runtime(&state, req).await?;
+    let prepared = routing::prepare_off_runtime(&state, req, body.len()).await?;
     let plan = routing::plan(&state, prepared, None, false)?;
     let name = |i: usize| plan.workers[i].id.to_string();
     let workers: Vec<Value> = plan

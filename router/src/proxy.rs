@@ -129,7 +129,7 @@ pub async fn proxy(
         None => session_of(state, headers)?,
     };
     let pinned = session.as_ref().and_then(|(id, _)| state.sessions.get(id, Instant::now()));
-    let prepared = routing::prepare_off_runtime(state, req.clone()).await?;
+    let prepared = routing::prepare_off_runtime(state, req.clone(), body.len()).await?;
     let plan = routing::plan(state, prepared, pinned.as_ref(), true)?;
     let mut resp = dispatch(state, endpoint, headers, body, &plan, req.stream()).await?;
     if let Some((id, ttl)) = session {

@@ -101,13 +101,44 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
 /// megabyte prompt): on the async runtime they would stall health checks,
 /// sidecar pushes and every other request, and a long enough stall expires
 /// every worker. Waiting for a slot is asynchronous.
-pub async fn prepare_off_runtime(state: &Arc<AppState>, req: Arc<PromptRequest>) -> Result<Prepared, RouterError> {
+///
+/// `body_bytes` is the request body's size: after a prompt of
+/// [`RELEASE_MEMORY_AFTER_BYTES`] or more, the allocator is asked to hand its
+/// free memory back to the system.
+pub async fn prepare_off_runtime(
+    state: &Arc<AppState>,
+    req: Arc<PromptRequest>,
+    body_bytes: usize,
+) -> Result<Prepared, RouterError> {
     let _slot =
         state.tokenize_slots.acquire().await.map_err(|_| RouterError::Internal("tokenizer pool closed".into()))?;
     let st = state.clone();
-    tokio::task::spawn_blocking(move || prepare(&st, &req))
-        .await
-        .map_err(|e| RouterError::Internal(format!("tokenizer task failed: {e}")))?
+    tokio::task::spawn_blocking(move || {
+        let prepared = prepare(&st, &req);
+        if body_bytes >= RELEASE_MEMORY_AFTER_BYTES {
+            release_free_memory();
+        }
+        prepared
+    })
+    .await
+    .map_err(|e| RouterError::Internal(format!("tokenizer task failed: {e}")))?
+}
+
+/// Tokenizing a prompt of several MB allocates hundreds of MB of
+/// intermediates (a 6.4 MB prompt: RSS 25 → 468 MB), and glibc's malloc
+/// keeps freed memory for reuse: without a trim the router stayed at 505 MB
+/// after three such requests. Below this size a trim is not worth its cost.
+pub const RELEASE_MEMORY_AFTER_BYTES: usize = 1 << 20;
+
+/// Returns the allocator's free memory to the system (glibc `malloc_trim`).
+fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free memory of glibc's own arenas; it
+    // takes no pointers and is safe to call at any time from any thread.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// Plans a prepared request; `pinned` is the worker a live session points
