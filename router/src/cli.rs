@@ -41,11 +41,28 @@ pub struct ServeArgs {
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// Address to serve on [default: 127.0.0.1:8080].
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", conflicts_with_all = ["host", "port"])]
     pub listen: Option<String>,
+    /// vllm-router/SMG spelling of --listen: the host part [default: 127.0.0.1].
+    #[arg(long, value_name = "HOST")]
+    pub host: Option<String>,
+    /// vllm-router/SMG spelling of --listen: the port part [default: 8080].
+    #[arg(long, value_name = "PORT")]
+    pub port: Option<u16>,
     /// A static worker, ID=URL (repeatable). Sidecars register others.
     #[arg(long = "worker", value_name = "ID=URL")]
     pub workers: Vec<String>,
+    /// vllm-router/SMG spelling: static workers by URL alone (space-separated
+    /// or repeated); each worker's id is its URL's host:port.
+    #[arg(long = "worker-urls", value_name = "URL", num_args = 1..)]
+    pub worker_urls: Vec<String>,
+    /// Log level or filter, e.g. `debug` or `kvroute_router=debug` [env:
+    /// KVROUTE_LOG; default: info].
+    #[arg(long, value_name = "FILTER")]
+    pub log_level: Option<String>,
+    /// Log line format [env: KVROUTE_LOG_FORMAT; default: text].
+    #[arg(long, value_name = "FORMAT", value_parser = ["text", "json"])]
+    pub log_format: Option<String>,
     /// Tokenizer directory for every model without its own --model-tokenizer.
     #[arg(long, value_name = "DIR")]
     pub tokenizer: Option<PathBuf>,
@@ -134,6 +151,20 @@ pub enum CliError {
     Config(#[from] config::ConfigError),
     #[error("--model-tokenizer {0:?} is not MODEL=DIR")]
     ModelTokenizer(String),
+    #[error("--worker-urls {0:?} is not an http(s) URL with a host")]
+    WorkerUrl(String),
+}
+
+/// `--worker-urls URL`: the worker's id is the URL's `host:port`, stable
+/// across restarts and independent of the order URLs are given in.
+fn worker_from_url(url: &str) -> Result<String, CliError> {
+    let bad = || CliError::WorkerUrl(url.to_owned());
+    let rest = url.strip_prefix("http://").or_else(|| url.strip_prefix("https://")).ok_or_else(bad)?;
+    let authority = rest.split('/').next().unwrap_or_default();
+    if authority.is_empty() {
+        return Err(bad());
+    }
+    Ok(format!("{authority}={url}"))
 }
 
 impl ServeArgs {
@@ -160,8 +191,22 @@ impl ServeArgs {
             }
             Ok(())
         };
-        set("listen", self.listen.clone().map(Into::into))?;
-        set("workers", (!self.workers.is_empty()).then(|| self.workers.clone().into()))?;
+        let listen = match (&self.listen, &self.host, self.port) {
+            (Some(l), _, _) => Some(l.clone()),
+            (None, None, None) => None,
+            (None, host, port) => {
+                let host = host.as_deref().unwrap_or("127.0.0.1");
+                // An IPv6 host needs brackets in a socket address.
+                let host = if host.contains(':') && !host.starts_with('[') { format!("[{host}]") } else { host.into() };
+                Some(format!("{host}:{}", port.unwrap_or(8080)))
+            }
+        };
+        set("listen", listen.map(Into::into))?;
+        let mut workers = self.workers.clone();
+        for url in self.worker_urls.iter().flat_map(|s| s.split_whitespace()) {
+            workers.push(worker_from_url(url)?);
+        }
+        set("workers", (!workers.is_empty()).then(|| workers.into()))?;
         set("tokenizer", self.tokenizer.as_ref().map(|p| p.display().to_string().into()))?;
         set("block_size", self.block_size.map(|n| i64::from(n).into()))?;
         set("policy", self.policy.clone().map(Into::into))?;
@@ -187,6 +232,34 @@ impl ServeArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn peer_spellings_host_port_and_worker_urls() {
+        let cli = Cli::try_parse_from([
+            "kvroute-router",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "9000",
+            "--worker-urls",
+            "http://10.0.0.1:8000",
+            "http://vllm-b:8000/",
+            "--worker",
+            "c=http://10.0.0.3:8000",
+        ])
+        .unwrap();
+        let raw = cli.serve.load(Vec::new()).unwrap();
+        assert_eq!(raw.listen.to_string(), "0.0.0.0:9000");
+        assert_eq!(
+            raw.workers,
+            ["c=http://10.0.0.3:8000", "10.0.0.1:8000=http://10.0.0.1:8000", "vllm-b:8000=http://vllm-b:8000/"]
+        );
+        let v6 = Cli::try_parse_from(["kvroute-router", "--host", "::1"]).unwrap().serve.load(Vec::new()).unwrap();
+        assert_eq!(v6.listen.to_string(), "[::1]:8080");
+        assert!(Cli::try_parse_from(["kvroute-router", "--listen", "127.0.0.1:1", "--port", "2"]).is_err());
+        let bad = Cli::try_parse_from(["kvroute-router", "--worker-urls", "vllm:8000"]).unwrap();
+        assert!(matches!(bad.serve.load(Vec::new()), Err(CliError::WorkerUrl(_))));
+    }
 
     #[test]
     fn flags_beat_env_beat_file() {

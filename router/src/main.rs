@@ -16,11 +16,7 @@ async fn main() -> anyhow::Result<()> {
     if let Some(Command::Tokenize(args)) = &cli.command {
         return tokenize(args);
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("KVROUTE_LOG").unwrap_or_else(|_| "info".into()))
-        // Colour only on a terminal: redirected logs stay plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
-        .init();
+    kvroute_shared::logging::init(cli.serve.log_level.as_deref(), cli.serve.log_format.as_deref())?;
     let raw = cli.serve.load(std::env::vars()).context("loading configuration")?;
     let config = raw.validate()?;
     // Certificates are read before anything announces an https address.

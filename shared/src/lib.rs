@@ -13,6 +13,7 @@
 
 pub mod ids;
 pub mod keys;
+pub mod logging;
 pub mod openai;
 #[cfg(feature = "testdata")]
 pub mod testdata;

@@ -1,0 +1,41 @@
+//! `--log-format json`: every log line the router writes is one JSON object
+//! (what log shippers parse), and the peer spellings `--host`/`--port` bind.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+#[test]
+fn json_logs_are_one_object_per_line_and_host_port_bind() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
+        .args(["--host", "127.0.0.1", "--port", "0", "--log-format", "json"])
+        .env_remove("KVROUTE_LOG")
+        .env_remove("KVROUTE_LOG_FORMAT")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert!(line.starts_with("listening on http://127.0.0.1:"), "{line:?}");
+    // Without --tokenizer the router logs its start and a warning at once.
+    let mut levels = Vec::new();
+    for _ in 0..2 {
+        line.clear();
+        out.read_line(&mut line).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+        levels.push(v["level"].as_str().unwrap_or_default().to_owned());
+        assert!(v["fields"]["message"].is_string(), "{v}");
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_eq!(levels, ["INFO", "WARN"]);
+}
+
+#[test]
+fn an_unknown_log_format_is_one_readable_error() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvroute-router")).args(["--log-format", "xml"]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("possible values: text, json"), "{err}");
+}

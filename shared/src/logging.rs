@@ -1,0 +1,34 @@
+//! Logging set-up shared by both binaries: one environment variable for the
+//! level (`KVROUTE_LOG`), one for the format (`KVROUTE_LOG_FORMAT`), each
+//! overridden by its flag (`--log-level`, `--log-format`).
+
+use std::io::IsTerminal;
+
+use tracing_subscriber::EnvFilter;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoggingError {
+    #[error("log level {0:?}: {1}")]
+    Level(String, String),
+    #[error("log format {0:?} is not `text` or `json`")]
+    Format(String),
+}
+
+/// Installs the global subscriber, writing to stdout. `level` and `format`
+/// are the flags; absent, the environment decides, then `info` and `text`.
+/// Text is coloured only on a terminal, so redirected logs stay plain.
+pub fn init(level: Option<&str>, format: Option<&str>) -> Result<(), LoggingError> {
+    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    // The sidecar once read RUST_LOG: still honoured when KVROUTE_LOG is unset.
+    let level = level.map(str::to_owned).or_else(|| env("KVROUTE_LOG")).or_else(|| env("RUST_LOG"));
+    let level = level.unwrap_or_else(|| "info".into());
+    let filter = EnvFilter::try_new(&level).map_err(|e| LoggingError::Level(level.clone(), e.to_string()))?;
+    let format = format.map(str::to_owned).or_else(|| env("KVROUTE_LOG_FORMAT")).unwrap_or_else(|| "text".into());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match format.as_str() {
+        "text" => builder.with_ansi(std::io::stdout().is_terminal()).init(),
+        "json" => builder.json().with_current_span(false).init(),
+        _ => return Err(LoggingError::Format(format)),
+    }
+    Ok(())
+}
