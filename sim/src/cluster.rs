@@ -532,8 +532,22 @@ pub async fn run_cluster(args: ClusterArgs) -> Result<(), ClusterError> {
         cluster.routers.len(),
         args.policy
     );
+    // Every process, with where its Prometheus metrics are.
     for (i, r) in cluster.routers.iter().enumerate() {
-        println!("router {} on {}", i + 1, r.url);
+        println!("router {:<3} {:<24} metrics {}/metrics", i + 1, r.url, r.url);
+    }
+    for (i, e) in cluster.engines.iter().enumerate() {
+        println!(
+            "engine {:<3} {:<24} metrics {}/metrics  KV events {}  replay {}",
+            worker_id(i),
+            e.url,
+            e.url,
+            e.events,
+            e.replay
+        );
+    }
+    for (i, s) in cluster.sidecars.iter().enumerate() {
+        println!("sidecar {:<2} {:<24} metrics {}/metrics", worker_id(i), s.url, s.url);
     }
     println!("try:");
     println!(

@@ -16,6 +16,10 @@ def _bin_dir() -> pathlib.Path:
     return target / "debug"
 
 
+# The local cluster's banner: one line per process with its URL and metrics.
+BANNER: "list[str]" = []
+
+
 @pytest.fixture(scope="session")
 def router_url():
     sim = _bin_dir() / "kvroute-sim"
@@ -35,8 +39,10 @@ def router_url():
         while url is None:
             line = lines.get(timeout=120)
             seen.append(line)
-            if line.startswith("router 1 on "):
-                url = line.split(" on ", 1)[1].strip()
+            if line.startswith(("router ", "engine ", "sidecar ")):
+                BANNER.append(line)
+            if line.startswith("Ctrl-C stops everything"):
+                url = next(l.split()[2] for l in BANNER if l.startswith("router 1 "))
             if proc.poll() is not None:
                 raise RuntimeError("cluster exited:\n" + "".join(seen))
         yield url
