@@ -16,7 +16,11 @@ async fn main() -> anyhow::Result<()> {
     if let Some(Command::Tokenize(args)) = &cli.command {
         return tokenize(args);
     }
-    kvroute_shared::logging::init(cli.serve.log_level.as_deref(), cli.serve.log_format.as_deref())?;
+    kvroute_shared::logging::init(
+        cli.serve.log_level.as_deref(),
+        cli.serve.log_format.as_deref(),
+        kvroute_shared::logging::Output::Stdout,
+    )?;
     let raw = cli.serve.load(std::env::vars()).context("loading configuration")?;
     let config = raw.validate()?;
     // Certificates are read before anything announces an https address.

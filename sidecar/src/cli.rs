@@ -21,6 +21,16 @@ pub struct Cli {
     /// vLLM's HTTP base URL [default: http://127.0.0.1:8000].
     #[arg(long)]
     pub engine_url: Option<String>,
+    /// vLLM's --api-key, sent as a bearer token to the engine (it guards
+    /// /v1/* with it) [env: KVROUTE_SIDECAR_ENGINE_API_KEY].
+    #[arg(long, value_name = "KEY")]
+    pub engine_api_key: Option<String>,
+    /// Log level or filter [env: KVROUTE_LOG; default: info].
+    #[arg(long, value_name = "FILTER")]
+    pub log_level: Option<String>,
+    /// Log line format [env: KVROUTE_LOG_FORMAT; default: text].
+    #[arg(long, value_name = "FORMAT", value_parser = ["text", "json"])]
+    pub log_format: Option<String>,
     /// URL routers should send requests to [default: the engine URL].
     #[arg(long)]
     pub advertise_url: Option<String>,
@@ -72,6 +82,7 @@ impl Cli {
         RawConfig {
             worker_id: self.worker_id,
             engine_url: self.engine_url,
+            engine_api_key: self.engine_api_key,
             advertise_url: self.advertise_url,
             model: self.model,
             events: self.events,

@@ -17,6 +17,8 @@ use serde::Deserialize;
 pub struct RawConfig {
     pub worker_id: Option<String>,
     pub engine_url: Option<String>,
+    /// vLLM's `--api-key`, sent as a bearer token on the sidecar's calls to it.
+    pub engine_api_key: Option<String>,
     pub advertise_url: Option<String>,
     pub model: Option<String>,
     pub events: Option<String>,
@@ -45,6 +47,7 @@ impl RawConfig {
         RawConfig {
             worker_id: self.worker_id.or(lower.worker_id),
             engine_url: self.engine_url.or(lower.engine_url),
+            engine_api_key: self.engine_api_key.or(lower.engine_api_key),
             advertise_url: self.advertise_url.or(lower.advertise_url),
             model: self.model.or(lower.model),
             events: self.events.or(lower.events),
@@ -100,9 +103,13 @@ impl RawConfig {
             Some(m) if m.is_empty() => return Err(ConfigError::new("model", "must not be empty")),
             m => m.map(ModelName::new),
         };
+        if self.engine_api_key.as_deref().is_some_and(|k| k.is_empty() || k.chars().any(char::is_whitespace)) {
+            return Err(ConfigError::new("engine_api_key", "must be non-empty, without whitespace"));
+        }
         Ok(Config {
             worker_id: WorkerId::new(worker_id),
             engine_url,
+            engine_api_key: self.engine_api_key.map(Secret),
             advertise_url,
             model,
             events,
@@ -192,6 +199,8 @@ pub struct Config {
     pub worker_id: WorkerId,
     /// vLLM's HTTP base URL (`/v1/models`, `/metrics`).
     pub engine_url: String,
+    /// vLLM's `--api-key`, if it has one.
+    pub engine_api_key: Option<Secret>,
     /// Where routers should send this worker's requests.
     pub advertise_url: String,
     /// Base model; `None` = the first model the engine lists.

@@ -12,6 +12,7 @@ use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::config::Secret;
 use crate::load::{parse_block_size, parse_load, parse_prompt_tokens};
 use crate::metrics::Metrics;
 use crate::silence::{SILENT_AFTER, SilenceWatch, Transition};
@@ -47,23 +48,23 @@ struct ModelEntry {
 pub struct EngineClient {
     http: reqwest::Client,
     base: String,
+    api_key: Option<Secret>,
 }
 
 impl EngineClient {
-    pub fn new(http: reqwest::Client, base: String) -> Self {
-        EngineClient { http, base }
+    /// `api_key`: the engine's `--api-key`, sent as a bearer token.
+    pub fn new(http: reqwest::Client, base: String, api_key: Option<Secret>) -> Self {
+        EngineClient { http, base, api_key }
     }
 
     async fn get(&self, path: &str) -> Result<reqwest::Response, EngineError> {
         let url = format!("{}{path}", self.base);
         let wrap = |source| EngineError::Http { url: url.clone(), source };
-        self.http
-            .get(&url)
-            .timeout(Duration::from_secs(2))
-            .send()
-            .await
-            .and_then(|r| r.error_for_status())
-            .map_err(wrap)
+        let mut req = self.http.get(&url).timeout(Duration::from_secs(2));
+        if let Some(key) = &self.api_key {
+            req = req.bearer_auth(&key.0);
+        }
+        req.send().await.and_then(|r| r.error_for_status()).map_err(wrap)
     }
 
     /// The served model names, base model first (as vLLM lists them).
@@ -164,5 +165,40 @@ pub async fn watch(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::Router;
+    use axum::http::{HeaderMap, StatusCode};
+    use axum::routing::get;
+
+    use super::*;
+
+    /// An engine started with `--api-key`: /v1/models answers 401 without it.
+    async fn guarded_engine(key: &'static str) -> String {
+        let models = move |h: HeaderMap| async move {
+            let auth = h.get("authorization").and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
+            if auth == format!("Bearer {key}") {
+                Ok(axum::Json(serde_json::json!({"data": [{"id": "m"}]})))
+            } else {
+                Err(StatusCode::UNAUTHORIZED)
+            }
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, Router::new().route("/v1/models", get(models))).await });
+        url
+    }
+
+    #[tokio::test]
+    async fn the_engines_api_key_is_sent_as_a_bearer_token() {
+        let url = guarded_engine("engine-secret").await;
+        let http = reqwest::Client::new();
+        let with = EngineClient::new(http.clone(), url.clone(), Some(Secret("engine-secret".into())));
+        assert_eq!(with.models().await.unwrap(), [ModelName::new("m")]);
+        let without = EngineClient::new(http, url, None);
+        assert!(matches!(without.models().await, Err(EngineError::Http { .. })));
     }
 }

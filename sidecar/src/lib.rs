@@ -93,7 +93,7 @@ pub async fn run(
     });
 
     let http = http_client(&config)?;
-    let engine = EngineClient::new(http.clone(), config.engine_url.clone());
+    let engine = EngineClient::new(http.clone(), config.engine_url.clone(), config.engine_api_key.clone());
     tokio::pin!(shutdown);
     let running = tokio::select! {
         () = &mut shutdown => {

@@ -8,17 +8,13 @@ use kvroute_sidecar::cli::Cli;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        // KVROUTE_LOG, as for the router (RUST_LOG is still read when it is unset).
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("KVROUTE_LOG")
-                .or_else(|_| tracing_subscriber::EnvFilter::try_from_default_env())
-                .unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     let mut cli = Cli::parse();
+    // Logs go to stderr: tools read the "listening on" line from stdout.
+    kvroute_shared::logging::init(
+        cli.log_level.as_deref(),
+        cli.log_format.as_deref(),
+        kvroute_shared::logging::Output::Stderr,
+    )?;
     let mut layers = config::Config::builder();
     if let Some(path) = cli.config.take() {
         layers = layers.add_source(config::File::from(path));
