@@ -154,6 +154,9 @@ pub async fn workers(State(state): State<Arc<AppState>>) -> Json<Value> {
                 "source": w.source,
                 "healthy": w.live.is_healthy(),
                 "sidecar": w.live.has_sidecar.load(Ordering::Relaxed),
+                // Exact: a sidecar reports the engine's cache. Approximate:
+                // the router's own routing decisions stand in for it.
+                "index_mode": if w.live.has_sidecar.load(Ordering::Relaxed) { "exact" } else { "approximate" },
                 "load": w.live.load(),
                 "index": map.index.counts(w.slot),
                 "last_sync_ms_ago": (last_sync > 0).then(|| now.saturating_sub(last_sync)),

@@ -72,7 +72,9 @@ pub struct RawConfig {
     #[serde(with = "humantime_serde")]
     pub health_check_timeout: Duration,
     pub eject_after_failures: u32,
-    /// A sidecar-registered worker not heard from for this long is removed.
+    /// A sidecar-registered worker not heard from for this long is removed,
+    /// unless its engine still answers health checks: it then stays routable
+    /// on the approximate index until its sidecar's next full sync.
     #[serde(with = "humantime_serde")]
     pub worker_expiry: Duration,
     /// Other workers to try when an attempt fails before any byte reached the client.
