@@ -17,43 +17,39 @@ fn gate(kind: WorkloadKind) {
 }
 
 #[test]
-#[ignore = "the default fails the gate: cache_aware p50 1898 ms vs 1013 (preble) +87 %, p99 10320 vs 4845 (preble) +113 % (kvroute-lab gate, 2026-11-22)"]
 fn trace() {
     gate(WorkloadKind::Trace);
 }
 
 #[test]
-#[ignore = "the default fails the gate: cache_aware p50 257 ms vs 61 (predicted_ttft) +322 %, p99 1500 vs 224 (predicted_ttft) +569 % (kvroute-lab gate, 2026-11-22)"]
 fn chat() {
     gate(WorkloadKind::Chat);
 }
 
 #[test]
-#[ignore = "the default fails the gate: cache_aware p50 5753 ms vs 1131 (preble) +409 %, p99 14870 vs 2960 (preble) +402 % (kvroute-lab gate, 2026-11-22)"]
+#[ignore = "the default fails the gate: predicted_ttft p50 5720 ms vs 5190 (llmd_weighted) +10.2 %, p99 8758 vs 8548 (preble) +2.5 % (kvroute-lab gate, 2026-11-22)"]
 fn long_conv() {
     gate(WorkloadKind::LongConv);
 }
 
 #[test]
-#[ignore = "the default fails the gate: cache_aware p50 372 ms vs 17 (prefix_threshold) +2115 %, p99 1673 vs 980 (prefix_threshold) +71 % (kvroute-lab gate, 2026-11-22)"]
+#[ignore = "the default fails the gate: predicted_ttft p50 328 ms vs 23 (prefix_threshold) +1312 %, p99 1202 vs 1202 (predicted_ttft) +0.0 % (kvroute-lab gate, 2026-11-22)"]
 fn rag() {
     gate(WorkloadKind::Rag);
 }
 
 #[test]
-#[ignore = "the default fails the gate: cache_aware p50 720 ms vs 44 (predicted_ttft) +1530 %, p99 1612 vs 434 (predicted_ttft) +271 % (kvroute-lab gate, 2026-11-22)"]
+#[ignore = "the default fails the gate: predicted_ttft p50 230 ms vs 86 (preble) +169 %, p99 548 vs 517 (preble) +6.1 % (kvroute-lab gate, 2026-11-22)"]
 fn agent() {
     gate(WorkloadKind::Agent);
 }
 
 #[test]
-#[ignore = "the default fails the gate: cache_aware p50 157 ms vs 127 (preble) +24 %, p99 1103 vs 454 (preble) +143 % (kvroute-lab gate, 2026-11-22)"]
 fn eviction() {
     gate(WorkloadKind::Eviction);
 }
 
 #[test]
-#[ignore = "the default fails the gate: cache_aware p50 494 ms vs 453 (predicted_ttft) +9.1 %, p99 709 vs 708 (preble) +0.1 % (kvroute-lab gate, 2026-11-22)"]
 fn burst() {
     gate(WorkloadKind::Burst);
 }
