@@ -44,7 +44,7 @@ pub struct CompareArgs {
     /// Replay a Mooncake-format JSONL trace instead.
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
-    /// Comma-separated policies (default: all; quick and vLLM: cache_aware,round_robin).
+    /// Comma-separated policies (default: all; quick and vLLM: the default policy and round_robin).
     #[arg(long, value_delimiter = ',')]
     pub policies: Option<Vec<String>>,
     /// Worker counts, comma-separated [default: 4 simulated, 2 vLLM].
@@ -70,7 +70,7 @@ pub struct CompareArgs {
     /// (for resuming an interrupted run of the same command).
     #[arg(long)]
     pub resume: bool,
-    /// Skip the extra cache_aware runs (2 replicas, no sidecars).
+    /// Skip the extra runs of the default policy (2 replicas, no sidecars).
     #[arg(long)]
     pub no_variants: bool,
     /// Requests in flight at most (open loop beyond that waits).

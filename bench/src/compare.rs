@@ -1,5 +1,5 @@
 //! `kvroute-bench compare`: workloads × policies × worker counts (× router
-//! replicas, × sidecars on/off for cache_aware), each run starting with cold
+//! replicas, × sidecars on/off for the default policy), each run starting with cold
 //! caches: on a fresh simulated cluster, or (`--engine vllm`) on real vLLM
 //! engines started once per workload and worker count, their prefix caches
 //! emptied and routers and sidecars started afresh before every run. Per
@@ -9,6 +9,7 @@
 
 pub mod summary;
 
+use kvroute_router::policy::DEFAULT_POLICY;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -33,7 +34,7 @@ use crate::{probe, report};
 pub const POLICIES: &[&str] = kvroute_router::policy::POLICY_NAMES;
 
 /// Quick mode's default: the default policy and the simplest baseline.
-const QUICK_POLICIES: &[&str] = &["cache_aware", "round_robin"];
+const QUICK_POLICIES: &[&str] = &[DEFAULT_POLICY, "round_robin"];
 
 /// One run's figures; `results.json` is a list of these.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -174,7 +175,7 @@ fn sim_args(w: &Workload) -> Vec<String> {
 }
 
 /// The runs for one workload and worker count: every policy at every
-/// requested replica count, plus cache_aware with 2 replicas and without
+/// requested replica count, plus the default policy with 2 replicas and without
 /// sidecars unless those are off or already covered.
 fn shapes(args: &CompareArgs) -> Vec<(String, usize, bool)> {
     let short = args.quick || args.engine.engine == EngineKind::Vllm;
@@ -185,11 +186,11 @@ fn shapes(args: &CompareArgs) -> Vec<(String, usize, bool)> {
     let routers: &[usize] = if args.routers.is_empty() { &[1] } else { &args.routers };
     let mut out: Vec<(String, usize, bool)> =
         routers.iter().flat_map(|&r| policies.iter().map(move |p| (p.clone(), r, true))).collect();
-    if !args.no_variants && policies.iter().any(|p| p == "cache_aware") {
+    if !args.no_variants && policies.iter().any(|p| p == DEFAULT_POLICY) {
         if !routers.contains(&2) {
-            out.push(("cache_aware".into(), 2, true));
+            out.push((DEFAULT_POLICY.into(), 2, true));
         }
-        out.push(("cache_aware".into(), routers[0], false));
+        out.push((DEFAULT_POLICY.into(), routers[0], false));
     }
     out
 }
@@ -539,6 +540,6 @@ mod tests {
     fn vllm_runs_two_policies_unless_told_otherwise() {
         let args = parse(&["--engine", "vllm", "--no-variants"]);
         let policies: Vec<String> = shapes(&args).into_iter().map(|s| s.0).collect();
-        assert_eq!(policies, ["cache_aware", "round_robin"]);
+        assert_eq!(policies, [DEFAULT_POLICY, "round_robin"]);
     }
 }

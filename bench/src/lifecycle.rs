@@ -128,7 +128,7 @@ pub async fn run(args: LifecycleArgs) -> Result<Vec<Step>, BenchError> {
         workers,
         routers: 1,
         sidecars: true,
-        policy: "cache_aware".into(),
+        policy: kvroute_router::policy::DEFAULT_POLICY.into(),
         num_blocks,
         sim_args: vec!["--time-scale".into(), args.time_scale.to_string()],
         router_args: args.router_config.iter().flat_map(|c| ["--config".into(), c.display().to_string()]).collect(),
@@ -187,9 +187,10 @@ pub async fn run(args: LifecycleArgs) -> Result<Vec<Step>, BenchError> {
     let steps = result?;
     let mut md = String::from("# kvroute-bench lifecycle\n\n");
     md.push_str(&format!(
-        "Machine: {}. {engines_line}, {workers} sidecars, 1 router, policy cache_aware; \
+        "Machine: {}. {engines_line}, {workers} sidecars, 1 router, policy {}; \
          prefixes of {} tokens{}. Latencies are measured by polling the router's debug endpoints every {} ms.\n\n",
         report::machine(),
+        kvroute_router::policy::DEFAULT_POLICY,
         args.prefix_len,
         args.router_config.as_ref().map_or(String::new(), |c| format!("; router config {}", c.display())),
         POLL.as_millis()

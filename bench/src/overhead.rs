@@ -113,7 +113,7 @@ pub async fn run(args: OverheadArgs) -> Result<Results, BenchError> {
         workers: 1,
         routers: 1,
         sidecars: true,
-        policy: "cache_aware".into(),
+        policy: kvroute_router::policy::DEFAULT_POLICY.into(),
         num_blocks: 8192,
         sim_args: vec!["--instant".into()],
         router_args: Vec::new(),
@@ -136,12 +136,13 @@ pub async fn run(args: OverheadArgs) -> Result<Results, BenchError> {
     report::write_json(&args.out.join("results.json"), &results)?;
     let mut md = String::from("# kvroute-bench overhead\n\n");
     md.push_str(&format!(
-        "Machine: {}. One kvroute-sim engine in `--instant` mode with its sidecar, one router (cache_aware); \
+        "Machine: {}. One kvroute-sim engine in `--instant` mode with its sidecar, one router ({}); \
          non-streaming completions of {PROMPT_LEN}-token token-id prompts (512 shared + 512 of {DISTINCT} suffixes), \
          1 output token. Concurrency 1: {} requests per path, interleaved in blocks of {BLOCK}. Concurrency 64: \
          closed loop, {} s per path in two halves, direct and router alternating. Client, router, sidecar and \
          engine share the machine's cores.\n\n",
         report::machine(),
+        kvroute_router::policy::DEFAULT_POLICY,
         args.requests,
         args.seconds
     ));

@@ -56,7 +56,7 @@ pub async fn run(args: PropagationArgs) -> Result<PropagationResult, BenchError>
         workers: 1,
         routers: 1,
         sidecars: true,
-        policy: "cache_aware".into(),
+        policy: kvroute_router::policy::DEFAULT_POLICY.into(),
         num_blocks: 65_536,
         sim_args: vec!["--instant".into()],
         router_args: vec![],

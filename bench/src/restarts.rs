@@ -331,7 +331,7 @@ pub async fn run(args: RestartsArgs) -> Result<RestartsResult, BenchError> {
         workers: args.workers,
         routers: 1,
         sidecars: true,
-        policy: "cache_aware".into(),
+        policy: kvroute_router::policy::DEFAULT_POLICY.into(),
         num_blocks: 8192,
         sim_args: vec!["--instant".into()],
         router_args: args.router_config.iter().flat_map(|c| ["--config".into(), c.display().to_string()]).collect(),

@@ -94,7 +94,7 @@ pub async fn run(args: SoakArgs) -> Result<SoakResult, BenchError> {
         workers: args.workers,
         routers: 1,
         sidecars: true,
-        policy: "cache_aware".into(),
+        policy: kvroute_router::policy::DEFAULT_POLICY.into(),
         num_blocks: 2048,
         sim_args: vec!["--time-scale".into(), "20".into()],
         router_args: vec![],

@@ -140,7 +140,7 @@ impl Default for RawConfig {
             tokenizer: None,
             tokenizers: BTreeMap::new(),
             block_size: 16,
-            policy: "predicted_ttft".into(),
+            policy: crate::policy::DEFAULT_POLICY.into(),
             cache_aware: CacheAwareParams::default(),
             predicted_ttft: PredictedTtftParams::default(),
             prefix_threshold: PrefixThresholdParams::default(),

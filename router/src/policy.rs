@@ -31,6 +31,10 @@ pub use sticky::StickyLeastLoaded;
 
 use crate::index::Slot;
 
+/// The policy a router runs unless configured otherwise (chosen in the
+/// virtual-time lab, BENCHMARKS.md).
+pub const DEFAULT_POLICY: &str = "predicted_ttft";
+
 /// One worker's load as the router sees it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct LoadView {

@@ -1,11 +1,12 @@
 //! compare's Markdown report: one table per workload and worker count, then
 //! the project's expectations checked against the figures (PASS/FAIL), so a
-//! reader sees at once where cache_aware falls short and by how much.
+//! reader sees at once where the default policy falls short and by how much.
 
 use crate::ceiling::Ceiling;
 use crate::cli::CompareArgs;
 use crate::engine::EngineKind;
 use crate::report::{self, ms};
+use kvroute_router::policy::DEFAULT_POLICY;
 
 use super::Record;
 
@@ -36,8 +37,8 @@ fn verdict(ok: bool) -> &'static str {
 /// The expectations of issue 6 for one workload's runs, as table rows.
 pub fn checks(workload: &str, rs: &[&Record]) -> Vec<Vec<String>> {
     let mut rows = Vec::new();
-    let Some(ca) = baseline_runs(rs).find(|r| r.policy == "cache_aware") else { return rows };
-    let others: Vec<&Record> = baseline_runs(rs).filter(|r| r.policy != "cache_aware").collect();
+    let Some(ca) = baseline_runs(rs).find(|r| r.policy == DEFAULT_POLICY) else { return rows };
+    let others: Vec<&Record> = baseline_runs(rs).filter(|r| r.policy != DEFAULT_POLICY).collect();
     let mut row =
         |what: String, measured: String, ok: bool| rows.push(vec![workload.into(), what, measured, verdict(ok).into()]);
     let ratio = if ca.ceiling > 0.0 { ca.hit_rate / ca.ceiling } else { 0.0 };
@@ -73,7 +74,7 @@ pub fn checks(workload: &str, rs: &[&Record]) -> Vec<Vec<String>> {
         );
     }
     row("max/mean load ≤ 1.3".into(), format!("{:.2}", ca.max_mean_load), ca.max_mean_load <= 1.3);
-    if let Some(two) = rs.iter().find(|r| r.policy == "cache_aware" && r.routers == 2 && r.sidecars) {
+    if let Some(two) = rs.iter().find(|r| r.policy == DEFAULT_POLICY && r.routers == 2 && r.sidecars) {
         let loss = ca.hit_rate - two.hit_rate;
         row(
             "2 replicas lose ≤ 2 % hit rate".into(),
@@ -81,7 +82,7 @@ pub fn checks(workload: &str, rs: &[&Record]) -> Vec<Vec<String>> {
             loss <= 0.02,
         );
     }
-    if let Some(ns) = rs.iter().find(|r| r.policy == "cache_aware" && !r.sidecars) {
+    if let Some(ns) = rs.iter().find(|r| r.policy == DEFAULT_POLICY && !r.sidecars) {
         rows.push(vec![
             workload.into(),
             "what sidecars buy (info)".into(),
@@ -189,7 +190,7 @@ pub fn markdown(records: &[Record], workloads: &[(String, String, Ceiling)], arg
     }
     if !checks_rows.is_empty() {
         md.push_str("## Expectations\n\n");
-        md.push_str(&report::table(&["workload", "expectation (cache_aware)", "measured", "verdict"], &checks_rows));
+        md.push_str(&report::table(&["workload", "expectation (default policy)", "measured", "verdict"], &checks_rows));
     }
     md
 }
@@ -227,13 +228,13 @@ mod tests {
 
     #[test]
     fn checks_compare_against_the_baselines() {
-        let a = rec("cache_aware", 0.75, 10.0);
+        let a = rec(DEFAULT_POLICY, 0.75, 10.0);
         let b = rec("round_robin", 0.2, 30.0);
         let rows = checks("w", &[&a, &b]);
         let verdicts: Vec<(&str, &str)> = rows.iter().map(|r| (r[1].as_str(), r[3].as_str())).collect();
         assert!(verdicts.contains(&("hit rate ≥ 0.9 × ceiling", "PASS")));
         assert!(verdicts.contains(&("TTFT p50 ≤ 0.4 × round_robin", "PASS")));
-        let slow = rec("cache_aware", 0.75, 20.0);
+        let slow = rec(DEFAULT_POLICY, 0.75, 20.0);
         let rows = checks("w", &[&slow, &b]);
         assert!(rows.iter().any(|r| r[1] == "TTFT p50 ≤ 0.4 × round_robin" && r[3] == "FAIL"));
     }

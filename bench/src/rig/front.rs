@@ -192,7 +192,7 @@ mod tests {
         FrontSpec {
             routers: 1,
             sidecars,
-            policy: "cache_aware".into(),
+            policy: kvroute_router::policy::DEFAULT_POLICY.into(),
             model: "tiny-qwen3".into(),
             block_size: 32,
             tokenizer: Some("/m/tiny-qwen3".into()),
