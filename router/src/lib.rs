@@ -16,6 +16,7 @@ pub mod index;
 pub mod internal;
 pub mod metrics;
 pub mod policy;
+pub mod process_metrics;
 pub mod proxy;
 pub mod routing;
 pub mod serve;

@@ -1,6 +1,8 @@
 //! The router's Prometheus metrics. Every label set is bounded: worker ids
 //! (at most `MAX_WORKERS`), policy and reason names, fixed outcome and event
-//! kinds — never a prompt, an error string or a request id.
+//! kinds — never a prompt, an error string or a request id. Process metrics
+//! (`process_*`, unprefixed as Prometheus names them) are read at each scrape
+//! ([`crate::process_metrics`]).
 //!
 //! A removed worker's series are removed with it ([`Metrics::retire_worker`]),
 //! and again at each refresh while anything that may still write them (an
@@ -23,11 +25,27 @@ use crate::workers::{Worker, WorkerLive};
 pub const INDEX_KINDS: [&str; 3] = ["confirmed", "speculative", "approximate"];
 /// The `kind` labels of [`Metrics::worker_engine_requests`].
 pub const ENGINE_KINDS: [&str; 2] = ["running", "waiting"];
+/// The `status` labels of [`Metrics::request_duration`].
+pub const STATUS_CLASSES: [&str; 4] = ["2xx", "4xx", "5xx", "error"];
+/// The `worker` label of requests refused before a worker was chosen.
+pub const NO_WORKER: &str = "none";
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WorkerOutcome {
     pub worker: String,
     pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerStatus {
+    pub worker: String,
+    /// One of [`STATUS_CLASSES`].
+    pub status: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct VersionLabel {
+    pub version: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -56,11 +74,18 @@ fn ttft_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.005, 2.0, 14))
 }
 
+/// Whole requests, from arrival to the answer's last byte: 10 ms to ~5 min.
+fn request_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.01, 2.0, 15))
+}
+
 type HistFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 #[derive(Debug)]
 pub struct Metrics {
     pub registry: Registry,
+    /// The `process_*` metrics, read at each scrape.
+    process: Registry,
     pub requests: Family<WorkerOutcome, Counter>,
     pub decisions: Family<PolicyReason, Counter>,
     pub matched_ratio: Histogram,
@@ -75,6 +100,8 @@ pub struct Metrics {
     pub worker_kv_usage: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
     pub worker_healthy: Family<WorkerLabel, Gauge>,
     pub worker_sync_age: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    pub worker_sync_timestamp: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    pub request_duration: HistFamily<WorkerStatus>,
     pub ttft: HistFamily<WorkerLabel>,
     pub routing_seconds: Histogram,
     pub retries: Counter,
@@ -99,6 +126,24 @@ impl Default for Metrics {
 impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("kvroute");
+        // Process metrics keep their standard, unprefixed names.
+        let mut process = Registry::default();
+        process.register_collector(Box::new(crate::process_metrics::ProcessCollector));
+        let build_info = Family::<VersionLabel, Gauge>::default();
+        registry.register("build_info", "1, labelled with the router's version", build_info.clone());
+        build_info.get_or_create(&VersionLabel { version: env!("CARGO_PKG_VERSION") }).set(1);
+        let request_duration: HistFamily<WorkerStatus> = Family::new_with_constructor(request_histogram);
+        registry.register(
+            "request_duration_seconds",
+            "Proxied requests from arrival to the answer's end, by worker (none: refused before one was chosen) \
+             and status class",
+            request_duration.clone(),
+        );
+        // Refusals before a worker is chosen are 4xx or 5xx; their series
+        // exist from the start so a rate over them is never "no data".
+        for status in ["4xx", "5xx"] {
+            let _ = request_duration.get_or_create(&WorkerStatus { worker: NO_WORKER.into(), status });
+        }
         let requests = Family::<WorkerOutcome, Counter>::default();
         registry.register("requests", "Proxied requests by worker and outcome", requests.clone());
         let decisions = Family::<PolicyReason, Counter>::default();
@@ -147,6 +192,12 @@ impl Metrics {
             "Seconds since the worker's sidecar last synced (absent for workers without a sidecar)",
             worker_sync_age.clone(),
         );
+        let worker_sync_timestamp = Family::<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        registry.register(
+            "worker_last_sync_timestamp_seconds",
+            "Unix time of the worker's sidecar's last full sync (absent for workers without a sidecar)",
+            worker_sync_timestamp.clone(),
+        );
         let ttft: HistFamily<WorkerLabel> = Family::new_with_constructor(ttft_histogram);
         registry.register(
             "upstream_ttft_seconds",
@@ -177,6 +228,7 @@ impl Metrics {
         registry.register("worker_ejections", "Times a worker was ejected as unhealthy", ejections.clone());
         Metrics {
             registry,
+            process,
             requests,
             decisions,
             matched_ratio,
@@ -191,6 +243,8 @@ impl Metrics {
             worker_kv_usage,
             worker_healthy,
             worker_sync_age,
+            worker_sync_timestamp,
+            request_duration,
             ttft,
             routing_seconds,
             retries,
@@ -210,6 +264,11 @@ impl Metrics {
             }
         }
         self.requests.get_or_create(&WorkerOutcome { worker: worker.to_owned(), outcome }).inc();
+    }
+
+    /// A request's end: how long it took and its status class.
+    pub fn request_finished(&self, worker: &str, status: &'static str, seconds: f64) {
+        self.request_duration.get_or_create(&WorkerStatus { worker: worker.to_owned(), status }).observe(seconds);
     }
 
     pub fn event(&self, kind: &'static str, n: usize) {
@@ -251,8 +310,12 @@ impl Metrics {
         self.worker_kv_usage.remove(&w);
         self.worker_healthy.remove(&w);
         self.worker_sync_age.remove(&w);
+        self.worker_sync_timestamp.remove(&w);
         self.ttft.remove(&w);
         self.ejections.remove(&w);
+        for status in STATUS_CLASSES {
+            self.request_duration.remove(&WorkerStatus { worker: worker.to_owned(), status });
+        }
         for kind in ENGINE_KINDS {
             self.worker_engine_requests.remove(&WorkerKind { worker: worker.to_owned(), kind });
         }
@@ -265,9 +328,12 @@ impl Metrics {
     }
 
     pub fn encode(&self) -> String {
+        use prometheus_client::encoding::text::{encode_eof, encode_registry};
         let mut out = String::new();
         // Writing to a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        let _ = encode_registry(&mut out, &self.process)
+            .and_then(|()| encode_registry(&mut out, &self.registry))
+            .and_then(|()| encode_eof(&mut out));
         out
     }
 }
@@ -304,6 +370,9 @@ mod tests {
         let w = worker("gone");
         let label = WorkerLabel { worker: "gone".into() };
         m.request("gone", "ok");
+        m.request_finished("gone", "2xx", 0.5);
+        m.request_finished("gone", "error", 0.5);
+        m.worker_sync_timestamp.get_or_create(&label).set(1.0);
         m.ttft.get_or_create(&label).observe(0.1);
         m.ejections.get_or_create(&label).inc();
         m.worker_inflight.get_or_create(&label).set(1);
@@ -313,6 +382,7 @@ mod tests {
         assert_eq!(series_of(&m, "gone"), 0, "{}", m.encode());
         // A request in flight on the removed worker finishes after its removal.
         m.request("gone", "broken_stream");
+        m.request_finished("gone", "5xx", 0.5);
         m.sweep_departed(|_| false);
         assert_eq!(series_of(&m, "gone"), 0);
         let late = w.clone();

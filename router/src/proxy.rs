@@ -20,7 +20,7 @@ use kvroute_shared::wire::ErrorBody;
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::error::RouterError;
-use crate::metrics::WorkerLabel;
+use crate::metrics::{NO_WORKER, WorkerLabel};
 use crate::routing::{self, Plan};
 use crate::sessions::valid_session_id;
 use crate::state::AppState;
@@ -119,6 +119,27 @@ pub async fn proxy(
     body: Body,
     new_session: Option<(String, Duration)>,
 ) -> Result<Response, RouterError> {
+    let arrived = Instant::now();
+    let result = proxy_from(state, endpoint, headers, body, new_session, arrived).await;
+    // An answer's duration is observed by its guard when the answer ends,
+    // every attempt failing by `dispatch`; a refusal ends here.
+    if let Err(e) = &result
+        && !matches!(e, RouterError::UpstreamFailed { .. } | RouterError::UpstreamTimeout { .. })
+    {
+        let status = if e.status().is_client_error() { "4xx" } else { "5xx" };
+        state.metrics.request_finished(NO_WORKER, status, arrived.elapsed().as_secs_f64());
+    }
+    result
+}
+
+async fn proxy_from(
+    state: &Arc<AppState>,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Body,
+    new_session: Option<(String, Duration)>,
+    arrived: Instant,
+) -> Result<Response, RouterError> {
     let (body, _permit) = admit(state, body).await?;
     let req = Arc::new(parse(state, endpoint, &body)?);
     if new_session.is_some() && !state.sessions.has_room(Instant::now()) {
@@ -131,7 +152,7 @@ pub async fn proxy(
     let pinned = session.as_ref().and_then(|(id, _)| state.sessions.get(id, Instant::now()));
     let prepared = routing::prepare_off_runtime(state, req.clone(), body.len()).await?;
     let plan = routing::plan(state, prepared, pinned.as_ref(), true)?;
-    let mut resp = dispatch(state, endpoint, headers, body, &plan, req.stream()).await?;
+    let mut resp = dispatch(state, endpoint, headers, body, &plan, req.stream(), arrived).await?;
     if let Some((id, ttl)) = session {
         let worker =
             resp.headers().get(WORKER_HEADER).and_then(|v| v.to_str().ok()).map(kvroute_shared::WorkerId::from);
@@ -154,6 +175,7 @@ async fn dispatch(
     body: Bytes,
     plan: &Plan,
     streaming: bool,
+    arrived: Instant,
 ) -> Result<Response, RouterError> {
     let max_attempts = 1 + state.config.raw.retries as usize;
     let mut last_err = None;
@@ -162,7 +184,7 @@ async fn dispatch(
             state.metrics.retries.inc();
             routing::record_dispatch(state, worker, &plan.keys);
         }
-        let guard = InflightGuard::new(state.clone(), worker.clone(), plan.uncached_tokens(cand));
+        let guard = InflightGuard::new(state.clone(), worker.clone(), plan.uncached_tokens(cand), arrived);
         match send(state, worker, endpoint, headers, body.clone()).await {
             Ok(upstream) if upstream.status().is_server_error() => {
                 guard.failed("upstream_5xx");
@@ -227,7 +249,13 @@ async fn dispatch(
         }
         note_failure(state, worker);
     }
-    Err(last_err.unwrap_or_else(|| RouterError::NoHealthyWorker { model: plan.model.clone() }))
+    let err = last_err.unwrap_or_else(|| RouterError::NoHealthyWorker { model: plan.model.clone() });
+    if let RouterError::UpstreamFailed { worker, .. } | RouterError::UpstreamTimeout { worker } = &err {
+        // Observed while the plan still holds the worker: a removed worker's
+        // series are swept until nothing holds it, so none is left behind.
+        state.metrics.request_finished(worker.as_str(), "5xx", arrived.elapsed().as_secs_f64());
+    }
+    Err(err)
 }
 
 async fn send(
@@ -390,20 +418,36 @@ pub fn note_failure(state: &AppState, worker: &Worker) {
 
 /// Counts a request against its worker from dispatch to end of answer; its
 /// prompt's uncached tokens count as pending prefill until the first byte.
+/// The attempt that is not `failed` (the one whose answer the client gets, or
+/// the one the client left during) observes the request's whole duration.
 struct InflightGuard {
     state: Arc<AppState>,
     worker: Arc<Worker>,
     pending: u64,
+    /// When the client's request arrived (before any attempt).
+    arrived: Instant,
     started: Instant,
     first_seen: bool,
     outcome: Option<&'static str>,
+    /// Failed before any byte reached the client: retried elsewhere, or
+    /// reported as the request's error by [`proxy`].
+    failed: bool,
 }
 
 impl InflightGuard {
-    fn new(state: Arc<AppState>, worker: Arc<Worker>, pending: u64) -> Self {
+    fn new(state: Arc<AppState>, worker: Arc<Worker>, pending: u64, arrived: Instant) -> Self {
         worker.live.inflight.fetch_add(1, Ordering::Relaxed);
         worker.live.pending_prefill_tokens.fetch_add(pending, Ordering::Relaxed);
-        InflightGuard { state, worker, pending, started: Instant::now(), first_seen: false, outcome: None }
+        InflightGuard {
+            state,
+            worker,
+            pending,
+            arrived,
+            started: Instant::now(),
+            first_seen: false,
+            outcome: None,
+            failed: false,
+        }
     }
 
     fn first_byte(&mut self) {
@@ -421,7 +465,18 @@ impl InflightGuard {
     }
 
     fn failed(mut self, outcome: &'static str) {
+        self.failed = true;
         self.finish(outcome);
+    }
+}
+
+/// The `status` label of a request's duration, from its outcome: the
+/// upstream's status class, or `error` when the answer did not complete.
+fn status_class(outcome: &str) -> &'static str {
+    match outcome {
+        "ok" => "2xx",
+        "upstream_4xx" => "4xx",
+        _ => "error",
     }
 }
 
@@ -434,6 +489,10 @@ impl Drop for InflightGuard {
         // Dropped before the stream ended: the client went away.
         let outcome = self.outcome.unwrap_or("client_cancelled");
         self.state.metrics.request(self.worker.id.as_str(), outcome);
+        if !self.failed {
+            let took = self.arrived.elapsed().as_secs_f64();
+            self.state.metrics.request_finished(self.worker.id.as_str(), status_class(outcome), took);
+        }
     }
 }
 
