@@ -73,14 +73,15 @@ def router_env_keys() -> set[str]:
     block = re.search(r"const ENV_KEYS: &\[&str\] = &\[(.*?)\];", src, re.S)
     assert block, "ENV_KEYS not found in router/src/cli.rs"
     keys = {"KVROUTE_" + k.upper() for k in re.findall(r'"(\w+)"', block.group(1))}
-    # main reads its log filter itself.
-    return keys | set(re.findall(r'"(KVROUTE_\w+)"', (ROOT / "router/src/main.rs").read_text()))
+    # The log variables are read by the set-up both binaries share.
+    return keys | set(re.findall(r'"(KVROUTE_\w+)"', (ROOT / "shared/src/logging.rs").read_text()))
 
 
 def sidecar_env_keys() -> set[str]:
     src = (ROOT / "sidecar/src/config.rs").read_text()
     body = re.search(r"pub struct RawConfig\s*\{(.*?)\n\}", src, re.S)
-    return {"KVROUTE_SIDECAR_" + f.upper() for f in re.findall(r"pub (\w+)\s*:", body.group(1))}
+    keys = {"KVROUTE_SIDECAR_" + f.upper() for f in re.findall(r"pub (\w+)\s*:", body.group(1))}
+    return keys | set(re.findall(r'"(KVROUTE_\w+)"', (ROOT / "shared/src/logging.rs").read_text()))
 
 
 def bin_names() -> set[str]:
