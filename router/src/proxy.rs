@@ -179,15 +179,23 @@ async fn dispatch(
 ) -> Result<Response, RouterError> {
     let max_attempts = 1 + state.config.raw.retries as usize;
     let mut last_err = None;
+    // Workers that failed this request in a way the request itself can cause
+    // (a 5xx, a connection closed after the request was sent, a stream broken
+    // before its first chunk): charged to their health only once another
+    // worker has answered it. A request every worker refuses is the request's
+    // fault and must not eject them all one by one.
+    let mut suspects: Vec<&Arc<Worker>> = Vec::new();
     for (attempt, (worker, cand)) in plan.attempts().take(max_attempts).enumerate() {
         if attempt > 0 {
             state.metrics.retries.inc();
             routing::record_dispatch(state, worker, &plan.keys);
         }
         let guard = InflightGuard::new(state.clone(), worker.clone(), plan.uncached_tokens(cand), arrived);
+        let mut request_may_be_at_fault = false;
         match send(state, worker, endpoint, headers, body.clone()).await {
             Ok(upstream) if upstream.status().is_server_error() => {
                 guard.failed("upstream_5xx");
+                request_may_be_at_fault = true;
                 last_err = Some(RouterError::UpstreamFailed {
                     worker: worker.id.clone(),
                     message: format!("answered {}", upstream.status()),
@@ -205,11 +213,13 @@ async fn dispatch(
                 match wait_first_chunk(worker, &mut chunks, deadline).await {
                     First::Chunk(first) => {
                         note_success(worker);
+                        suspects.iter().for_each(|w| note_failure(state, w));
                         let chunks: ChunkStream = Box::pin(futures::stream::once(async { Ok(first) }).chain(chunks));
                         return Ok(relay(state, status, &head, chunks, guard, true));
                     }
                     First::End => {
                         note_success(worker);
+                        suspects.iter().for_each(|w| note_failure(state, w));
                         return Ok(relay(state, status, &head, chunks, guard, true));
                     }
                     First::TimedOut => {
@@ -219,6 +229,7 @@ async fn dispatch(
                     }
                     First::Broken => {
                         guard.failed("broken_stream");
+                        request_may_be_at_fault = true;
                         last_err = Some(RouterError::UpstreamFailed {
                             worker: worker.id.clone(),
                             message: "the stream broke before its first chunk".into(),
@@ -236,19 +247,27 @@ async fn dispatch(
             }
             Ok(upstream) => {
                 note_success(worker);
+                suspects.iter().for_each(|w| note_failure(state, w));
                 return Ok(respond(state, upstream, guard, streaming));
             }
-            Err(e) => {
-                guard.failed(if matches!(e, RouterError::UpstreamTimeout { .. }) {
-                    "timeout"
-                } else {
-                    "connect_error"
+            Err(Failure { error, request_sent }) => {
+                guard.failed(match (&error, request_sent) {
+                    (RouterError::UpstreamTimeout { .. }, _) => "timeout",
+                    (_, true) => "closed",
+                    (_, false) => "connect_error",
                 });
-                last_err = Some(e);
+                request_may_be_at_fault = request_sent && !matches!(error, RouterError::UpstreamTimeout { .. });
+                last_err = Some(error);
             }
         }
-        note_failure(state, worker);
+        if request_may_be_at_fault {
+            suspects.push(worker);
+        } else {
+            note_failure(state, worker);
+        }
     }
+    // No worker answered: the failures the request may have caused are
+    // counted per worker (`requests_total{outcome}`), not charged to health.
     let err = last_err.unwrap_or_else(|| RouterError::NoHealthyWorker { model: plan.model.clone() });
     if let RouterError::UpstreamFailed { worker, .. } | RouterError::UpstreamTimeout { worker } = &err {
         // Observed while the plan still holds the worker: a removed worker's
@@ -258,13 +277,33 @@ async fn dispatch(
     Err(err)
 }
 
+/// `e` and its sources, `: `-separated (reqwest's own message hides the cause).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+/// An attempt that got no response. `request_sent`: the connection was made
+/// and then closed or reset without an answer, which the request itself can
+/// cause (an engine that refuses it by dropping the connection).
+struct Failure {
+    error: RouterError,
+    request_sent: bool,
+}
+
 async fn send(
     state: &AppState,
     worker: &Worker,
     endpoint: Endpoint,
     headers: &HeaderMap,
     body: Bytes,
-) -> Result<reqwest::Response, RouterError> {
+) -> Result<reqwest::Response, Failure> {
     let mut rb = state
         .client
         .post(format!("{}{}", worker.url, endpoint.path()))
@@ -275,10 +314,14 @@ async fn send(
             rb = rb.header(*name, v);
         }
     }
+    let timeout = || Failure { error: RouterError::UpstreamTimeout { worker: worker.id.clone() }, request_sent: true };
     match tokio::time::timeout(state.config.raw.first_byte_timeout, rb.send()).await {
-        Err(_) => Err(RouterError::UpstreamTimeout { worker: worker.id.clone() }),
-        Ok(Err(e)) if e.is_timeout() => Err(RouterError::UpstreamTimeout { worker: worker.id.clone() }),
-        Ok(Err(e)) => Err(RouterError::UpstreamFailed { worker: worker.id.clone(), message: e.to_string() }),
+        Err(_) => Err(timeout()),
+        Ok(Err(e)) if e.is_timeout() => Err(timeout()),
+        Ok(Err(e)) => Err(Failure {
+            request_sent: !e.is_connect(),
+            error: RouterError::UpstreamFailed { worker: worker.id.clone(), message: error_chain(&e) },
+        }),
         Ok(Ok(resp)) => Ok(resp),
     }
 }

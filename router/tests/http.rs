@@ -694,3 +694,100 @@ async fn metrics_are_exported() {
     }
     assert!(!text.contains(TOKEN));
 }
+
+/// An engine that drops the connection on any request whose body contains
+/// `poison` (as vLLM's server does with some requests it cannot handle), and
+/// answers everything else.
+async fn picky_door(name: &'static str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                loop {
+                    // One request: headers, then content-length bytes.
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    let body_end = loop {
+                        let Ok(n) = sock.read(&mut chunk).await else { return };
+                        if n == 0 {
+                            return;
+                        }
+                        buf.extend_from_slice(&chunk[..n]);
+                        let Some(head) = buf.windows(4).position(|w| w == b"\r\n\r\n") else { continue };
+                        let headers = String::from_utf8_lossy(&buf[..head]).to_ascii_lowercase();
+                        let len = headers
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .map_or(0, |v| v.trim().parse::<usize>().unwrap_or(0));
+                        if buf.len() >= head + 4 + len {
+                            break head + 4 + len;
+                        }
+                    };
+                    if buf[..body_end].windows(6).any(|w| w == b"poison") {
+                        return; // dropped without an answer
+                    }
+                    let body = format!(r#"{{"worker":"{name}","choices":[{{"text":"hi"}}]}}"#);
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if sock.write_all(resp.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    url
+}
+
+async fn healthy(r: &Router_, id: &str) -> bool {
+    let workers: Value = r.http.get(format!("{}/admin/workers", r.url)).send().await.unwrap().json().await.unwrap();
+    let list = workers["workers"].as_array().cloned().unwrap_or_default();
+    list.iter().find(|w| w["id"] == id).unwrap_or_else(|| panic!("no {id} in {workers}"))["healthy"] == true
+}
+
+/// A request that every worker refuses (connection dropped) is the request's
+/// fault: retried, then a 502, but no worker is charged for it, so a client
+/// repeating it cannot eject the whole cluster.
+#[tokio::test]
+async fn a_request_every_worker_refuses_ejects_none_of_them() {
+    let (a, b) = (picky_door("a").await, picky_door("b").await);
+    let r = router(&[("a", &a), ("b", &b)], |raw| {
+        raw.eject_after_failures = 2;
+        raw.retries = 1;
+    })
+    .await;
+    for _ in 0..4 {
+        let resp = r.complete(json!({"model": "m", "prompt": "poison pill"})).await;
+        assert_eq!(resp.status(), 502);
+    }
+    assert!(healthy(&r, "a").await && healthy(&r, "b").await);
+    let resp = r.complete(json!({"model": "m", "prompt": "a fine request"})).await;
+    assert_eq!(resp.status(), 200);
+    let metrics = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
+    for id in ["a", "b"] {
+        let line = format!("kvroute_requests_total{{worker=\"{id}\",outcome=\"closed\"}} 4");
+        assert!(metrics.contains(&line), "no {line} in\n{metrics}");
+    }
+}
+
+/// A worker that drops what another worker answers is at fault: charged, and
+/// ejected after `eject_after_failures`.
+#[tokio::test]
+async fn a_worker_that_drops_what_others_answer_is_ejected() {
+    let door = slamming_door().await;
+    let good = fake_worker("good", Behaviour::Ok).await;
+    let r = router(&[("a-door", &door), ("b-good", &good.url)], |raw| {
+        raw.policy = "round_robin".into();
+        raw.eject_after_failures = 2;
+    })
+    .await;
+    for _ in 0..4 {
+        assert_eq!(r.complete(json!({"model": "m", "prompt": "hello"})).await.status(), 200);
+    }
+    assert!(!healthy(&r, "a-door").await, "the door failed requests another worker answered");
+    assert!(healthy(&r, "b-good").await);
+}
