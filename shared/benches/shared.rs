@@ -68,8 +68,28 @@ fn tokenize(c: &mut Criterion) {
                 PromptRequest::parse(Endpoint::Completions, json!({"model": "m", "prompt": t}).to_string().as_bytes())
                     .expect("parses");
             g.throughput(Throughput::Elements(n as u64));
+            // Cold: encoded whole, nothing cached.
+            g.bench_function(format!("{name} completion cold {n} tokens"), |b| {
+                b.iter(|| tok.encode_uncached(black_box(&t), true))
+            });
+            // Warm: the same text again (every chunk cached).
             g.bench_function(format!("{name} completion {n} tokens"), |b| {
                 b.iter(|| tok.prompt_tokens(black_box(&req)))
+            });
+            // A cached document with a new question after it: only the
+            // question's chunk is encoded.
+            let mut k = 0u64;
+            g.bench_function(format!("{name} completion new question after a cached {n}-token document"), |b| {
+                b.iter_batched(
+                    || {
+                        k += 1;
+                        let prompt = format!("{t}\nQuestion {k}: {}", text(40));
+                        let body = json!({"model": "m", "prompt": prompt}).to_string();
+                        PromptRequest::parse(Endpoint::Completions, body.as_bytes()).expect("parses")
+                    },
+                    |r| tok.prompt_tokens(&r),
+                    criterion::BatchSize::SmallInput,
+                )
             });
         }
         if name == "qwen3" {

@@ -166,16 +166,26 @@ impl PromptTokenizer {
         matches!(self, PromptTokenizer::Hf(hf) if hf.segments.is_some())
     }
 
-    /// Encodes text; `add_special_tokens` as in HF `encode`. Without special
-    /// tokens (the chat path) repeated segments come from the segment cache.
+    /// Encodes text; `add_special_tokens` as in HF `encode`. Repeated
+    /// segments, and the chunks of long texts, come from the segment cache.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        let err = |e: tokenizers::Error| TokenizeError::Encode(e.to_string());
         match self {
-            PromptTokenizer::Hf(hf) if !add_special_tokens => match &hf.segments {
-                Some(cache) => cache.encode(&hf.tokenizer, text).map_err(|e| TokenizeError::Encode(e.to_string())),
-                None => self.encode_uncached(text, false),
+            PromptTokenizer::Hf(hf) => match &hf.segments {
+                Some(cache) if !add_special_tokens => cache.encode(&hf.tokenizer, text).map_err(err),
+                Some(cache) => match cache.encode_with_special(&hf.tokenizer, text) {
+                    Some(ids) => ids.map_err(err),
+                    None => self.encode_uncached(text, true),
+                },
+                None => self.encode_uncached(text, add_special_tokens),
             },
-            _ => self.encode_uncached(text, add_special_tokens),
+            PromptTokenizer::Bytes => self.encode_uncached(text, add_special_tokens),
         }
+    }
+
+    /// True when long texts are cut at line starts and cached chunk by chunk.
+    pub fn caches_lines(&self) -> bool {
+        matches!(self, PromptTokenizer::Hf(hf) if hf.segments.as_ref().is_some_and(SegmentCache::chunks_lines))
     }
 }
 

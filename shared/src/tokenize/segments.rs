@@ -10,6 +10,24 @@
 //! text with no side effects: not `normalized`, no `lstrip`/`rstrip`/
 //! `single_word`; and when the tokenizer neither truncates nor pads.
 //! [`SegmentCache::new`] returns `None` otherwise and callers encode whole.
+//!
+//! Completions have no special tokens to split on, so a long gap is also cut
+//! into chunks of at least [`CHUNK_BYTES`] at line starts (after a single
+//! newline between non-space characters) and sentence starts (between `.`, `!` or `?`
+//! and a space followed by a letter): the byte-level BPE pre-tokenizers of
+//! GPT-2, Llama 3 and Qwen never join across such a point, so a shared
+//! document or system prompt is encoded once and each request pays only for
+//! what is new.
+//! Chunks are cut greedily from the start of the gap, so two texts that share
+//! a prefix share its chunks. Whether a tokenizer really never joins there is
+//! checked when the cache is built, on a corpus of awkward cases (for
+//! SentencePiece-style tokenizers that prepend `▁` it fails, and gaps are
+//! encoded whole).
+//!
+//! `add_special_tokens = true` (the completions default) wraps the ids in what
+//! the post-processor adds (a BOS for Llama, nothing for GPT-2 or Qwen); that
+//! wrapping is measured on probes at build time and applied around the cached
+//! ids, or such requests are encoded whole when the probes disagree.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -19,11 +37,18 @@ use aho_corasick::{AhoCorasick, MatchKind};
 /// Token ids kept, over both generations (~4 bytes each plus the text).
 const CAPACITY_TOKENS: usize = 2_000_000;
 
+/// Smallest chunk a gap is cut into at line starts.
+pub const CHUNK_BYTES: usize = 512;
+
 pub struct SegmentCache {
     /// Added tokens, matched as HF matches non-normalized ones.
     splitter: AhoCorasick,
     ids: Vec<u32>,
     cache: Mutex<Generations>,
+    /// Gaps are cut at line starts (checked exact for this tokenizer).
+    line_chunks: bool,
+    /// What `add_special_tokens = true` puts before and after the ids.
+    special: Option<(Vec<u32>, Vec<u32>)>,
 }
 
 impl std::fmt::Debug for SegmentCache {
@@ -77,7 +102,31 @@ impl SegmentCache {
         pairs.sort();
         let splitter =
             AhoCorasick::builder().match_kind(MatchKind::LeftmostLongest).build(pairs.iter().map(|(_, c)| c)).ok()?;
-        Some(SegmentCache { splitter, ids: pairs.into_iter().map(|(id, _)| id).collect(), cache: Mutex::default() })
+        let mut cache = SegmentCache {
+            splitter,
+            ids: pairs.into_iter().map(|(id, _)| id).collect(),
+            cache: Mutex::default(),
+            line_chunks: false,
+            special: special_wrapping(tokenizer),
+        };
+        cache.line_chunks = line_chunks_are_exact(tokenizer);
+        Some(cache)
+    }
+
+    /// True when long gaps are cut at line starts (see the module doc).
+    pub fn chunks_lines(&self) -> bool {
+        self.line_chunks
+    }
+
+    /// `tokenizer.encode(text, add_special_tokens = true)` from the cache, or
+    /// `None` when this tokenizer's special-token wrapping is not known.
+    pub fn encode_with_special(
+        &self,
+        tokenizer: &tokenizers::Tokenizer,
+        text: &str,
+    ) -> Option<Result<Vec<u32>, tokenizers::Error>> {
+        let (before, after) = self.special.as_ref()?;
+        Some(self.encode(tokenizer, text).map(|ids| [before.as_slice(), &ids, after.as_slice()].concat()))
     }
 
     /// `tokenizer.encode(text, add_special_tokens = false)`, segment by segment.
@@ -97,7 +146,14 @@ impl SegmentCache {
         Ok(out)
     }
 
-    fn gap(
+    fn gap(&self, tokenizer: &tokenizers::Tokenizer, gap: &str, out: &mut Vec<u32>) -> Result<(), tokenizers::Error> {
+        if !self.line_chunks || gap.len() < 2 * CHUNK_BYTES {
+            return self.chunk(tokenizer, gap, out);
+        }
+        line_chunks(gap, CHUNK_BYTES).try_for_each(|c| self.chunk(tokenizer, c, out))
+    }
+
+    fn chunk(
         &self,
         tokenizer: &tokenizers::Tokenizer,
         segment: &str,
@@ -117,4 +173,92 @@ impl SegmentCache {
         out.extend_from_slice(&ids);
         Ok(())
     }
+}
+
+/// `text` cut at line starts (just after a single `\n` between non-space
+/// characters) and sentence starts (before the space of `. X`, `! X`,
+/// `? X`, X a letter) into pieces of at least `min` bytes (the last may be
+/// shorter). Greedy from the start: the cuts inside a prefix do not depend on
+/// what follows it.
+pub fn line_chunks(text: &str, min: usize) -> impl Iterator<Item = &str> {
+    let bytes = text.as_bytes();
+    let mut start = 0;
+    std::iter::from_fn(move || {
+        if start >= text.len() {
+            return None;
+        }
+        let mut i = start + min.max(1);
+        while i < text.len() {
+            // `\n` and ` ` are one byte each, so `i` is a char boundary.
+            // One newline between non-space characters: GPT-2's regex splits a
+            // run of several (`\n\n`) differently at the end of a string.
+            let line_start = bytes[i - 1] == b'\n'
+                && text[..i - 1].chars().next_back().is_some_and(|c| !c.is_whitespace())
+                && text[i..].chars().next().is_some_and(|c| !c.is_whitespace());
+            let sentence_start = bytes[i] == b' '
+                && matches!(bytes[i - 1], b'.' | b'!' | b'?')
+                && bytes.get(i + 1).is_some_and(u8::is_ascii_alphabetic);
+            if line_start || sentence_start {
+                break;
+            }
+            i += 1;
+        }
+        let end = i.min(text.len());
+        // `start + min` may fall inside a character; the loop only stops on a
+        // boundary or at the end, and the end is always one.
+        let piece = &text[start..end];
+        start = end;
+        Some(piece)
+    })
+}
+
+/// Awkward cases for cutting at line starts: every one must encode the same
+/// cut at every line start as whole.
+const CHUNK_PROBES: &[&str] = &[
+    "The first line.\nThe second line, with a comma.\nAnd a third!\n",
+    "fn main() {\n    let x = 1;\n}\nfn next() {}\n",
+    "trailing spaces  \nnext\ttab\n\n\nthree newlines\r\nCRLF line\r\nend",
+    "numbers\n12345 and 3.14\n42\n'quoted' and it's\n's contraction\n",
+    "unicode: naïve café\n東京タワー\n🚀 rocket\n\u{301}combining\nÅngström\n",
+    "punctuation...\n(parenthesis)\n[brackets]\n-dash\n—em dash\n#hash\n@at\n",
+    "mixed  \n  indented\nx\ny\nz\n<|not special|>\n</tag>\n",
+    "One. Two! Three? four. e.g. this. 3. Item. (paren). 'quote'. \"dq\". x.y z. Mr. Smith.  Two spaces.",
+    "nbsp\u{a0}\nafter. ideographic\u{3000}\nafter. Tab.\t\nx",
+    "para one.\n\nPara two.\n\n\nthree\n \nfour \nfive\n\tsix\nseven",
+    "End.\nNext. Then... dots. What?! Both. Ünïcode. É accent. a. b. c. I. A.",
+];
+
+fn line_chunks_are_exact(tokenizer: &tokenizers::Tokenizer) -> bool {
+    let encode = |t: &str| tokenizer.encode_fast(t, false).map(|e| e.get_ids().to_vec());
+    CHUNK_PROBES.iter().all(|probe| {
+        let Ok(whole) = encode(probe) else { return false };
+        let mut cut = Vec::with_capacity(whole.len());
+        for piece in line_chunks(probe, 1) {
+            match encode(piece) {
+                Ok(ids) => cut.extend(ids),
+                Err(_) => return false,
+            }
+        }
+        cut == whole
+    })
+}
+
+/// The ids `add_special_tokens = true` adds before and after a text's own, if
+/// they are the same on every probe.
+fn special_wrapping(tokenizer: &tokenizers::Tokenizer) -> Option<(Vec<u32>, Vec<u32>)> {
+    let mut found: Option<(Vec<u32>, Vec<u32>)> = None;
+    for probe in ["a", "Hello world", "x\ny z", "1 2 3"] {
+        let with = tokenizer.encode_fast(probe, true).ok()?.get_ids().to_vec();
+        let without = tokenizer.encode_fast(probe, false).ok()?.get_ids().to_vec();
+        if without.is_empty() || with.len() < without.len() {
+            return None;
+        }
+        let at = (0..=with.len() - without.len()).find(|&k| with[k..k + without.len()] == without[..])?;
+        let wrap = (with[..at].to_vec(), with[at + without.len()..].to_vec());
+        match &found {
+            Some(f) if *f != wrap => return None,
+            _ => found = Some(wrap),
+        }
+    }
+    found
 }
