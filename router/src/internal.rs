@@ -15,7 +15,9 @@ use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, header};
-use kvroute_shared::wire::{AckOutcome, EvictionBatch, InternalAck, SyncSnapshot, Validate, decode_valid};
+use kvroute_shared::wire::{
+    AckOutcome, EvictionBatch, InternalAck, PROTOCOL_HEADER, PROTOCOL_VERSION, SyncSnapshot, Validate, decode_valid,
+};
 use subtle::ConstantTimeEq;
 
 use kvroute_shared::WorkerId;
@@ -76,12 +78,35 @@ async fn push_body<T: serde::de::DeserializeOwned + Validate>(
     body: Body,
 ) -> Result<T, RouterError> {
     authenticate(state, headers)?;
+    check_protocol(state, headers)?;
     let body = read_body_within(body, state.config.raw.max_internal_body_bytes).await?;
     Ok(decode_valid(&body)?)
 }
 
 fn ack(state: &AppState, outcome: AckOutcome) -> Json<InternalAck> {
-    Json(InternalAck { router_epoch: state.router_epoch.clone(), outcome })
+    Json(InternalAck { router_epoch: state.router_epoch.clone(), outcome, protocol: PROTOCOL_VERSION })
+}
+
+/// A push names its protocol version in a header (none: version 1). A major
+/// this router does not speak is refused before the body is read, with an
+/// error both sides log, and counted.
+fn check_protocol(state: &AppState, headers: &HeaderMap) -> Result<(), RouterError> {
+    let Some(v) = headers.get(PROTOCOL_HEADER) else { return Ok(()) };
+    match v.to_str().ok().and_then(|s| s.trim().parse::<u32>().ok()) {
+        Some(PROTOCOL_VERSION) => Ok(()),
+        other => {
+            state.metrics.event("rejected_protocol", 1);
+            let got = other.map_or_else(|| format!("{v:?}"), |n| n.to_string());
+            tracing::warn!(protocol = %got, "push refused: unsupported wire protocol version");
+            Err(RouterError::bad_request(
+                PROTOCOL_HEADER,
+                format!(
+                    "wire protocol version {got} is not supported: this router speaks version {PROTOCOL_VERSION} \
+                     (upgrade the routers before the sidecars)"
+                ),
+            ))
+        }
+    }
 }
 
 /// How applying a push under the index lock went.

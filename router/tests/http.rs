@@ -791,3 +791,35 @@ async fn a_worker_that_drops_what_others_answer_is_ejected() {
     assert!(!healthy(&r, "a-door").await, "the door failed requests another worker answered");
     assert!(healthy(&r, "b-good").await);
 }
+
+/// Pushes name their wire protocol version in a header. A router refuses a
+/// major it does not speak (400 naming both versions, counted) and accepts
+/// pushes without the header (sidecars from before versioning) or with its
+/// own; every ack says which version the router speaks.
+#[tokio::test]
+async fn pushes_of_an_unknown_protocol_version_are_refused_and_unversioned_ones_accepted() {
+    let r = router(&[], |_| {}).await;
+    let sync = json!({"worker_id": "w1", "url": "http://127.0.0.1:9", "hashes": []});
+    let push = |version: Option<&'static str>| {
+        let mut req = r.http.post(format!("{}/internal/sync", r.url)).bearer_auth(TOKEN).json(&sync);
+        if let Some(v) = version {
+            req = req.header("x-kvroute-protocol", v);
+        }
+        req.send()
+    };
+    for accepted in [None, Some("1")] {
+        let resp = push(accepted).await.unwrap();
+        assert_eq!(resp.status(), 200, "{accepted:?}");
+        let ack: Value = resp.json().await.unwrap();
+        assert_eq!((ack["outcome"].as_str(), ack["protocol"].as_u64()), (Some("applied"), Some(1)), "{ack}");
+    }
+    for refused in ["2", "v1"] {
+        let resp = push(Some(refused)).await.unwrap();
+        assert_eq!(resp.status(), 400, "{refused}");
+        let err: Value = resp.json().await.unwrap();
+        let message = err["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("this router speaks version 1"), "{err}");
+    }
+    let metrics = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("kind=\"rejected_protocol\"} 2"), "{metrics}");
+}

@@ -13,6 +13,15 @@ use crate::keys::{BlockKey, BlockSize};
 
 /// Path of the fast-path endpoint (evictions and stores, every 100 ms).
 pub const EVICTION_PATH: &str = "/internal/eviction";
+
+/// The wire protocol's major version. A sidecar names it in the
+/// [`PROTOCOL_HEADER`] of every push; a router refuses a major it does not
+/// speak, and answers with its own in [`InternalAck::protocol`]. A header, not
+/// a body field: routers of the previous release reject unknown body fields
+/// but ignore unknown headers, so sidecars and routers can be upgraded in
+/// either order. A push without the header is version 1.
+pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_HEADER: &str = "x-kvroute-protocol";
 /// Path of the slow-path endpoint (full snapshot, every 5 s).
 pub const SYNC_PATH: &str = "/internal/sync";
 
@@ -89,6 +98,14 @@ pub struct InternalAck {
     /// full sync at once.
     pub router_epoch: String,
     pub outcome: AckOutcome,
+    /// The protocol version the router speaks (routers before versioning do
+    /// not say: version 1).
+    #[serde(default = "protocol_v1")]
+    pub protocol: u32,
+}
+
+fn protocol_v1() -> u32 {
+    1
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

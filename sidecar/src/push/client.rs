@@ -5,7 +5,9 @@ use std::fmt;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use kvroute_shared::wire::{EVICTION_PATH, EvictionBatch, InternalAck, SYNC_PATH, SyncSnapshot};
+use kvroute_shared::wire::{
+    EVICTION_PATH, ErrorBody, EvictionBatch, InternalAck, PROTOCOL_HEADER, PROTOCOL_VERSION, SYNC_PATH, SyncSnapshot,
+};
 use serde::Serialize;
 
 use crate::config::Secret;
@@ -30,8 +32,8 @@ pub enum PushError {
         #[source]
         source: reqwest::Error,
     },
-    #[error("{url} answered {status}")]
-    Status { url: String, status: u16 },
+    #[error("{url} answered {status}: {detail}")]
+    Status { url: String, status: u16, detail: String },
 }
 
 impl PushError {
@@ -74,7 +76,8 @@ impl HttpRouterClient {
         body: &T,
     ) -> Result<InternalAck, PushError> {
         let url = format!("{}{path}", target.0);
-        let mut req = self.http.post(&url).json(body).timeout(CALL_TIMEOUT);
+        let mut req =
+            self.http.post(&url).json(body).timeout(CALL_TIMEOUT).header(PROTOCOL_HEADER, PROTOCOL_VERSION.to_string());
         if let Some(token) = &self.token {
             req = req.bearer_auth(&token.0);
         }
@@ -83,7 +86,12 @@ impl HttpRouterClient {
             if e.is_connect() { PushError::Unreachable { url: url.clone(), source: Box::new(e) } } else { http(e) }
         })?;
         if !resp.status().is_success() {
-            return Err(PushError::Status { url, status: resp.status().as_u16() });
+            let status = resp.status().as_u16();
+            // The router's error names the field and why (an unsupported
+            // protocol version, a block-size mismatch, …): keep it for the log.
+            let detail = resp.text().await.unwrap_or_default();
+            let detail = serde_json::from_str::<ErrorBody>(&detail).map_or(detail, |e| e.error.message);
+            return Err(PushError::Status { url, status, detail });
         }
         resp.json::<InternalAck>().await.map_err(http)
     }
@@ -104,5 +112,53 @@ impl RouterClient for HttpRouterClient {
         body: &'a SyncSnapshot,
     ) -> BoxFuture<'a, Result<InternalAck, PushError>> {
         Box::pin(self.post(target, SYNC_PATH, body))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use axum::Router;
+    use axum::http::{HeaderMap, StatusCode};
+    use axum::routing::post;
+    use kvroute_shared::WorkerId;
+
+    use super::*;
+    use crate::state::RouterTarget;
+
+    /// A router of a newer protocol: it records the version pushes name and
+    /// refuses them, as the real router refuses a major it does not speak.
+    #[tokio::test]
+    async fn pushes_name_their_protocol_and_a_refusal_keeps_the_routers_reason() {
+        let seen = Arc::new(Mutex::new(Vec::<String>::new()));
+        let s = seen.clone();
+        let handler = move |h: HeaderMap| async move {
+            let v = h.get(PROTOCOL_HEADER).and_then(|v| v.to_str().ok()).unwrap_or("none").to_owned();
+            s.lock().unwrap().push(v);
+            let msg = "wire protocol version 1 is not supported: this router speaks version 2";
+            (
+                StatusCode::BAD_REQUEST,
+                axum::Json(serde_json::json!({"error": {"message": msg, "type": "x", "code": 400}})),
+            )
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, Router::new().route(SYNC_PATH, post(handler))).await });
+        let client = HttpRouterClient::new(reqwest::Client::new(), None);
+        let body = SyncSnapshot {
+            worker_id: WorkerId::new("w1"),
+            epoch: None,
+            seq: None,
+            as_of_ms: None,
+            url: None,
+            models: Vec::new(),
+            block_size: None,
+            hashes: Vec::new(),
+            load: None,
+        };
+        let err = client.sync(&RouterTarget(url), &body).await.unwrap_err();
+        assert_eq!(*seen.lock().unwrap(), [PROTOCOL_VERSION.to_string()]);
+        assert!(err.to_string().contains("this router speaks version 2"), "{err}");
     }
 }

@@ -58,7 +58,7 @@ impl FakeRouter {
         let mut left = self.failures_left.lock();
         if *left > 0 {
             *left -= 1;
-            return Err(PushError::Status { url: "fake".into(), status: 503 });
+            return Err(PushError::Status { url: "fake".into(), status: 503, detail: String::new() });
         }
         self.log.lock().push((Instant::now(), sent));
         let mut stale = self.stale_left.lock();
@@ -68,7 +68,7 @@ impl FakeRouter {
         } else {
             AckOutcome::Applied
         };
-        Ok(InternalAck { router_epoch: self.epoch.lock().clone(), outcome })
+        Ok(InternalAck { router_epoch: self.epoch.lock().clone(), outcome, protocol: 1 })
     }
 
     fn sent(&self) -> Vec<Sent> {
