@@ -240,27 +240,30 @@ fn bin(spec: &ClusterSpec, name: &str) -> Result<PathBuf, ClusterError> {
     }
 }
 
-/// Under `cargo run`, builds the sibling binaries the cluster needs when they
-/// are missing (a fresh clone has only built kvroute-sim).
+/// Under `cargo run`, builds the sibling binaries the cluster needs: cargo
+/// only rebuilt kvroute-sim, and a router or sidecar left from an older
+/// checkout must not run beside it (a no-op when they are current). It builds
+/// `--workspace --bins`, exactly as `scripts/test.sh` does, so the two share
+/// one set of compiled dependencies. Outside cargo they must already be there.
 pub fn ensure_binaries(bin_dir: &Path) -> Result<(), ClusterError> {
     let missing: Vec<&str> =
         ["kvroute-router", "kvroute-sidecar"].into_iter().filter(|n| !bin_dir.join(n).is_file()).collect();
-    if missing.is_empty() {
-        return Ok(());
-    }
     let Some(cargo) = std::env::var_os("CARGO") else {
+        if missing.is_empty() {
+            return Ok(());
+        }
         return Err(ClusterError::MissingBinary { name: missing.join(", "), dir: bin_dir.into() });
     };
     let release = bin_dir.file_name().is_some_and(|n| n == "release");
-    eprintln!("building {} …", missing.join(" and "));
+    eprintln!("building the workspace's binaries (if out of date) …");
     let mut cmd = std::process::Command::new(cargo);
-    cmd.args(["build", "-p", "kvroute-router", "-p", "kvroute-sidecar"]);
+    cmd.args(["build", "--workspace", "--bins"]);
     if release {
         cmd.arg("--release");
     }
     match cmd.status() {
         Ok(s) if s.success() => Ok(()),
-        _ => Err(ClusterError::Build(missing.join(", "))),
+        _ => Err(ClusterError::Build("kvroute-router, kvroute-sidecar".into())),
     }
 }
 
