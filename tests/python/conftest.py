@@ -52,3 +52,9 @@ def router_url():
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="session")
+def cluster_banner(router_url):
+    """The cluster's banner lines (one per process), once it is up."""
+    return list(BANNER)
