@@ -130,6 +130,15 @@ pub struct OverheadArgs {
     /// 400 requests and 4 s per path.
     #[arg(long)]
     pub quick: bool,
+    /// Send text prompts, tokenized by the router and the engine with this
+    /// HF tokenizer directory (e.g. ../shared/testdata/tokenizers/gpt2),
+    /// instead of token-id prompts.
+    #[arg(long, value_name = "DIR")]
+    pub text_tokenizer: Option<PathBuf>,
+    /// Prompt length in tokens (about, for text): half shared, half one of
+    /// 256 distinct suffixes.
+    #[arg(long, default_value_t = 1024)]
+    pub prompt_tokens: usize,
     #[arg(long, default_value = "bench-out/overhead")]
     pub out: PathBuf,
 }

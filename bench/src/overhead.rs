@@ -21,7 +21,6 @@ use crate::tokens::{extend_run, seed};
 use crate::{client, report};
 
 const TAG: u64 = 0x4f56_4552;
-const PROMPT_LEN: usize = 1024;
 const DISTINCT: usize = 256;
 const BLOCK: usize = 50;
 
@@ -46,19 +45,56 @@ pub struct Results {
     pub throughput_ratio: f64,
 }
 
-/// 1k-token prompts: the first half shared (so the engine's cache is
+/// Prompts of `len` tokens: the first half shared (so the engine's cache is
 /// exercised as in real traffic), the rest one of `DISTINCT` suffixes.
-fn bodies() -> Arc<Vec<Vec<u8>>> {
+/// Token ids, or, with `text`, English-like sentences of about `len` tokens.
+fn bodies(len: usize, text: bool) -> Arc<Vec<Vec<u8>>> {
     Arc::new(
         (0..DISTINCT)
             .map(|i| {
-                let mut t = Vec::with_capacity(PROMPT_LEN);
-                extend_run(&mut t, seed(TAG, 0, 0), PROMPT_LEN / 2);
-                extend_run(&mut t, seed(TAG, 1, i as u64), PROMPT_LEN / 2);
+                if text {
+                    let prompt = format!("{}\n{}", sentences(0, len / 2), sentences(1 + i as u64, len / 2));
+                    let body = serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 1, "stream": false});
+                    return serde_json::to_vec(&body).unwrap_or_default();
+                }
+                let mut t = Vec::with_capacity(len);
+                extend_run(&mut t, seed(TAG, 0, 0), len / 2);
+                extend_run(&mut t, seed(TAG, 1, i as u64), len - len / 2);
                 client::completion_body(MODEL, &t, 1, false, false)
             })
             .collect(),
     )
+}
+
+/// About `tokens` tokens of sentences (a word is about one GPT-2 token),
+/// different for each `seed`.
+fn sentences(seed: u64, tokens: usize) -> String {
+    const WORDS: &[&str] = &[
+        "the", "router", "keeps", "a", "map", "of", "which", "worker", "holds", "each", "block", "and", "sends",
+        "every", "request", "where", "its", "prefix", "is", "cached", "so", "prefill", "work", "shrinks", "while",
+        "load", "stays", "even", "across", "engines", "in", "one", "cluster",
+    ];
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut out = String::with_capacity(tokens * 7);
+    for n in 0..tokens {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let w = WORDS[(x % WORDS.len() as u64) as usize];
+        if n % 12 == 0 {
+            if n > 0 {
+                out.push_str(". ");
+            }
+            let mut c = w.chars();
+            out.extend(c.next().map(|f| f.to_ascii_uppercase()));
+            out.push_str(c.as_str());
+        } else {
+            out.push(' ');
+            out.push_str(w);
+        }
+    }
+    out.push('.');
+    out
 }
 
 async fn one(http: &reqwest::Client, base: &str, body: &[u8]) -> Result<Duration, BenchError> {
@@ -118,7 +154,9 @@ pub async fn run(args: OverheadArgs) -> Result<Results, BenchError> {
         sim_args: vec!["--instant".into()],
         router_args: Vec::new(),
     };
-    let cluster = Cluster::start(setup::spec(&shape, &dir)).await?;
+    let mut spec = setup::spec(&shape, &dir);
+    spec.tokenizer = args.text_tokenizer.clone();
+    let cluster = Cluster::start(spec).await?;
     let paths = [
         ("direct".to_string(), cluster.engines[0].url.clone()),
         ("router".to_string(), cluster.router_url(0).to_owned()),
@@ -137,12 +175,14 @@ pub async fn run(args: OverheadArgs) -> Result<Results, BenchError> {
     let mut md = String::from("# kvroute-bench overhead\n\n");
     md.push_str(&format!(
         "Machine: {}. One kvroute-sim engine in `--instant` mode with its sidecar, one router ({}); \
-         non-streaming completions of {PROMPT_LEN}-token token-id prompts (512 shared + 512 of {DISTINCT} suffixes), \
+         non-streaming completions of {}-token {} prompts (half shared, half one of {DISTINCT} suffixes), \
          1 output token. Concurrency 1: {} requests per path, interleaved in blocks of {BLOCK}. Concurrency 64: \
          closed loop, {} s per path in two halves, direct and router alternating. Client, router, sidecar and \
          engine share the machine's cores.\n\n",
         report::machine(),
         kvroute_router::policy::DEFAULT_POLICY,
+        args.prompt_tokens,
+        args.text_tokenizer.as_ref().map_or("token-id".to_owned(), |t| format!("text ({})", t.display())),
         args.requests,
         args.seconds
     ));
@@ -181,7 +221,7 @@ pub async fn run(args: OverheadArgs) -> Result<Results, BenchError> {
 
 async fn measure(paths: &[(String, String)], args: &OverheadArgs) -> Result<Vec<PathFigures>, BenchError> {
     let http = client::http_client();
-    let bodies = bodies();
+    let bodies = bodies(args.prompt_tokens, args.text_tokenizer.is_some());
     // Warm-up: connections, the engine's cache, the router's map.
     for (_, base) in paths {
         for b in bodies.iter().take(BLOCK) {
