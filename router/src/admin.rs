@@ -165,3 +165,23 @@ pub async fn workers(State(state): State<Arc<AppState>>) -> Json<Value> {
         .collect();
     Json(json!({"router_epoch": state.router_epoch, "policy": state.policy.name(), "workers": list}))
 }
+
+/// `/debug/*` and `/admin/*` behind `admin_token`, when one is configured.
+pub async fn require_admin_token(
+    State(state): State<Arc<AppState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Result<axum::response::Response, RouterError> {
+    if let Some(token) = &state.config.raw.admin_token {
+        let presented = req
+            .headers()
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        if !bool::from(subtle::ConstantTimeEq::ct_eq(presented.as_bytes(), token.expose().as_bytes())) {
+            return Err(RouterError::Unauthorized);
+        }
+    }
+    Ok(next.run(req).await)
+}

@@ -75,6 +75,9 @@ pub struct ServeArgs {
     /// Routing policy [default: predicted_ttft].
     #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(crate::policy::POLICY_NAMES.iter().copied()))]
     pub policy: Option<String>,
+    /// Bearer token required on /debug/* and /admin/* (≥ 16 characters) [default: none, open].
+    #[arg(long, value_name = "TOKEN")]
+    pub admin_token: Option<String>,
     /// Bearer token sidecars must present on /internal/* (≥ 16 characters).
     #[arg(long, value_name = "TOKEN")]
     pub internal_token: Option<String>,
@@ -118,6 +121,7 @@ const ENV_KEYS: &[&str] = &[
     "block_size",
     "policy",
     "internal_token",
+    "admin_token",
     "allow_insecure_internal",
     "speculative_ttl",
     "health_check_interval",
@@ -211,6 +215,7 @@ impl ServeArgs {
         set("block_size", self.block_size.map(|n| i64::from(n).into()))?;
         set("policy", self.policy.clone().map(Into::into))?;
         set("internal_token", self.internal_token.clone().map(Into::into))?;
+        set("admin_token", self.admin_token.clone().map(Into::into))?;
         set("allow_insecure_internal", self.allow_insecure_internal.then_some(true.into()))?;
         set("speculative_ttl", self.speculative_ttl.clone().map(Into::into))?;
         set("health_check_interval", self.health_check_interval.clone().map(Into::into))?;

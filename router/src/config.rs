@@ -58,6 +58,10 @@ pub struct RawConfig {
     pub consistent_hash_load_factor: f64,
     /// Tokens that identify a request for `consistent_hash` and `sticky_least_loaded`.
     pub head_tokens: usize,
+    /// When set, `/debug/*` and `/admin/*` require `Authorization: Bearer`
+    /// with this token (they reveal block keys, worker URLs and load, and
+    /// `/debug/route` costs a tokenization). Unset: open, as on loopback.
+    pub admin_token: Option<Secret>,
     pub internal_token: Option<Secret>,
     /// One token per worker id: a sidecar may then push only for its own id
     /// (its registration, URL and keys), and the shared `internal_token`
@@ -146,6 +150,7 @@ impl Default for RawConfig {
             prefix_threshold: PrefixThresholdParams::default(),
             consistent_hash_load_factor: 1.25,
             head_tokens: 64,
+            admin_token: None,
             internal_token: None,
             worker_tokens_file: None,
             allow_insecure_internal: false,
@@ -308,6 +313,9 @@ impl RawConfig {
         }
         if self.eject_after_failures == 0 {
             return Err(invalid("eject_after_failures", "must be at least 1"));
+        }
+        if let Some(t) = &self.admin_token {
+            check_token(t.expose()).map_err(|m| invalid("admin_token", m))?;
         }
         if let Some(t) = &self.internal_token {
             check_token(t.expose()).map_err(|m| invalid("internal_token", m))?;

@@ -10,7 +10,7 @@ use kvroute_shared::wire::{DecodeError, ErrorBody};
 pub enum RouterError {
     #[error("{message}")]
     BadRequest { field: Option<String>, message: String },
-    #[error("missing or invalid internal token")]
+    #[error("missing or invalid bearer token")]
     Unauthorized,
     #[error("{0}")]
     Forbidden(String),

@@ -126,9 +126,13 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/health", get(admin::health))
         .route("/ready", get(admin::ready))
         .route("/metrics", get(admin::metrics))
-        .route("/debug/route", post(admin::debug_route))
-        .route("/debug/index", get(admin::debug_index))
-        .route("/admin/workers", get(admin::workers))
+        .merge(
+            Router::new()
+                .route("/debug/route", post(admin::debug_route))
+                .route("/debug/index", get(admin::debug_index))
+                .route("/admin/workers", get(admin::workers))
+                .route_layer(axum::middleware::from_fn_with_state(state.clone(), admin::require_admin_token)),
+        )
         .route(kvroute_shared::wire::EVICTION_PATH, post(internal::eviction))
         .route(kvroute_shared::wire::SYNC_PATH, post(internal::sync))
         .with_state(state)

@@ -823,3 +823,38 @@ async fn pushes_of_an_unknown_protocol_version_are_refused_and_unversioned_ones_
     let metrics = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains("kind=\"rejected_protocol\"} 2"), "{metrics}");
 }
+
+/// With `admin_token`, `/debug/*` and `/admin/*` need it; the API and
+/// `/metrics` stay open. Without it they are open (loopback defaults).
+#[tokio::test]
+async fn an_admin_token_guards_debug_and_admin_endpoints() {
+    const ADMIN: &str = "admin-token-0123456789";
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let r = router(&[("w1", &w.url)], |raw| raw.admin_token = Some(Secret::new(ADMIN))).await;
+    let body = json!({"model": "m", "prompt": prompt(64)});
+    let get = |path: &str, token: Option<&str>| {
+        let mut req = r.http.get(format!("{}{path}", r.url));
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        req.send()
+    };
+    for path in ["/admin/workers", "/debug/index"] {
+        assert_eq!(get(path, None).await.unwrap().status(), 401, "{path}");
+        assert_eq!(get(path, Some("wrong-token-0123456789")).await.unwrap().status(), 401, "{path}");
+        assert_eq!(get(path, Some(ADMIN)).await.unwrap().status(), 200, "{path}");
+    }
+    let route = |token: Option<&str>| {
+        let mut req = r.http.post(format!("{}/debug/route", r.url)).json(&body);
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        req.send()
+    };
+    assert_eq!(route(None).await.unwrap().status(), 401);
+    assert_eq!(route(Some(ADMIN)).await.unwrap().status(), 200);
+    assert_eq!(r.complete(body.clone()).await.status(), 200);
+    assert_eq!(get("/metrics", None).await.unwrap().status(), 200);
+    let open = router(&[("w1", &w.url)], |_| {}).await;
+    assert_eq!(open.http.get(format!("{}/admin/workers", open.url)).send().await.unwrap().status(), 200);
+}
