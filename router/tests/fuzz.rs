@@ -129,3 +129,50 @@ fn rejected_pushes_leave_state_unchanged() {
         assert_eq!(s.map.read().index.entry_count(), 1);
     }
 }
+
+/// The hostile inputs of the hardening review (issue 13), kept as seeds: each
+/// is refused cleanly or applied harmlessly, never a panic or a 500.
+#[test]
+fn the_hardening_reviews_inputs_are_handled() {
+    let s = state();
+    let rt = rt();
+    let send = |path: &str, v: Value| rt.block_on(post(&s, path, serde_json::to_vec(&v).unwrap()));
+    // URLs that once registered as healthy workers.
+    for url in ["http://", "http://a b c", "ftp://x:1", "javascript:alert(1)", "http://[::1", ""] {
+        let (status, body) = send("/internal/sync", json!({"worker_id": "w-url", "url": url, "hashes": []}));
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{url:?}: {body}");
+    }
+    assert!(s.workers.snapshot().is_empty());
+    // A legitimate worker, then the freeze attempt: the largest seq.
+    let ok = json!({"worker_id": "w1", "url": "http://127.0.0.1:9", "hashes": ["00000000000000aa"],
+        "epoch": "0000000000000000aaaa", "seq": 1});
+    assert_eq!(send("/internal/sync", ok).0, StatusCode::OK);
+    let max = json!({"worker_id": "w1", "epoch": "0000000000000000aaaa", "seq": u64::MAX, "evicted_hashes": []});
+    assert_eq!(send("/internal/eviction", max.clone()).0, StatusCode::OK);
+    let (status, ack) = send("/internal/eviction", max);
+    assert_eq!((status, ack["outcome"].as_str()), (StatusCode::OK, Some("stale")), "a replay of the max seq");
+    // A newer epoch (what the real sidecar draws after a stale reply) is applied again.
+    let newer =
+        json!({"worker_id": "w1", "epoch": "0000000000000001aaaa", "seq": 0, "stored_hashes": ["00000000000000bb"]});
+    let (status, ack) = send("/internal/eviction", newer);
+    assert_eq!((status, ack["outcome"].as_str()), (StatusCode::OK, Some("applied")), "{ack}");
+    // `cleared` for an id nobody registered: nothing to wipe.
+    let (status, ack) = send(
+        "/internal/eviction",
+        json!({"worker_id": "ghost", "epoch": "ffffffffffffffffffff", "seq": 0, "cleared": true}),
+    );
+    assert_eq!((status, ack["outcome"].as_str()), (StatusCode::OK, Some("unknown_worker")));
+    // Ids that are too long or not printable.
+    for id in ["x".repeat(10_000), "w\u{0}1".to_string(), "w 1".to_string()] {
+        let (status, body) =
+            send("/internal/sync", json!({"worker_id": id, "url": "http://127.0.0.1:9", "hashes": []}));
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    }
+    // A prompt larger than the body limit, to the API and to /debug/route.
+    let huge = json!({"model": "m", "prompt": "a ".repeat(100_000)});
+    for path in ["/v1/completions", "/debug/route"] {
+        let (status, _) = send(path, huge.clone());
+        assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{path}");
+    }
+    assert_eq!(s.workers.snapshot().len(), 1, "only w1 was ever registered");
+}
