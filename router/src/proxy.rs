@@ -277,18 +277,6 @@ async fn dispatch(
     Err(err)
 }
 
-/// `e` and its sources, `: `-separated (reqwest's own message hides the cause).
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
-}
-
 /// An attempt that got no response. `request_sent`: the connection was made
 /// and then closed or reset without an answer, which the request itself can
 /// cause (an engine that refuses it by dropping the connection).
@@ -320,7 +308,10 @@ async fn send(
         Ok(Err(e)) if e.is_timeout() => Err(timeout()),
         Ok(Err(e)) => Err(Failure {
             request_sent: !e.is_connect(),
-            error: RouterError::UpstreamFailed { worker: worker.id.clone(), message: error_chain(&e) },
+            error: RouterError::UpstreamFailed {
+                worker: worker.id.clone(),
+                message: kvroute_shared::logging::error_chain(&e),
+            },
         }),
         Ok(Ok(resp)) => Ok(resp),
     }

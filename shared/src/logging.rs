@@ -49,3 +49,16 @@ pub fn init(level: Option<&str>, format: Option<&str>, output: Output) -> Result
     }
     Ok(())
 }
+
+/// An error with every cause, `a: b: c`: reqwest's top level alone says only
+/// "error sending request", and the cause is what an operator needs.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}

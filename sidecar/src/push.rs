@@ -168,7 +168,7 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
                 }
                 Err((kind, e)) => {
                     pusher.state.metrics().push_failures.get_or_create(&Pusher::labels(&link.target, kind)).inc();
-                    warn!(router = %link.target.0, error = %error_chain(&e), "push failed; next message is a full sync");
+                    warn!(router = %link.target.0, error = %kvroute_shared::logging::error_chain(&e), "push failed; next message is a full sync");
                     pusher.state.require_sync(&link.target);
                     let cap = if e.nothing_sent() { RECONNECT_MAX } else { BACKOFF_MAX };
                     let pause = jitter(backoff.min(cap));
@@ -186,19 +186,6 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
     if !pusher.state.needs_sync(&link.target) {
         let _ = tokio::time::timeout(FLUSH_DEADLINE, pusher.round(&mut link)).await;
     }
-}
-
-/// An error with every cause, `a: b: c` (reqwest's top level alone says only
-/// "error sending request").
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
 }
 
 /// Full jitter over the upper half: spreads retries of many sidecars.
