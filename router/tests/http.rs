@@ -12,7 +12,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures::StreamExt;
-use kvroute_router::config::{RawConfig, Secret};
+use kvroute_router::config::Secret;
 use kvroute_shared::openai::{Endpoint, PromptRequest};
 use kvroute_shared::tokenize::PromptTokenizer;
 use kvroute_shared::{BlockKey, BlockSize, KeyRoot, block_keys};
@@ -20,7 +20,8 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
-const TOKEN: &str = "test-internal-token-0123";
+mod support;
+use support::{TOKEN, TestRouter, router};
 
 /// How a fake worker answers completions.
 #[derive(Clone)]
@@ -113,32 +114,7 @@ async fn slamming_door() -> String {
     url
 }
 
-struct Router_ {
-    url: String,
-    http: reqwest::Client,
-    _stop: oneshot::Sender<()>,
-}
-
-async fn router(workers: &[(&str, &str)], tweak: impl FnOnce(&mut RawConfig)) -> Router_ {
-    let mut raw = RawConfig {
-        workers: workers.iter().map(|(id, url)| format!("{id}={url}")).collect(),
-        internal_token: Some(Secret::new(TOKEN)),
-        health_check_interval: Duration::from_secs(3600),
-        retries: 2,
-        ..Default::default()
-    };
-    tweak(&mut raw);
-    let config = raw.validate().unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(kvroute_router::run(listener, config, async move {
-        let _ = stopped.await;
-    }));
-    Router_ { url, http: reqwest::Client::new(), _stop: stop }
-}
-
-impl Router_ {
+impl TestRouter {
     async fn complete(&self, body: Value) -> reqwest::Response {
         self.http.post(format!("{}/v1/completions", self.url)).json(&body).send().await.unwrap()
     }
@@ -743,7 +719,7 @@ async fn picky_door(name: &'static str) -> String {
     url
 }
 
-async fn healthy(r: &Router_, id: &str) -> bool {
+async fn healthy(r: &TestRouter, id: &str) -> bool {
     let workers: Value = r.http.get(format!("{}/admin/workers", r.url)).send().await.unwrap().json().await.unwrap();
     let list = workers["workers"].as_array().cloned().unwrap_or_default();
     list.iter().find(|w| w["id"] == id).unwrap_or_else(|| panic!("no {id} in {workers}"))["healthy"] == true

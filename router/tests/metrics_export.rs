@@ -4,17 +4,15 @@
 //! router exports from the start.
 
 use std::collections::BTreeSet;
-use std::time::Duration;
 
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::{get, post};
-use kvroute_router::config::{RawConfig, Secret};
 use serde_json::json;
 use tokio::net::TcpListener;
-use tokio::sync::oneshot;
 
-const TOKEN: &str = "test-internal-token-0123";
+mod support;
+use support::{TOKEN, TestRouter, router};
 
 /// A worker that answers every completion with `status`.
 async fn fake_worker(status: u16) -> String {
@@ -26,29 +24,6 @@ async fn fake_worker(status: u16) -> String {
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await });
     url
-}
-
-struct TestRouter {
-    url: String,
-    http: reqwest::Client,
-    _stop: oneshot::Sender<()>,
-}
-
-async fn router(workers: &[(&str, &str)]) -> TestRouter {
-    let raw = RawConfig {
-        workers: workers.iter().map(|(id, url)| format!("{id}={url}")).collect(),
-        internal_token: Some(Secret::new(TOKEN)),
-        health_check_interval: Duration::from_secs(3600),
-        ..Default::default()
-    };
-    let config = raw.validate().unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(kvroute_router::run(listener, config, async move {
-        let _ = stopped.await;
-    }));
-    TestRouter { url, http: reqwest::Client::new(), _stop: stop }
 }
 
 impl TestRouter {
@@ -76,7 +51,7 @@ fn unix_now() -> f64 {
 async fn requests_build_process_and_sync_series_are_exported() {
     let w = fake_worker(200).await;
     let broken = fake_worker(500).await;
-    let r = router(&[("w1", &w)]).await;
+    let r = router(&[("w1", &w)], |_| {}).await;
     let prompt = "x".repeat(64);
     let resp = r
         .http
@@ -116,7 +91,7 @@ async fn requests_build_process_and_sync_series_are_exported() {
     assert!(!text.contains(r#"kvroute_worker_last_sync_timestamp_seconds{worker="w1"}"#), "w1 has no sidecar");
 
     // Every attempt failing: counted against the worker that failed last.
-    let r = router(&[("bad", &broken)]).await;
+    let r = router(&[("bad", &broken)], |_| {}).await;
     let resp = r
         .http
         .post(format!("{}/v1/completions", r.url))
@@ -179,7 +154,7 @@ fn router_owned(name: &str) -> bool {
 async fn the_operations_metric_table_matches_what_a_fresh_router_exports() {
     let w = fake_worker(200).await;
     // No request yet: the table may only promise what exists from the start.
-    let r = router(&[("w1", &w)]).await;
+    let r = router(&[("w1", &w)], |_| {}).await;
     let exported: BTreeSet<String> =
         exported_names(&r.scrape().await).into_iter().filter(|n| router_owned(n)).collect();
     let documented: BTreeSet<String> = documented_names().into_iter().filter(|n| router_owned(n)).collect();

@@ -1,0 +1,39 @@
+//! An in-process router on an ephemeral loopback port, shared by the
+//! integration tests that talk to it over HTTP.
+
+use std::time::Duration;
+
+use kvroute_router::config::{RawConfig, Secret};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+/// The internal token every test router accepts.
+pub const TOKEN: &str = "test-internal-token-0123";
+
+/// A running router; it stops when dropped.
+pub struct TestRouter {
+    pub url: String,
+    pub http: reqwest::Client,
+    _stop: oneshot::Sender<()>,
+}
+
+/// Starts a router with `workers` (`(id, url)`) as static workers, active
+/// health checks out of the way, and whatever `tweak` changes.
+pub async fn router(workers: &[(&str, &str)], tweak: impl FnOnce(&mut RawConfig)) -> TestRouter {
+    let mut raw = RawConfig {
+        workers: workers.iter().map(|(id, url)| format!("{id}={url}")).collect(),
+        internal_token: Some(Secret::new(TOKEN)),
+        health_check_interval: Duration::from_secs(3600),
+        retries: 2,
+        ..Default::default()
+    };
+    tweak(&mut raw);
+    let config = raw.validate().unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(kvroute_router::run(listener, config, async move {
+        let _ = stopped.await;
+    }));
+    TestRouter { url, http: reqwest::Client::new(), _stop: stop }
+}
