@@ -113,9 +113,14 @@ impl PredictedTtft {
 
     /// Predicted TTFT of the request on candidate `i`, in µs.
     pub fn predict(&self, view: &RouteView<'_>, i: usize) -> f64 {
+        self.predict_after(view, i, self.queued(view, i))
+    }
+
+    /// [`Self::predict`] with the candidate's queued prefill already known.
+    fn predict_after(&self, view: &RouteView<'_>, i: usize, queued: f64) -> f64 {
         let p = &self.params;
         let c = &view.candidates[i];
-        let tokens = self.queued(view, i) + view.uncached_tokens(c) as f64;
+        let tokens = queued + view.uncached_tokens(c) as f64;
         let steps = (tokens / p.max_batched_tokens.max(1) as f64).ceil().max(1.0);
         let decoders = f64::from(c.load.running.max(c.load.inflight));
         let t = tokens * p.prefill_us_per_token + steps * (p.step_overhead_us + decoders * p.decode_us_per_seq);
@@ -131,7 +136,8 @@ impl Policy for PredictedTtft {
     fn choose(&self, view: &RouteView<'_>) -> Decision {
         let p = &self.params;
         let n = view.candidates.len();
-        let predicted: Vec<f64> = (0..n).map(|i| self.predict(view, i)).collect();
+        let queued: Vec<f64> = (0..n).map(|i| self.queued(view, i)).collect();
+        let predicted: Vec<f64> = (0..n).map(|i| self.predict_after(view, i, queued[i])).collect();
         let least_uncached = view.candidates.iter().map(|c| view.uncached_tokens(c)).min().unwrap_or(0);
         let score: Vec<f64> = (0..n)
             .map(|i| {
@@ -154,9 +160,9 @@ impl Policy for PredictedTtft {
             });
             if let Some(h) = holder {
                 let held = (view.candidates[h].matched_blocks * view.block_size) as f64;
-                let shortest = eligible.iter().map(|&i| self.queued(view, i)).fold(f64::INFINITY, f64::min);
+                let shortest = eligible.iter().map(|&i| queued[i]).fold(f64::INFINITY, f64::min);
                 if held > p.stick_ratio * view.prompt_tokens as f64
-                    && self.queued(view, h) <= p.stick_factor * shortest + p.stick_slack_tokens
+                    && queued[h] <= p.stick_factor * shortest + p.stick_slack_tokens
                 {
                     let mut d = Decision::with_fallbacks(view, h, Reason::BestCost);
                     d.costs = predicted.iter().map(|t| Some(t / 1e3)).collect();
