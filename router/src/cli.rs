@@ -49,6 +49,18 @@ pub struct ServeArgs {
     /// vllm-router/SMG spelling of --listen: the port part [default: 8080].
     #[arg(long, value_name = "PORT")]
     pub port: Option<u16>,
+    /// Also serve /metrics (plain HTTP, nothing else) on this address; /metrics
+    /// stays on the main listener too [default: none].
+    #[arg(long, value_name = "ADDR", conflicts_with_all = ["prometheus_port", "prometheus_host"])]
+    pub metrics_listen: Option<String>,
+    /// vllm-router/SMG spelling of --metrics-listen: the port part (turns the
+    /// metrics listener on).
+    #[arg(long, value_name = "PORT")]
+    pub prometheus_port: Option<u16>,
+    /// vllm-router/SMG spelling of --metrics-listen: the host part
+    /// [default: 127.0.0.1]; needs --prometheus-port.
+    #[arg(long, value_name = "HOST", requires = "prometheus_port")]
+    pub prometheus_host: Option<String>,
     /// A static worker, ID=URL (repeatable). Sidecars register others.
     #[arg(long = "worker", value_name = "ID=URL")]
     pub workers: Vec<String>,
@@ -116,6 +128,7 @@ pub struct ServeArgs {
 /// Top-level keys that `KVROUTE_<KEY>` may set (lists are comma-separated).
 const ENV_KEYS: &[&str] = &[
     "listen",
+    "metrics_listen",
     "workers",
     "tokenizer",
     "block_size",
@@ -159,6 +172,13 @@ pub enum CliError {
     WorkerUrl(String),
 }
 
+/// `HOST:PORT` from the peers' separate host and port flags (host default
+/// loopback); an IPv6 host gets the brackets a socket address needs.
+fn socket_addr(host: Option<&str>, port: u16) -> String {
+    let host = host.unwrap_or("127.0.0.1");
+    if host.contains(':') && !host.starts_with('[') { format!("[{host}]:{port}") } else { format!("{host}:{port}") }
+}
+
 /// `--worker-urls URL`: the worker's id is the URL's `host:port`, stable
 /// across restarts and independent of the order URLs are given in.
 fn worker_from_url(url: &str) -> Result<String, CliError> {
@@ -198,14 +218,15 @@ impl ServeArgs {
         let listen = match (&self.listen, &self.host, self.port) {
             (Some(l), _, _) => Some(l.clone()),
             (None, None, None) => None,
-            (None, host, port) => {
-                let host = host.as_deref().unwrap_or("127.0.0.1");
-                // An IPv6 host needs brackets in a socket address.
-                let host = if host.contains(':') && !host.starts_with('[') { format!("[{host}]") } else { host.into() };
-                Some(format!("{host}:{}", port.unwrap_or(8080)))
-            }
+            (None, host, port) => Some(socket_addr(host.as_deref(), port.unwrap_or(8080))),
         };
         set("listen", listen.map(Into::into))?;
+        let metrics_listen = match (&self.metrics_listen, self.prometheus_port) {
+            (Some(l), _) => Some(l.clone()),
+            (None, Some(port)) => Some(socket_addr(self.prometheus_host.as_deref(), port)),
+            (None, None) => None,
+        };
+        set("metrics_listen", metrics_listen.map(Into::into))?;
         let mut workers = self.workers.clone();
         for url in self.worker_urls.iter().flat_map(|s| s.split_whitespace()) {
             workers.push(worker_from_url(url)?);
@@ -264,6 +285,26 @@ mod tests {
         assert!(Cli::try_parse_from(["kvroute-router", "--listen", "127.0.0.1:1", "--port", "2"]).is_err());
         let bad = Cli::try_parse_from(["kvroute-router", "--worker-urls", "vllm:8000"]).unwrap();
         assert!(matches!(bad.serve.load(Vec::new()), Err(CliError::WorkerUrl(_))));
+    }
+
+    #[test]
+    fn metrics_listener_and_its_peer_spelling() {
+        let load = |args: &[&str]| {
+            let argv = std::iter::once("kvroute-router").chain(args.iter().copied());
+            Cli::try_parse_from(argv).map(|cli| cli.serve.load(Vec::new()).unwrap().metrics_listen)
+        };
+        assert_eq!(load(&[]).unwrap(), None);
+        assert_eq!(load(&["--metrics-listen", "0.0.0.0:9090"]).unwrap(), Some("0.0.0.0:9090".parse().unwrap()));
+        assert_eq!(load(&["--prometheus-port", "29000"]).unwrap(), Some("127.0.0.1:29000".parse().unwrap()));
+        assert_eq!(
+            load(&["--prometheus-host", "::", "--prometheus-port", "29000"]).unwrap(),
+            Some("[::]:29000".parse().unwrap())
+        );
+        // A host alone says nothing about a port; two spellings at once are ambiguous.
+        assert!(load(&["--prometheus-host", "0.0.0.0"]).is_err());
+        assert!(load(&["--metrics-listen", "127.0.0.1:1", "--prometheus-port", "2"]).is_err());
+        let env = [("KVROUTE_METRICS_LISTEN".to_string(), "127.0.0.1:9191".to_string())];
+        assert_eq!(ServeArgs::default().load(env).unwrap().metrics_listen, Some("127.0.0.1:9191".parse().unwrap()));
     }
 
     #[test]

@@ -44,6 +44,11 @@ impl fmt::Debug for Secret {
 #[serde(deny_unknown_fields, default)]
 pub struct RawConfig {
     pub listen: SocketAddr,
+    /// A second, plain-HTTP listener serving only `/metrics` (for a scrape
+    /// port kept apart from the API, as vllm-router's `--prometheus-port`).
+    /// `/metrics` stays on `listen` too, so existing scrape configs keep
+    /// working. Unset: no second listener.
+    pub metrics_listen: Option<SocketAddr>,
     /// Static workers, `ID=URL`.
     pub workers: Vec<String>,
     /// Tokenizer directory for models without their own entry in `tokenizers`.
@@ -140,6 +145,7 @@ impl Default for RawConfig {
     fn default() -> Self {
         RawConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            metrics_listen: None,
             workers: Vec::new(),
             tokenizer: None,
             tokenizers: BTreeMap::new(),
@@ -340,6 +346,16 @@ impl RawConfig {
                 ),
             ));
         }
+        if let Some(m) = self.metrics_listen
+            && m.port() != 0
+            && m.port() == self.listen.port()
+            && (m.ip() == self.listen.ip() || m.ip().is_unspecified() || self.listen.ip().is_unspecified())
+        {
+            return Err(invalid(
+                "metrics_listen",
+                format!("{m} is the API's own address; /metrics is served there already"),
+            ));
+        }
         if self.tls_cert.is_some() != self.tls_key.is_some() {
             return Err(invalid("tls_cert", "tls_cert and tls_key go together"));
         }
@@ -450,6 +466,15 @@ mod tests {
             let e = raw.validate().unwrap_err();
             assert!(e.to_string().contains("`internal_token`"), "{weak:?}: {e}");
         }
+    }
+
+    #[test]
+    fn metrics_listen_must_differ_from_listen() {
+        let same = RawConfig { metrics_listen: Some("0.0.0.0:8080".parse().unwrap()), ..Default::default() };
+        let e = same.validate().unwrap_err();
+        assert!(e.to_string().contains("`metrics_listen`"), "{e}");
+        let other = RawConfig { metrics_listen: Some("127.0.0.1:9090".parse().unwrap()), ..Default::default() };
+        assert_eq!(other.validate().unwrap().raw.metrics_listen, Some("127.0.0.1:9090".parse().unwrap()));
     }
 
     #[test]

@@ -3,8 +3,9 @@
 //! anyone. Sidecars keep its cache map true (`internal`); `routing` turns a
 //! request into keys and a decision by a `policy`; `proxy` forwards it.
 //!
-//! Tests and embedders call [`run`] with a listener they bound themselves, or
-//! [`build_state`] + [`app`] to drive the router in-process.
+//! Tests and embedders call [`run`] with a listener they bound themselves (or
+//! [`run_with`] with the metrics listener too), or [`build_state`] + [`app`]
+//! to drive the router in-process.
 
 pub mod admin;
 pub mod cli;
@@ -138,13 +139,49 @@ pub fn app(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
+/// The optional metrics listener's surface: `/metrics` alone, so a scrape
+/// port can be opened to Prometheus without exposing the API.
+pub fn metrics_app(state: Arc<AppState>) -> Router {
+    Router::new().route("/metrics", get(admin::metrics)).with_state(state)
+}
+
+/// The sockets a router serves on.
+#[derive(Debug)]
+pub struct Listeners {
+    /// The API, `/metrics`, the sidecars' and the admin endpoints (TLS when configured).
+    pub api: TcpListener,
+    /// `metrics_listen`: `/metrics` again, in plain HTTP.
+    pub metrics: Option<TcpListener>,
+}
+
+/// Open connections the metrics listener keeps at most (Prometheus needs one
+/// or two; the cap keeps a stray client from using the API's budget of file
+/// descriptors).
+const METRICS_MAX_CONNECTIONS: usize = 64;
+
 /// Serves until `shutdown` resolves, then drains in-flight requests for at
-/// most the configured grace period.
+/// most the configured grace period. Binds `metrics_listen` itself when set;
+/// use [`run_with`] to pass that listener in.
 pub async fn run(
     listener: TcpListener,
     config: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
+    let metrics = match config.raw.metrics_listen {
+        Some(addr) => Some(TcpListener::bind(addr).await?),
+        None => None,
+    };
+    run_with(Listeners { api: listener, metrics }, config, shutdown).await
+}
+
+/// [`run`] on listeners the caller bound (the configured `listen` and
+/// `metrics_listen` addresses are not looked at).
+pub async fn run_with(
+    listeners: Listeners,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RunError> {
+    let Listeners { api: listener, metrics } = listeners;
     let token = CancellationToken::new();
     let grace = config.raw.shutdown_grace;
     // Misconfigured TLS fails before anything starts.
@@ -166,6 +203,10 @@ pub async fn run(
         max_connections: state.config.raw.max_connections,
         header_read_timeout: state.config.raw.header_read_timeout,
     };
+    let metrics_task = metrics.map(|listener| {
+        let limits = serve::Limits { max_connections: METRICS_MAX_CONNECTIONS, ..limits };
+        tokio::spawn(serve::serve(listener, metrics_app(state.clone()), limits, token.clone()))
+    });
     let stopping = token.clone();
     let mut serve = match tls {
         Some(config) => {
@@ -183,6 +224,8 @@ pub async fn run(
     };
     let flatten =
         |r: Result<(), tokio::task::JoinError>| r.map_err(|join| RunError::Serve(std::io::Error::other(join)));
+    // Scrapes are short: the metrics listener is not waited for.
+    let _stop_metrics = metrics_task.map(|t| t.abort_handle()).map(AbortOnDrop);
     tokio::select! {
         r = &mut serve => return flatten(r),
         _ = token.cancelled() => {}
@@ -193,5 +236,14 @@ pub async fn run(
             tracing::warn!(?grace, "shutdown grace period over: dropping remaining connections");
             Ok(())
         }
+    }
+}
+
+/// Aborts a task when the function that spawned it returns.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }

@@ -28,12 +28,20 @@ async fn main() -> anyhow::Result<()> {
         kvroute_router::tls::server_config(cert, key)?;
     }
     let listener = bind(config.raw.listen).await.with_context(|| format!("binding {}", config.raw.listen))?;
+    let metrics = match config.raw.metrics_listen {
+        Some(addr) => Some(bind(addr).await.with_context(|| format!("binding the metrics listener {addr}"))?),
+        None => None,
+    };
     let addr = listener.local_addr()?;
     // Parents (the local cluster, tests) read this line to find the port.
     let scheme = if config.raw.tls_cert.is_some() { "https" } else { "http" };
     println!("listening on {scheme}://{addr}");
+    if let Some(m) = &metrics {
+        println!("metrics on http://{}/metrics", m.local_addr()?);
+    }
     tracing::info!(%addr, policy = ?config.policy, workers = config.workers.len(), "kvroute-router started");
-    kvroute_router::run(listener, config, shutdown_signal()).await?;
+    let listeners = kvroute_router::Listeners { api: listener, metrics };
+    kvroute_router::run_with(listeners, config, shutdown_signal()).await?;
     Ok(())
 }
 
