@@ -197,6 +197,7 @@ pub fn housekeeping_gauges(state: &AppState) {
         }
         let load = w.live.load();
         let label = WorkerLabel { worker: id.clone() };
+        m.init_worker_series(&id);
         m.worker_inflight.get_or_create(&label).set(i64::from(load.inflight));
         m.worker_pending_tokens.get_or_create(&label).set(load.pending_prefill_tokens as i64);
         m.worker_kv_usage.get_or_create(&label).set(load.kv_usage);

@@ -27,6 +27,11 @@ pub const INDEX_KINDS: [&str; 3] = ["confirmed", "speculative", "approximate"];
 pub const ENGINE_KINDS: [&str; 2] = ["running", "waiting"];
 /// The `status` labels of [`Metrics::request_duration`].
 pub const STATUS_CLASSES: [&str; 4] = ["2xx", "4xx", "5xx", "error"];
+/// The `kind` labels of [`Metrics::syncs`], created at 0 at start.
+pub const SYNC_KINDS: [&str; 4] = ["applied", "stale", "rejected_block_size", "rejected_too_large"];
+/// The `kind` labels of [`Metrics::events`] every router sees, created at 0
+/// at start (rarer kinds appear when they first happen).
+pub const EVENT_KINDS: [&str; 4] = ["stored", "evicted", "cleared", "stale_batch"];
 /// The `worker` label of requests refused before a worker was chosen.
 pub const NO_WORKER: &str = "none";
 
@@ -168,6 +173,14 @@ impl Metrics {
         registry.register("events_applied", "Block events applied from sidecars, by kind", events.clone());
         let syncs = Family::<KindLabel, Counter>::default();
         registry.register("syncs", "Sidecar syncs by outcome", syncs.clone());
+        // Series a dashboard or an alert rates over exist from the start at 0:
+        // `rate()` of a series that appears with its first event misses that event.
+        for kind in SYNC_KINDS {
+            let _ = syncs.get_or_create(&KindLabel { kind });
+        }
+        for kind in EVENT_KINDS {
+            let _ = events.get_or_create(&KindLabel { kind });
+        }
         let worker_inflight = Family::<WorkerLabel, Gauge>::default();
         registry.register("worker_inflight", "Requests this router has in flight per worker", worker_inflight.clone());
         let worker_pending_tokens = Family::<WorkerLabel, Gauge>::default();
@@ -257,13 +270,34 @@ impl Metrics {
     }
 
     pub fn request(&self, worker: &str, outcome: &'static str) {
+        self.note_outcome(outcome);
+        self.requests.get_or_create(&WorkerOutcome { worker: worker.to_owned(), outcome }).inc();
+    }
+
+    /// Creates a worker's counters and histograms at 0 (ejections, TTFT,
+    /// request durations, `ok` requests), so rates and quantiles over them
+    /// exist from the worker's first scrape rather than its first request.
+    /// Called at each refresh for every registered worker (a lookup when the
+    /// series exist); [`Metrics::retire_worker`] removes them again.
+    pub fn init_worker_series(&self, worker: &str) {
+        let label = WorkerLabel { worker: worker.to_owned() };
+        let _ = self.ejections.get_or_create(&label);
+        let _ = self.ttft.get_or_create(&label);
+        for status in STATUS_CLASSES {
+            let _ = self.request_duration.get_or_create(&WorkerStatus { worker: worker.to_owned(), status });
+        }
+        self.note_outcome("ok");
+        let _ = self.requests.get_or_create(&WorkerOutcome { worker: worker.to_owned(), outcome: "ok" });
+    }
+
+    /// Remembers an `outcome` label, so a removed worker's series with it are found.
+    fn note_outcome(&self, outcome: &'static str) {
         if !self.outcomes.read().contains(&outcome) {
             let mut seen = self.outcomes.write();
             if !seen.contains(&outcome) {
                 seen.push(outcome);
             }
         }
-        self.requests.get_or_create(&WorkerOutcome { worker: worker.to_owned(), outcome }).inc();
     }
 
     /// A request's end: how long it took and its status class.
@@ -393,6 +427,27 @@ mod tests {
         assert_eq!(series_of(&m, "gone"), 0);
         assert!(m.departed.lock().is_empty(), "nothing holds the worker: forgotten");
         assert!(series_of(&m, "stays") > 0);
+    }
+
+    #[test]
+    fn rated_series_exist_at_zero_from_the_start_and_leave_with_their_worker() {
+        let m = Metrics::new();
+        let text = m.encode();
+        for line in ["kvroute_syncs_total{kind=\"applied\"} 0", "kvroute_events_applied_total{kind=\"stored\"} 0"] {
+            assert!(text.lines().any(|l| l == line), "no {line} in\n{text}");
+        }
+        m.init_worker_series("w1");
+        let text = m.encode();
+        for line in [
+            "kvroute_worker_ejections_total{worker=\"w1\"} 0",
+            "kvroute_requests_total{worker=\"w1\",outcome=\"ok\"} 0",
+            "kvroute_upstream_ttft_seconds_count{worker=\"w1\"} 0",
+            "kvroute_request_duration_seconds_count{worker=\"w1\",status=\"5xx\"} 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no {line} in\n{text}");
+        }
+        m.retire_worker(&worker("w1"));
+        assert_eq!(series_of(&m, "w1"), 0, "{}", m.encode());
     }
 
     #[test]
