@@ -2,6 +2,17 @@
 //! running and waiting (summed over label sets, e.g. one per engine of a
 //! data-parallel deployment) and KV-cache usage, plus the engine's block size
 //! from `vllm:cache_config_info`.
+//!
+//! Hand-written on purpose (issue 15 asked for a library): `prometheus-parse`
+//! 0.2.5 matches metric names with `\w+` and reads none of vLLM's `vllm:…`
+//! samples (0 of 4 on the test page below, checked 2026-11-23); the one crate
+//! found that reads them, `prom_text_format_parser` 0.1.0 (a single release,
+//! on winnow 0.5, strum 0.25 and derive_more 0.99), rejects a whole page for
+//! one line it cannot parse and took 0.64-0.97 ms per 65 kB page (40
+//! histogram families) against 0.09 ms for this scan of the five families
+//! needed, release build on this project's 2-core machine. The scrape runs
+//! once a second, so speed alone would not decide it; fitting vLLM's names and
+//! surviving a stray line do.
 
 use kvroute_shared::wire::Load;
 
@@ -85,6 +96,16 @@ vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching=
         assert_eq!((load.running, load.waiting), (5, 1));
         assert!((load.kv_usage - 0.375).abs() < 1e-9);
         assert_eq!(parse_block_size(TEXT), Some(32));
+    }
+
+    #[test]
+    fn a_line_it_cannot_read_costs_only_that_line() {
+        let text = format!(
+            "{TEXT}vllm:num_requests_running{{engine=\"2\" oops\nvllm:num_requests_waiting NaN\nnot a sample\n"
+        );
+        let load = parse_load(&text).unwrap();
+        assert_eq!((load.running, load.waiting), (5, 1));
+        assert_eq!(parse_block_size(&text), Some(32));
     }
 
     #[test]
