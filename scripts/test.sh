@@ -5,10 +5,14 @@
 # 2. installs the Python test environment: real vLLM (CPU build) and the test
 #    clients in target/vllm-venv (scripts/install-vllm.sh; idempotent, a few
 #    minutes and ~6 GB the first time);
-# 3. Rust unit, property, golden and end-to-end tests;
-# 4. Python tests in that venv: the vLLM plugin, the openai client through a
-#    simulated cluster, the deployment files, and the real-vLLM tier
-#    (tests/vllm: kvroute in front of real vLLM engines, simulator conformance).
+# 3. makes sure a Docker engine runs (scripts/docker-engine.sh: as root it
+#    installs Debian's docker.io + docker-compose + debootstrap and starts dockerd);
+# 4. Rust unit, property, golden and end-to-end tests;
+# 5. Python tests in that venv: the vLLM plugin, the openai client through a
+#    simulated cluster, the deployment files, compose.yaml brought up for real
+#    in Docker (tests/python/test_compose.py, image built offline), and the
+#    real-vLLM tier (tests/vllm: kvroute in front of real vLLM engines,
+#    simulator conformance).
 #
 # Nothing is skipped silently: a step that cannot run counts as a failure, and
 # the last line is `N passed, N failed, N skipped` over everything.
@@ -28,6 +32,14 @@ if scripts/install-vllm.sh; then
   export KVROUTE_PYTHON=$PWD/target/vllm-venv/bin/python
 else
   broken+=(--broken "scripts/install-vllm.sh (real vLLM and the Python test clients)")
+fi
+
+echo "== container engine (the compose bring-up test)"
+# Installs Debian's docker.io, docker-compose and debootstrap when run as root
+# and starts dockerd; otherwise says what to install (tests/python/test_compose.py
+# then fails too).
+if ! scripts/docker-engine.sh; then
+  broken+=(--broken "scripts/docker-engine.sh (a Docker engine, docker-compose and debootstrap)")
 fi
 
 echo "== Rust tests"
