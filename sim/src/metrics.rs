@@ -1,12 +1,12 @@
 //! Engine statistics the engine thread writes and `GET /metrics` reads.
 //!
 //! Plain atomics: one writer (the engine thread, once per step), many readers,
-//! and no reader needs two values to agree exactly. The TTFT histogram sits
-//! behind a mutex held for a few nanoseconds per first token.
+//! and no reader needs two values to agree exactly. The TTFT histogram is
+//! `prometheus-client`'s (a lock held for a few nanoseconds per first token).
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use parking_lot::Mutex;
+use prometheus_client::metrics::histogram::Histogram;
 
 /// vLLM's `vllm:time_to_first_token_seconds` bucket bounds.
 pub const TTFT_BUCKETS: &[f64] = &[
@@ -14,7 +14,7 @@ pub const TTFT_BUCKETS: &[f64] = &[
     160.0, 640.0, 2560.0,
 ];
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct EngineMetrics {
     pub running: AtomicU64,
     pub waiting: AtomicU64,
@@ -29,7 +29,25 @@ pub struct EngineMetrics {
     pub preemptions: AtomicU64,
     pub generation_tokens: AtomicU64,
     pub finished: AtomicU64,
-    pub ttft: Mutex<Histogram>,
+    /// `vllm:time_to_first_token_seconds` over [`TTFT_BUCKETS`].
+    pub ttft: Histogram,
+}
+
+impl Default for EngineMetrics {
+    fn default() -> Self {
+        EngineMetrics {
+            running: AtomicU64::new(0),
+            waiting: AtomicU64::new(0),
+            kv_usage: AtomicU64::new(0),
+            prefix_queries: AtomicU64::new(0),
+            prefix_hits: AtomicU64::new(0),
+            prompt_tokens: AtomicU64::new(0),
+            preemptions: AtomicU64::new(0),
+            generation_tokens: AtomicU64::new(0),
+            finished: AtomicU64::new(0),
+            ttft: Histogram::new(TTFT_BUCKETS.iter().copied()),
+        }
+    }
 }
 
 impl EngineMetrics {
@@ -39,40 +57,5 @@ impl EngineMetrics {
 
     pub fn kv_usage(&self) -> f64 {
         f64::from_bits(self.kv_usage.load(Relaxed))
-    }
-}
-
-/// A cumulative Prometheus histogram over [`TTFT_BUCKETS`].
-#[derive(Debug, Clone)]
-pub struct Histogram {
-    /// Non-cumulative counts per bucket; one extra for `+Inf`.
-    counts: Vec<u64>,
-    pub sum: f64,
-    pub count: u64,
-}
-
-impl Default for Histogram {
-    fn default() -> Self {
-        Histogram { counts: vec![0; TTFT_BUCKETS.len() + 1], sum: 0.0, count: 0 }
-    }
-}
-
-impl Histogram {
-    pub fn observe(&mut self, v: f64) {
-        let i = TTFT_BUCKETS.iter().position(|&b| v <= b).unwrap_or(TTFT_BUCKETS.len());
-        self.counts[i] += 1;
-        self.sum += v;
-        self.count += 1;
-    }
-
-    /// `(upper bound, cumulative count)` per finite bucket.
-    pub fn cumulative(&self) -> impl Iterator<Item = (f64, u64)> + '_ {
-        TTFT_BUCKETS
-            .iter()
-            .zip(self.counts.iter().scan(0u64, |acc, c| {
-                *acc += c;
-                Some(*acc)
-            }))
-            .map(|(b, c)| (*b, c))
     }
 }

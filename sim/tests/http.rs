@@ -241,13 +241,19 @@ async fn metrics_use_vllm_names() {
         format!("vllm:kv_cache_usage_perc{labels} 0.0"),
         format!("vllm:prefix_cache_queries_total{labels} 80.0"),
         format!("vllm:prefix_cache_hits_total{labels} 32.0"),
-        format!("vllm:time_to_first_token_seconds_count{labels} 2.0"),
+        format!("vllm:time_to_first_token_seconds_count{labels} 2"),
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.".to_owned(),
+        "# TYPE vllm:num_requests_running gauge".to_owned(),
         "# TYPE vllm:prefix_cache_hits counter".to_owned(),
         "# TYPE vllm:time_to_first_token_seconds histogram".to_owned(),
     ] {
         assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
     }
-    assert!(text.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m\",le=\"+Inf\"} 2.0"));
+    assert!(text.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m\",le=\"+Inf\"} 2\n"));
+    assert!(text.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m\",le=\"0.001\"} "));
+    // Each family once (the collector is not registered twice).
+    assert_eq!(text.matches("# TYPE vllm:prefix_cache_hits counter").count(), 1);
+    assert!(!text.contains("# EOF"), "vLLM's 0.0.4 text format has no EOF marker");
     assert!(text.contains("block_size=\"16\""), "{text}");
     let info = text.lines().find(|l| l.starts_with("vllm:cache_config_info{")).expect("cache_config_info");
     assert!(info.contains("num_gpu_blocks=\"28000\"") && info.ends_with("} 1.0"), "{info}");

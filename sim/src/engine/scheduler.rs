@@ -210,7 +210,7 @@ impl Scheduler {
             let index = req.append_generated(bs, self.hash_mode);
             if index == 0 {
                 let ttft = now.saturating_duration_since(req.arrival).as_secs_f64();
-                self.metrics.ttft.lock().observe(ttft);
+                self.metrics.ttft.observe(ttft);
             }
             self.metrics.generation_tokens.fetch_add(1, Relaxed);
             let here = req.sink.token(index);

@@ -1,77 +1,119 @@
-//! `GET /metrics`: Prometheus text with vLLM's metric names, labels and number
-//! formatting (Python's `prometheus_client`: floats always carry a decimal
-//! point, counters' `# TYPE` drops `_total`), so scrapers written for vLLM
-//! (the sidecar's load reporting among them) work unchanged.
+//! `GET /metrics`: vLLM's metric names, labels and types, encoded by
+//! `prometheus-client`, so scrapers written for vLLM (the sidecar's load
+//! reporting among them) work unchanged. As in vLLM (Python's
+//! `prometheus_client`), a counter's `# TYPE` names it without `_total`, its
+//! sample with it; gauges and counters are floats (`3.0`). Histogram counts
+//! are integers here (`2`, vLLM prints `2.0`): the same value to any parser.
 
-use std::fmt::Write;
+use std::borrow::Cow;
+use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
 use axum::extract::State;
 use axum::http::header;
 use axum::response::IntoResponse;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::registry::Registry;
 
 use super::AppState;
+use crate::metrics::EngineMetrics;
 
-/// Python's `repr(float)` for the values we print.
-fn num(v: f64) -> String {
-    format!("{v:?}")
+/// `vllm:cache_config_info`'s labels, in vLLM's (alphabetical) order.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CacheConfigInfo {
+    block_size: String,
+    cache_dtype: &'static str,
+    enable_prefix_caching: &'static str,
+    engine: &'static str,
+    model_name: String,
+    num_gpu_blocks: String,
+    prefix_caching_hash_algo: &'static str,
+}
+
+/// The engine's gauges and counters, read from its atomics at each scrape.
+/// (`Registry::register` appends the period vLLM's help texts end with; a
+/// collector's descriptors are written as given.)
+#[derive(Debug)]
+struct EngineCollector(Arc<EngineMetrics>);
+
+impl Collector for EngineCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let m = &self.0;
+        for (name, help, v) in [
+            (
+                "vllm:num_requests_running",
+                "Number of requests in model execution batches.",
+                m.running.load(Relaxed) as f64,
+            ),
+            (
+                "vllm:num_requests_waiting",
+                "Number of requests waiting to be processed.",
+                m.waiting.load(Relaxed) as f64,
+            ),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m.kv_usage()),
+        ] {
+            ConstGauge::new(v).encode(encoder.encode_descriptor(name, help, None, MetricType::Gauge)?)?;
+        }
+        for (name, help, v) in [
+            (
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                &m.prefix_queries,
+            ),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", &m.prefix_hits),
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", &m.prompt_tokens),
+            ("vllm:generation_tokens", "Number of generation tokens processed.", &m.generation_tokens),
+            ("vllm:request_success", "Count of successfully processed requests.", &m.finished),
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", &m.preemptions),
+        ] {
+            let v = v.load(Relaxed) as f64;
+            ConstCounter::new(v).encode(encoder.encode_descriptor(name, help, None, MetricType::Counter)?)?;
+        }
+        Ok(())
+    }
+}
+
+/// The exposition: `vllm:cache_config_info` with its own labels; every other
+/// series carries `engine="0"` and `model_name` first (then a bucket's `le`).
+pub fn encode(s: &AppState) -> String {
+    let mut registry = Registry::default();
+    let info = Family::<CacheConfigInfo, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+    registry.register("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", info.clone());
+    info.get_or_create(&CacheConfigInfo {
+        block_size: s.config.block_size.get().to_string(),
+        cache_dtype: "auto",
+        enable_prefix_caching: "True",
+        engine: "0",
+        model_name: s.config.model.to_string(),
+        num_gpu_blocks: s.config.num_blocks.to_string(),
+        prefix_caching_hash_algo: "sha256",
+    })
+    .set(1.0);
+    let engine = registry.sub_registry_with_labels(
+        [
+            (Cow::Borrowed("engine"), Cow::Borrowed("0")),
+            (Cow::Borrowed("model_name"), Cow::Owned(s.config.model.to_string())),
+        ]
+        .into_iter(),
+    );
+    engine.register_collector(Box::new(EngineCollector(s.metrics.clone())));
+    engine.register(
+        "vllm:time_to_first_token_seconds",
+        "Histogram of time to first token in seconds",
+        s.metrics.ttft.clone(),
+    );
+    let mut out = String::with_capacity(4096);
+    // Writing to a String cannot fail. No `# EOF`: this is the 0.0.4 text
+    // format vLLM serves, which has none.
+    let _ = prometheus_client::encoding::text::encode_registry(&mut out, &registry);
+    out
 }
 
 pub async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
-    let m = &s.metrics;
-    let labels = format!("engine=\"0\",model_name=\"{}\"", s.config.model);
-    let mut out = String::with_capacity(4096);
-    let mut gauge = |name: &str, help: &str, v: f64| {
-        let _ = write!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{labels}}} {}\n", num(v));
-    };
-    gauge(
-        "vllm:num_requests_running",
-        "Number of requests in model execution batches.",
-        m.running.load(Relaxed) as f64,
-    );
-    gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", m.waiting.load(Relaxed) as f64);
-    gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m.kv_usage());
-    let mut counter = |name: &str, help: &str, v: u64| {
-        let _ = write!(
-            out,
-            "# HELP {name}_total {help}\n# TYPE {name} counter\n{name}_total{{{labels}}} {}\n",
-            num(v as f64)
-        );
-    };
-    counter(
-        "vllm:prefix_cache_queries",
-        "Prefix cache queries, in terms of number of queried tokens.",
-        m.prefix_queries.load(Relaxed),
-    );
-    counter(
-        "vllm:prefix_cache_hits",
-        "Prefix cache hits, in terms of number of cached tokens.",
-        m.prefix_hits.load(Relaxed),
-    );
-    counter("vllm:prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens.load(Relaxed));
-    counter("vllm:generation_tokens", "Number of generation tokens processed.", m.generation_tokens.load(Relaxed));
-    counter("vllm:request_success", "Count of successfully processed requests.", m.finished.load(Relaxed));
-    counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", m.preemptions.load(Relaxed));
-
-    let h = m.ttft.lock().clone();
-    let name = "vllm:time_to_first_token_seconds";
-    let _ = write!(out, "# HELP {name} Histogram of time to first token in seconds.\n# TYPE {name} histogram\n");
-    for (le, c) in h.cumulative() {
-        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{}\"}} {}", num(le), num(c as f64));
-    }
-    let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", num(h.count as f64));
-    let _ = writeln!(out, "{name}_count{{{labels}}} {}", num(h.count as f64));
-    let _ = writeln!(out, "{name}_sum{{{labels}}} {}", num(h.sum));
-
-    let info = "vllm:cache_config_info";
-    let _ = write!(
-        out,
-        "# HELP {info} Information of the LLMEngine CacheConfig\n# TYPE {info} gauge\n\
-         {info}{{block_size=\"{}\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",engine=\"0\",\
-         model_name=\"{}\",num_gpu_blocks=\"{}\",prefix_caching_hash_algo=\"sha256\"}} 1.0\n",
-        s.config.block_size.get(),
-        s.config.model,
-        s.config.num_blocks,
-    );
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], out)
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], encode(&s))
 }
