@@ -13,19 +13,22 @@
 
 mod approx;
 mod hasher;
+mod sync;
 mod workerset;
 
 use std::collections::{HashMap, VecDeque};
 
-use kvroute_shared::BlockKey;
+use kvroute_shared::{BlockKey, KeyDigest};
 
 use approx::ApproxLru;
 pub use hasher::KeyMap;
+pub use sync::{Covers, SyncPlan};
 pub use workerset::{MAX_WORKERS, Slot, SlotSet};
 
 /// What the index knows about one (key, worker) pair, packed in 8 bytes:
-/// the top two bits are the [`Kind`], the rest a millisecond stamp (creation
-/// time of a speculative entry, last use of an approximate one).
+/// the top two bits are the [`Kind`], the rest a stamp: for a speculative
+/// entry the index's causal clock when it was recorded (see
+/// [`Index::clock`]), for an approximate one its last use in milliseconds.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 struct Entry(u64);
 
@@ -76,12 +79,17 @@ struct WorkerKeys {
     live: usize,
     /// Kind and stamp of every non-confirmed entry.
     marks: KeyMap<Entry>,
-    /// Speculative insertions in time order; an item is stale (skipped) when
-    /// its entry has since been confirmed, refreshed or removed.
-    speculative: VecDeque<(u64, BlockKey)>,
+    /// Speculative insertions in time order, `(ms, tick, key)`; an item is
+    /// stale (skipped) when its entry has since been confirmed, refreshed or
+    /// removed (its entry's tick differs).
+    speculative: VecDeque<(u64, u64, BlockKey)>,
     /// Present for workers indexed approximately.
     approx: Option<ApproxLru>,
     counts: Counts,
+    /// Digest of the confirmed keys only: what the sidecar's key set must
+    /// equal (protocol v2). Speculative and approximate entries are the
+    /// router's own and never enter it.
+    digest: KeyDigest,
 }
 
 impl WorkerKeys {
@@ -176,6 +184,12 @@ impl Forward {
 pub struct Index {
     forward: Forward,
     workers: HashMap<Slot, WorkerKeys>,
+    /// The causal clock: one tick per [`Index::record_routed`]. Speculative
+    /// entries carry the tick they were made at; routers send it in acks and
+    /// a v2 sync names the last one its sidecar saw ([`Covers::Clock`]), so
+    /// which speculative entries a sync drops never depends on comparing two
+    /// machines' wall clocks.
+    clock: u64,
 }
 
 impl Index {
@@ -197,6 +211,16 @@ impl Index {
         self.workers.get(&slot).map(|w| w.counts).unwrap_or_default()
     }
 
+    /// Digest of `slot`'s confirmed keys (what its sidecar reported).
+    pub fn digest(&self, slot: Slot) -> KeyDigest {
+        self.workers.get(&slot).map(|w| w.digest).unwrap_or_default()
+    }
+
+    /// The causal clock's current tick.
+    pub fn clock(&self) -> u64 {
+        self.clock
+    }
+
     /// Indexes `slot` approximately from now on, remembering at most
     /// `capacity_blocks` keys (its KV cache size); `None` makes it exact.
     pub fn set_approximate(&mut self, slot: Slot, capacity_blocks: Option<usize>) {
@@ -215,11 +239,19 @@ impl Index {
 
     fn put(&mut self, slot: Slot, key: BlockKey, entry: Entry) {
         let w = self.workers.entry(slot).or_default();
-        if self.forward.set(slot, key) {
+        let was = if self.forward.set(slot, key) {
             w.keys.push(key);
             w.live += 1;
+            None
         } else {
-            w.counts.add(w.kind_of(&key), -1);
+            let old = w.kind_of(&key);
+            w.counts.add(old, -1);
+            Some(old)
+        };
+        match (was == Some(Kind::Confirmed), entry.kind() == Kind::Confirmed) {
+            (false, true) => w.digest.insert(key),
+            (true, false) => w.digest.remove(key),
+            _ => {}
         }
         match entry.kind() {
             Kind::Confirmed => {
@@ -247,6 +279,9 @@ impl Index {
         w.live -= 1;
         let kind = w.marks.remove(&key).map_or(Kind::Confirmed, |e| e.kind());
         w.counts.add(kind, -1);
+        if kind == Kind::Confirmed {
+            w.digest.remove(key);
+        }
         true
     }
 
@@ -272,6 +307,7 @@ impl Index {
         w.marks = KeyMap::default();
         w.speculative.clear();
         w.counts = Counts::default();
+        w.digest = KeyDigest::default();
         if let Some(lru) = &mut w.approx {
             lru.clear();
         }
@@ -297,39 +333,19 @@ impl Index {
         }
     }
 
-    /// The slow path: `hashes` is the worker's whole key set as of `as_of_ms`.
-    /// Keys not in it go, except speculative entries made after `as_of_ms`
-    /// (their prefill may still be running); keys in it become confirmed.
+    /// The slow path in one step (the lab, tests, and v1 syncs whose
+    /// sidecar named only a wall-clock time): `hashes` is the worker's whole
+    /// key set as of `as_of_ms`. Keys not in it go, except speculative
+    /// entries made after `as_of_ms` (their prefill may still be running);
+    /// keys in it become confirmed. The router's HTTP path applies a sync in
+    /// chunks instead ([`SyncPlan`]).
     pub fn sync(&mut self, slot: Slot, hashes: &[BlockKey], as_of_ms: u64) -> SyncOutcome {
-        let mut fresh: KeyMap<()> = KeyMap::with_capacity_and_hasher(hashes.len(), Default::default());
-        fresh.extend(hashes.iter().map(|&k| (k, ())));
-        let mut out = SyncOutcome::default();
-        let w = self.workers.entry(slot).or_default();
-        let before = w.live;
-        let forward = &self.forward;
-        let mut stale: Vec<BlockKey> = Vec::new();
-        for k in &w.keys {
-            if fresh.contains_key(k) || !forward.holds(slot, k) {
-                continue;
-            }
-            let keep = w.marks.get(k).is_some_and(|e| e.kind() == Kind::Speculative && e.stamp() > as_of_ms);
-            if keep {
-                out.kept_speculative += 1;
-            } else {
-                stale.push(*k);
-            }
-        }
-        for k in stale {
-            out.removed += usize::from(self.remove_uncompacted(slot, k));
-        }
-        let after_removal = self.workers.get(&slot).map_or(0, |w| w.live);
-        for &k in fresh.keys() {
-            self.put(slot, k, Entry::new(Kind::Confirmed, 0));
-        }
-        self.compact(slot);
-        out.added = self.workers.get(&slot).map_or(0, |w| w.live) - after_removal;
-        debug_assert!(before >= out.removed);
-        out
+        let covers = self.covers_ms(slot, as_of_ms);
+        let mut plan = SyncPlan::new(slot, hashes, covers);
+        plan.scan_held(self, usize::MAX);
+        plan.scan_fresh(self, usize::MAX);
+        while plan.apply_some(self, usize::MAX) {}
+        plan.finish(self)
     }
 
     /// Records that a request for `keys` was sent to `slot`: every key the
@@ -343,6 +359,8 @@ impl Index {
     /// every time any chain through it is routed).
     pub fn record_routed(&mut self, slot: Slot, keys: &[BlockKey], now_ms: u64) {
         let approximate = self.is_approximate(slot);
+        self.clock += 1;
+        let tick = self.clock;
         for &k in keys.iter().rev() {
             let existing = self
                 .forward
@@ -360,9 +378,9 @@ impl Index {
                     self.put(slot, k, Entry::new(Kind::Approximate, stamp));
                 }
                 (false, _) => {
-                    self.put(slot, k, Entry::new(Kind::Speculative, now_ms));
+                    self.put(slot, k, Entry::new(Kind::Speculative, tick));
                     if let Some(w) = self.workers.get_mut(&slot) {
-                        w.speculative.push_back((now_ms, k));
+                        w.speculative.push_back((now_ms, tick, k));
                     }
                 }
             }
@@ -393,12 +411,12 @@ impl Index {
     pub fn expire_speculative(&mut self, now_ms: u64, ttl_ms: u64) -> usize {
         let mut expired = Vec::new();
         for (&slot, w) in &mut self.workers {
-            while let Some(&(at, key)) = w.speculative.front() {
+            while let Some(&(at, tick, key)) = w.speculative.front() {
                 if at.saturating_add(ttl_ms) > now_ms {
                     break;
                 }
                 w.speculative.pop_front();
-                if w.marks.get(&key).is_some_and(|e| e.kind() == Kind::Speculative && e.stamp() == at) {
+                if w.marks.get(&key).is_some_and(|e| e.kind() == Kind::Speculative && e.stamp() == tick) {
                     expired.push((slot, key));
                 }
             }
@@ -510,6 +528,10 @@ impl Index {
             }
             if c != w.counts {
                 return Err(format!("{slot:?}: counts {:?} but entries say {c:?}", w.counts));
+            }
+            let d = KeyDigest::of(held.iter().filter(|(_, kind)| *kind == Kind::Confirmed).map(|(k, _)| *k));
+            if d != w.digest {
+                return Err(format!("{slot:?}: digest {:?} but confirmed entries say {d:?}", w.digest));
             }
         }
         Ok(())

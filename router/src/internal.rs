@@ -7,6 +7,14 @@
 //! A push is applied under the index lock together with the check that its
 //! worker is still registered (`state::MapState`), so membership changes and
 //! pushes never interleave.
+//!
+//! Protocol v2 (DESIGN.md §2): a push carries the digest of its worker's
+//! whole key set; the router compares it with its digest of that worker's
+//! confirmed entries and, when they differ, answers `resync: true`. A full
+//! sync is applied in chunks ([`crate::index::SyncPlan`]): the diff is
+//! computed under the read lock in slices, and the write lock is taken for
+//! at most [`SYNC_WRITE_CHUNK`] keys at a time. Both versions are accepted:
+//! a v1 push simply has no digest.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -16,7 +24,8 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, header};
 use kvroute_shared::wire::{
-    AckOutcome, EvictionBatch, InternalAck, PROTOCOL_HEADER, PROTOCOL_VERSION, SyncSnapshot, Validate, decode_valid,
+    AckOutcome, EvictionBatch, InternalAck, OLDEST_PROTOCOL, PROTOCOL_HEADER, PROTOCOL_VERSION, SyncSnapshot, Validate,
+    decode_valid,
 };
 use subtle::ConstantTimeEq;
 
@@ -24,7 +33,7 @@ use kvroute_shared::WorkerId;
 
 use crate::config::Secret;
 use crate::error::RouterError;
-use crate::index::SyncOutcome;
+use crate::index::{Covers, SyncOutcome, SyncPlan};
 use crate::proxy::read_body_within;
 use crate::state::{AppState, Registered, now_ms};
 use crate::workers::{RegistryError, Source, Upsert, Worker};
@@ -71,29 +80,53 @@ fn authorize_for(state: &AppState, headers: &HeaderMap, worker: &WorkerId) -> Re
     }
 }
 
-/// Authenticates, reads (under the internal body limit) and decodes an internal push.
+/// Keys of a full sync's diff applied per write-lock hold: ~0.2 µs each,
+/// so a hold stays well under a millisecond (BENCHMARKS.md, `kvroute-bench
+/// antientropy`).
+pub const SYNC_WRITE_CHUNK: usize = 2048;
+/// Keys compared per read-lock hold while a sync's diff is computed.
+pub const SYNC_READ_CHUNK: usize = 16_384;
+
+/// Authenticates, reads (under the internal body limit) and decodes an
+/// internal push; also returns the protocol major it was sent under.
 async fn push_body<T: serde::de::DeserializeOwned + Validate>(
     state: &AppState,
     headers: &HeaderMap,
     body: Body,
-) -> Result<T, RouterError> {
+) -> Result<(T, u32), RouterError> {
     authenticate(state, headers)?;
-    check_protocol(state, headers)?;
+    let protocol = check_protocol(state, headers)?;
     let body = read_body_within(body, state.config.raw.max_internal_body_bytes).await?;
-    Ok(decode_valid(&body)?)
+    Ok((decode_valid(&body)?, protocol))
 }
 
-fn ack(state: &AppState, outcome: AckOutcome) -> Json<InternalAck> {
-    Json(InternalAck { router_epoch: state.router_epoch.clone(), outcome, protocol: PROTOCOL_VERSION })
+/// What an applied push tells its sidecar besides the outcome.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Acked {
+    /// The digests differ: send a full sync now.
+    resync: bool,
+    /// The index's causal clock after applying.
+    clock: Option<u64>,
+}
+
+fn ack(state: &AppState, outcome: AckOutcome, acked: Acked) -> Json<InternalAck> {
+    Json(InternalAck {
+        router_epoch: state.router_epoch.clone(),
+        outcome,
+        protocol: PROTOCOL_VERSION,
+        resync: acked.resync,
+        clock: acked.clock,
+    })
 }
 
 /// A push names its protocol version in a header (none: version 1). A major
 /// this router does not speak is refused before the body is read, with an
-/// error both sides log, and counted.
-fn check_protocol(state: &AppState, headers: &HeaderMap) -> Result<(), RouterError> {
-    let Some(v) = headers.get(PROTOCOL_HEADER) else { return Ok(()) };
+/// error both sides log, and counted. This router speaks
+/// [`OLDEST_PROTOCOL`]`..=`[`PROTOCOL_VERSION`].
+fn check_protocol(state: &AppState, headers: &HeaderMap) -> Result<u32, RouterError> {
+    let Some(v) = headers.get(PROTOCOL_HEADER) else { return Ok(1) };
     match v.to_str().ok().and_then(|s| s.trim().parse::<u32>().ok()) {
-        Some(PROTOCOL_VERSION) => Ok(()),
+        Some(n) if (OLDEST_PROTOCOL..=PROTOCOL_VERSION).contains(&n) => Ok(n),
         other => {
             state.metrics.event("rejected_protocol", 1);
             let got = other.map_or_else(|| format!("{v:?}"), |n| n.to_string());
@@ -101,8 +134,8 @@ fn check_protocol(state: &AppState, headers: &HeaderMap) -> Result<(), RouterErr
             Err(RouterError::bad_request(
                 PROTOCOL_HEADER,
                 format!(
-                    "wire protocol version {got} is not supported: this router speaks version {PROTOCOL_VERSION} \
-                     (upgrade the routers before the sidecars)"
+                    "wire protocol version {got} is not supported: this router speaks versions \
+                     {OLDEST_PROTOCOL} to {PROTOCOL_VERSION} (upgrade the routers before the sidecars)"
                 ),
             ))
         }
@@ -127,44 +160,48 @@ pub async fn eviction(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<InternalAck>, RouterError> {
-    let batch: EvictionBatch = push_body(&state, &headers, body).await?;
+    let (batch, _): (EvictionBatch, _) = push_body(&state, &headers, body).await?;
     authorize_for(&state, &headers, &batch.worker_id)?;
     // Looked up without the lock, so unknown ids cost no write lock; whether
     // it is still the member is checked again where the batch is applied.
     let Some(worker) = state.workers.get(&batch.worker_id) else {
-        return Ok(ack(&state, AckOutcome::UnknownWorker));
+        return Ok(ack(&state, AckOutcome::UnknownWorker, Acked::default()));
     };
     let max = state.config.raw.max_sync_keys;
     if batch.stored_hashes.len() + batch.evicted_hashes.len() > max {
         state.metrics.event("rejected_too_large", 1);
         return Err(RouterError::PayloadTooLarge { limit: max });
     }
-    match apply_eviction(&state, &worker, &batch) {
-        Push::Applied(()) => {}
-        Push::NotMember => return Ok(ack(&state, AckOutcome::UnknownWorker)),
+    let acked = match apply_eviction(&state, &worker, &batch) {
+        Push::Applied(acked) => acked,
+        Push::NotMember => return Ok(ack(&state, AckOutcome::UnknownWorker, Acked::default())),
         Push::Stale => {
             state.metrics.event("stale_batch", 1);
-            return Ok(ack(&state, AckOutcome::Stale));
+            return Ok(ack(&state, AckOutcome::Stale, Acked::default()));
         }
         Push::TooLarge => {
             state.metrics.event("rejected_too_large", 1);
             return Err(RouterError::PayloadTooLarge { limit: max });
         }
-    }
+    };
     let m = &state.metrics;
     m.event("cleared", usize::from(batch.cleared));
     m.event("evicted", batch.evicted_hashes.len());
     m.event("stored", batch.stored_hashes.len());
+    if acked.resync {
+        m.event("digest_mismatch", 1);
+        tracing::info!(worker.id = %worker.id, "digest mismatch: asking the sidecar for a full sync");
+    }
     if let Some(load) = &batch.load {
         worker.live.set_reported(load);
     }
-    Ok(ack(&state, AckOutcome::Applied))
+    Ok(ack(&state, AckOutcome::Applied, acked))
 }
 
 /// Applies `batch` to `worker`'s slot in one critical section with the check
 /// that `worker` is still its member: a batch that was in flight while its
 /// worker expired (and its slot perhaps went to another) is refused.
-fn apply_eviction(state: &AppState, worker: &Worker, batch: &EvictionBatch) -> Push<()> {
+fn apply_eviction(state: &AppState, worker: &Worker, batch: &EvictionBatch) -> Push<Acked> {
     let mut map = state.map.write();
     if !map.is_member(&state.workers, worker) {
         return Push::NotMember;
@@ -177,6 +214,10 @@ fn apply_eviction(state: &AppState, worker: &Worker, batch: &EvictionBatch) -> P
     if worker.source == Source::Sidecar && !worker.live.has_sidecar.load(Ordering::Relaxed) {
         return Push::NotMember;
     }
+    // Any push from the member's sidecar is a sign of life, applied or not
+    // (under the lock, so an expiry deciding under it sees it): liveness
+    // never waits for a key set to be accepted.
+    worker.live.last_report_ms.store(now_ms(), Ordering::Relaxed);
     // A worker holds at most max_sync_keys entries, however they arrive.
     let max = state.config.raw.max_sync_keys;
     let held = map.index.counts(worker.slot);
@@ -187,9 +228,8 @@ fn apply_eviction(state: &AppState, worker: &Worker, batch: &EvictionBatch) -> P
         return Push::Stale;
     }
     map.index.apply_events(worker.slot, batch.cleared, &batch.evicted_hashes, &batch.stored_hashes);
-    // Under the lock, so an expiry deciding under it sees this report.
-    worker.live.last_report_ms.store(now_ms(), Ordering::Relaxed);
-    Push::Applied(())
+    let resync = batch.digest.is_some_and(|theirs| theirs != map.index.digest(worker.slot));
+    Push::Applied(Acked { resync, clock: Some(map.index.clock()) })
 }
 
 pub async fn sync(
@@ -197,7 +237,7 @@ pub async fn sync(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<InternalAck>, RouterError> {
-    let snap: SyncSnapshot = push_body(&state, &headers, body).await?;
+    let (snap, protocol): (SyncSnapshot, _) = push_body(&state, &headers, body).await?;
     authorize_for(&state, &headers, &snap.worker_id)?;
     let want = state.config.block_size;
     if let Some(bs) = snap.block_size
@@ -217,7 +257,15 @@ pub async fn sync(
         state.metrics.sync("rejected_too_large");
         return Err(RouterError::PayloadTooLarge { limit: state.config.raw.max_sync_keys });
     }
-    let (registered, applied) = apply_sync(&state, &snap).map_err(|e| match e {
+    // One sync per worker at a time, so two cannot interleave their chunks;
+    // the chunks run on the blocking pool, off the async workers.
+    let gate = state.sync_gate(&snap.worker_id);
+    let _turn = gate.lock().await;
+    let st = state.clone();
+    let (result, snap) = tokio::task::spawn_blocking(move || (apply_sync(&st, &snap, protocol), snap))
+        .await
+        .map_err(|_| RouterError::Unavailable("the sync could not be applied".into()))?;
+    let (registered, applied) = result.map_err(|e| match e {
         RegistryError::Full => RouterError::Unavailable(e.to_string()),
         e => RouterError::bad_request("url", e.to_string()),
     })?;
@@ -229,11 +277,15 @@ pub async fn sync(
     if registered.how == Upsert::Added {
         tracing::info!(worker.id = %worker.id, url = %worker.url, "worker registered by sidecar");
     }
-    let outcome = match applied {
-        Push::Applied(outcome) => outcome,
+    let (outcome, acked) = match applied {
+        Push::Applied(applied) => applied,
+        Push::NotMember => {
+            state.metrics.sync("not_member");
+            return Ok(ack(&state, AckOutcome::UnknownWorker, Acked::default()));
+        }
         _ => {
             state.metrics.sync("stale");
-            return Ok(ack(&state, AckOutcome::Stale));
+            return Ok(ack(&state, AckOutcome::Stale, Acked::default()));
         }
     };
     state.metrics.sync("applied");
@@ -241,29 +293,84 @@ pub async fn sync(
     if let Some(load) = &snap.load {
         worker.live.set_reported(load);
     }
-    Ok(ack(&state, AckOutcome::Applied))
+    Ok(ack(&state, AckOutcome::Applied, acked))
 }
 
-/// Registers (or updates) the worker and applies its key set in one
-/// critical section: an expiry cannot come between them and wipe the fresh
-/// sync, and the slot cannot change hands in between.
-fn apply_sync(state: &AppState, snap: &SyncSnapshot) -> Result<(Registered, Push<SyncOutcome>), RegistryError> {
+/// Registers (or updates) the worker and checks the sync's order in one
+/// critical section (an expiry cannot come between them), then applies the
+/// key set in chunks, each under the write lock together with the check that
+/// the worker is still the slot's member.
+fn apply_sync(
+    state: &AppState,
+    snap: &SyncSnapshot,
+    protocol: u32,
+) -> Result<(Registered, Push<(SyncOutcome, Acked)>), RegistryError> {
     let now = now_ms();
-    let as_of = snap.as_of_ms.unwrap_or(now);
     let models = (!snap.models.is_empty()).then_some(snap.models.as_slice());
-    let mut map = state.map.write();
-    let registered = map.register_sidecar(&state.workers, &snap.worker_id, snap.url.as_deref(), models, now)?;
-    let w = &registered.worker;
-    if !map.seq(w.slot).accept_as(snap.epoch.as_deref(), snap.seq, true) {
-        return Ok((registered, Push::Stale));
+    let (registered, covers) = {
+        let mut map = state.map.write();
+        let registered = map.register_sidecar(&state.workers, &snap.worker_id, snap.url.as_deref(), models, now)?;
+        let w = &registered.worker;
+        // Alive from the moment the sync arrived, however long it takes.
+        w.live.last_report_ms.store(now, Ordering::Relaxed);
+        if !map.seq(w.slot).accept_as(snap.epoch.as_deref(), snap.seq, true) {
+            return Ok((registered, Push::Stale));
+        }
+        // A sidecar reports for this worker: its index is exact from now on.
+        map.index.set_approximate(w.slot, None);
+        w.live.has_sidecar.store(true, Ordering::Relaxed);
+        // v2 names the router clock it follows; v1 a time on the sidecar's
+        // clock (or nothing: as of now).
+        let covers = match (snap.covers, snap.as_of_ms) {
+            (Some(tick), _) => Covers(tick),
+            (None, Some(ms)) if protocol < 2 => map.index.covers_ms(w.slot, ms),
+            (None, _) if protocol < 2 => map.index.covers_ms(w.slot, now),
+            (None, _) => Covers(0),
+        };
+        (registered, covers)
+    };
+    let w = registered.worker.clone();
+    let mut plan = SyncPlan::new(w.slot, &snap.hashes, covers);
+    let not_member = |registered| Ok((registered, Push::NotMember));
+    loop {
+        let map = state.map.read();
+        if !map.is_member(&state.workers, &w) {
+            return not_member(registered);
+        }
+        if !plan.scan_held(&map.index, SYNC_READ_CHUNK) {
+            break;
+        }
     }
-    // A sidecar reports for this worker: its index is exact from now on.
-    map.index.set_approximate(w.slot, None);
-    let outcome = map.index.sync(w.slot, &snap.hashes, as_of);
-    w.live.has_sidecar.store(true, Ordering::Relaxed);
-    w.live.last_report_ms.store(now, Ordering::Relaxed);
-    w.live.last_sync_ms.store(now, Ordering::Relaxed);
-    Ok((registered, Push::Applied(outcome)))
+    loop {
+        let map = state.map.read();
+        if !map.is_member(&state.workers, &w) {
+            return not_member(registered);
+        }
+        if !plan.scan_fresh(&map.index, SYNC_READ_CHUNK) {
+            break;
+        }
+    }
+    loop {
+        let mut map = state.map.write();
+        if !map.is_member(&state.workers, &w) {
+            return not_member(registered);
+        }
+        if plan.apply_some(&mut map.index, SYNC_WRITE_CHUNK) {
+            continue;
+        }
+        let outcome = plan.finish(&mut map.index);
+        let digest = map.index.digest(w.slot);
+        let clock = map.index.clock();
+        let now = now_ms();
+        w.live.last_report_ms.store(now, Ordering::Relaxed);
+        w.live.last_sync_ms.store(now, Ordering::Relaxed);
+        drop(map);
+        if snap.digest.is_some_and(|theirs| theirs != digest) {
+            state.metrics.sync("digest_mismatch");
+            tracing::warn!(worker.id = %w.id, theirs = ?snap.digest, ours = ?digest, "a sync did not reproduce its own digest");
+        }
+        return Ok((registered, Push::Applied((outcome, Acked { resync: false, clock: Some(clock) }))));
+    }
 }
 
 #[cfg(test)]
@@ -280,6 +387,8 @@ mod tests {
             epoch: None,
             seq: Some(1),
             as_of_ms: None,
+            covers: None,
+            digest: None,
             url: Some("http://10.0.0.1:8000".into()),
             models: Vec::new(),
             block_size: None,
@@ -291,12 +400,12 @@ mod tests {
     #[test]
     fn a_late_batch_for_a_replaced_worker_is_refused() {
         let state = crate::build_state(RawConfig::default().validate().unwrap(), CancellationToken::new()).unwrap();
-        let (a, _) = apply_sync(&state, &sync_of("a", vec![BlockKey(1)])).unwrap();
+        let (a, _) = apply_sync(&state, &sync_of("a", vec![BlockKey(1)]), 2).unwrap();
         // The handler looked a up; before it took the lock, a expired and b
         // registered in its slot.
         let looked_up = state.workers.get(&WorkerId::new("a")).unwrap();
         assert!(state.map.write().remove(&state.workers, &a.worker));
-        let (b, _) = apply_sync(&state, &sync_of("b", vec![BlockKey(2)])).unwrap();
+        let (b, _) = apply_sync(&state, &sync_of("b", vec![BlockKey(2)]), 2).unwrap();
         assert_eq!(b.worker.slot, looked_up.slot);
         let late = EvictionBatch {
             worker_id: WorkerId::new("a"),
@@ -306,6 +415,7 @@ mod tests {
             stored_hashes: vec![BlockKey(9)],
             cleared: true,
             load: None,
+            digest: None,
         };
         assert_eq!(apply_eviction(&state, &looked_up, &late), Push::NotMember);
         let map = state.map.read();
@@ -315,7 +425,7 @@ mod tests {
     #[test]
     fn a_worker_whose_sidecar_fell_silent_takes_a_sync_not_a_delta_and_is_exact_again() {
         let state = crate::build_state(RawConfig::default().validate().unwrap(), CancellationToken::new()).unwrap();
-        let (a, _) = apply_sync(&state, &sync_of("a", vec![BlockKey(1)])).unwrap();
+        let (a, _) = apply_sync(&state, &sync_of("a", vec![BlockKey(1)]), 2).unwrap();
         let w = a.worker;
         // What `health::expire` does when the sidecar is silent and the engine answers.
         w.live.has_sidecar.store(false, Ordering::Relaxed);
@@ -333,12 +443,13 @@ mod tests {
             stored_hashes: vec![BlockKey(9)],
             cleared: false,
             load: None,
+            digest: None,
         };
         assert_eq!(apply_eviction(&state, &w, &delta), Push::NotMember, "the sidecar is asked for a sync");
         assert_eq!(state.map.read().index.counts(w.slot).confirmed, 0);
         let mut back = sync_of("a", vec![BlockKey(1), BlockKey(9)]);
         back.seq = Some(3);
-        let (again, applied) = apply_sync(&state, &back).unwrap();
+        let (again, applied) = apply_sync(&state, &back, 2).unwrap();
         assert!(matches!(applied, Push::Applied(_)));
         assert_eq!(again.how, Upsert::Unchanged, "the same registration, exact again");
         assert!(w.live.has_sidecar.load(Ordering::Relaxed));

@@ -217,6 +217,9 @@ pub struct AppState {
     mean_uncached_tokens: AtomicU64,
     pub started: Instant,
     pub shutdown: CancellationToken,
+    /// One full sync per worker id at a time (`internal::sync`): a sync is
+    /// applied in chunks, and two of one worker's must not interleave.
+    sync_gates: parking_lot::Mutex<HashMap<WorkerId, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl AppState {
@@ -240,7 +243,17 @@ impl AppState {
             started: Instant::now(),
             shutdown,
             config,
+            sync_gates: Default::default(),
         }
+    }
+
+    /// The gate a full sync for `id` holds while it is applied. Gates nobody
+    /// holds or waits for are dropped on the way, so ids that stopped
+    /// syncing cost nothing.
+    pub fn sync_gate(&self, id: &WorkerId) -> Arc<tokio::sync::Mutex<()>> {
+        let mut gates = self.sync_gates.lock();
+        gates.retain(|_, g| Arc::strong_count(g) > 1);
+        gates.entry(id.clone()).or_default().clone()
     }
 
     pub fn mean_prompt_tokens(&self) -> f64 {

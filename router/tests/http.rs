@@ -769,9 +769,10 @@ async fn a_worker_that_drops_what_others_answer_is_ejected() {
 }
 
 /// Pushes name their wire protocol version in a header. A router refuses a
-/// major it does not speak (400 naming both versions, counted) and accepts
-/// pushes without the header (sidecars from before versioning) or with its
-/// own; every ack says which version the router speaks.
+/// major it does not speak (400 naming the versions, counted) and accepts
+/// pushes without the header (sidecars from before versioning), version 1
+/// (one release of overlap) and its own; every ack says which version the
+/// router speaks.
 #[tokio::test]
 async fn pushes_of_an_unknown_protocol_version_are_refused_and_unversioned_ones_accepted() {
     let r = router(&[], |_| {}).await;
@@ -783,18 +784,19 @@ async fn pushes_of_an_unknown_protocol_version_are_refused_and_unversioned_ones_
         }
         req.send()
     };
-    for accepted in [None, Some("1")] {
+    for accepted in [None, Some("1"), Some("2")] {
         let resp = push(accepted).await.unwrap();
         assert_eq!(resp.status(), 200, "{accepted:?}");
         let ack: Value = resp.json().await.unwrap();
-        assert_eq!((ack["outcome"].as_str(), ack["protocol"].as_u64()), (Some("applied"), Some(1)), "{ack}");
+        assert_eq!((ack["outcome"].as_str(), ack["protocol"].as_u64()), (Some("applied"), Some(2)), "{ack}");
     }
-    for refused in ["2", "v1"] {
+    for refused in ["3", "v1"] {
         let resp = push(Some(refused)).await.unwrap();
         assert_eq!(resp.status(), 400, "{refused}");
         let err: Value = resp.json().await.unwrap();
         let message = err["error"]["message"].as_str().unwrap_or_default();
-        assert!(message.contains("this router speaks version 1"), "{err}");
+        assert!(message.contains("this router speaks versions 1 to 2"), "{err}");
+        assert_eq!(err["error"]["param"], "x-kvroute-protocol", "sidecars fall back on this: {err}");
     }
     let metrics = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains("kind=\"rejected_protocol\"} 2"), "{metrics}");

@@ -2,6 +2,7 @@
 //!
 //! - [`keys`]: router block keys (DESIGN.md §1), computed identically from request
 //!   tokens (router) and from engine `BlockStored` events (sidecar);
+//! - [`digest`]: the order-independent digest of a key set (protocol v2);
 //! - [`wire`]: the `/internal/eviction` and `/internal/sync` bodies and the
 //!   OpenAI-shaped error body;
 //! - [`openai`]: the prompt-deciding parts of OpenAI request bodies;
@@ -11,6 +12,7 @@
 //! No async runtime or HTTP stack here: the simulator, the router, the sidecar
 //! and the benchmarks all depend on it.
 
+pub mod digest;
 pub mod ids;
 pub mod keys;
 pub mod logging;
@@ -20,5 +22,6 @@ pub mod testdata;
 pub mod tokenize;
 pub mod wire;
 
+pub use digest::KeyDigest;
 pub use ids::{ModelName, WorkerId};
 pub use keys::{BlockKey, BlockSize, KeyRoot, block_keys};

@@ -8,6 +8,7 @@
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use crate::digest::KeyDigest;
 use crate::ids::{ModelName, WorkerId};
 use crate::keys::{BlockKey, BlockSize};
 
@@ -20,7 +21,16 @@ pub const EVICTION_PATH: &str = "/internal/eviction";
 /// a body field: routers of the previous release reject unknown body fields
 /// but ignore unknown headers, so sidecars and routers can be upgraded in
 /// either order. A push without the header is version 1.
-pub const PROTOCOL_VERSION: u32 = 1;
+///
+/// Version 2 only adds optional fields ([`EvictionBatch::digest`],
+/// [`SyncSnapshot::digest`], [`SyncSnapshot::covers`], [`InternalAck::resync`],
+/// [`InternalAck::clock`]): a v1 body is a valid v2 body, so a v2 router
+/// accepts v1 sidecars ([`OLDEST_PROTOCOL`]), and a v2 sidecar that a v1
+/// router refuses falls back to v1 bodies on that link.
+pub const PROTOCOL_VERSION: u32 = 2;
+/// The oldest major a router of this release still accepts (one release of
+/// overlap).
+pub const OLDEST_PROTOCOL: u32 = 1;
 pub const PROTOCOL_HEADER: &str = "x-kvroute-protocol";
 /// Path of the slow-path endpoint (full snapshot, every 5 s).
 pub const SYNC_PATH: &str = "/internal/sync";
@@ -64,6 +74,12 @@ pub struct EvictionBatch {
     pub cleared: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub load: Option<Load>,
+    /// v2: the digest of the worker's whole key set once this batch is
+    /// applied. The router compares it with its own digest of the worker's
+    /// confirmed entries and asks for a full sync ([`InternalAck::resync`])
+    /// when they differ.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<KeyDigest>,
 }
 
 /// `POST /internal/sync`: one worker's complete key set, and its registration.
@@ -75,10 +91,23 @@ pub struct SyncSnapshot {
     pub epoch: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seq: Option<u64>,
-    /// When the snapshot was taken (ms since the Unix epoch): speculative entries
-    /// the router made after this are kept, their prefill may still be running.
+    /// v1: when the snapshot was taken (ms since the Unix epoch, the
+    /// sidecar's clock): speculative entries the router made after this are
+    /// kept, their prefill may still be running. v2 sidecars send
+    /// [`SyncSnapshot::covers`] instead, and routers ignore this when both
+    /// are present (clocks are never compared across machines in v2).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub as_of_ms: Option<u64>,
+    /// v2: the router's [`InternalAck::clock`] from the last ack this
+    /// sidecar had from it before reading the key set. The snapshot is
+    /// causally after every speculative entry stamped at or before it;
+    /// entries stamped later survive the sync (their prefill may still be
+    /// running). `None` with no `as_of_ms`: every speculative entry survives.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub covers: Option<u64>,
+    /// v2: the digest of `hashes` (the router checks the sync arrived whole).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<KeyDigest>,
     /// Where routers send this worker's requests.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
@@ -102,6 +131,14 @@ pub struct InternalAck {
     /// not say: version 1).
     #[serde(default = "protocol_v1")]
     pub protocol: u32,
+    /// v2: the router's digest of this worker differs from the push's (a
+    /// push was lost or misapplied): send a full sync now.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub resync: bool,
+    /// v2: the router's causal clock (it ticks whenever the router records a
+    /// speculative entry); echoed as [`SyncSnapshot::covers`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clock: Option<u64>,
 }
 
 fn protocol_v1() -> u32 {
@@ -272,6 +309,21 @@ mod tests {
         assert_eq!(b.load.unwrap().running, 3);
         let again: EvictionBatch = decode_valid(serde_json::to_vec(&b).unwrap().as_slice()).unwrap();
         assert_eq!(again, b);
+    }
+
+    #[test]
+    fn v2_fields_are_optional_and_absent_from_v1_bodies() {
+        let v1 = br#"{"worker_id":"w1","epoch":"e","seq":3,"hashes":["0000000000000001"],"as_of_ms":5}"#;
+        let s: SyncSnapshot = decode_valid(v1).unwrap();
+        assert_eq!((s.covers, s.digest), (None, None));
+        let v = serde_json::to_value(&s).unwrap();
+        assert!(v.get("covers").is_none() && v.get("digest").is_none(), "{v}");
+        let v2 = br#"{"worker_id":"w1","evicted_hashes":[],"digest":{"count":2,"sum":"00000000000000ff"}}"#;
+        let b: EvictionBatch = decode_valid(v2).unwrap();
+        assert_eq!(b.digest, Some(KeyDigest { count: 2, sum: 0xff }));
+        // A v1 router's ack (no resync, no clock) decodes as "in sync".
+        let ack: InternalAck = serde_json::from_str(r#"{"router_epoch":"r","outcome":"applied"}"#).unwrap();
+        assert_eq!((ack.protocol, ack.resync, ack.clock), (1, false, None));
     }
 
     #[test]

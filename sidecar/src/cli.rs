@@ -59,9 +59,15 @@ pub struct Cli {
     /// Eviction push interval [default: 100ms].
     #[arg(long, value_parser = humantime_serde::re::humantime::parse_duration)]
     pub fast_interval: Option<Duration>,
-    /// Full sync interval [default: 5s].
+    /// Slow-loop interval: engine snapshot, router re-resolution, and the
+    /// full sync to routers that speak only protocol v1 [default: 5s].
     #[arg(long, value_parser = humantime_serde::re::humantime::parse_duration)]
     pub sync_interval: Option<Duration>,
+    /// Full sync to protocol-v2 routers when no digest mismatch asked for one
+    /// earlier: a safety net; 5s restores the paper's constant snapshots
+    /// [default: 5m].
+    #[arg(long, value_parser = humantime_serde::re::humantime::parse_duration)]
+    pub full_sync_interval: Option<Duration>,
     /// Engine block size [default: vllm:cache_config_info's block_size, else 16].
     #[arg(long)]
     pub block_size: Option<u32>,
@@ -93,6 +99,7 @@ impl Cli {
             internal_token: self.internal_token,
             fast_interval: self.fast_interval,
             sync_interval: self.sync_interval,
+            full_sync_interval: self.full_sync_interval,
             block_size: self.block_size,
             listen: self.listen,
             engine_snapshot: self.engine_snapshot,

@@ -33,6 +33,8 @@ pub struct RawConfig {
     pub fast_interval: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     pub sync_interval: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub full_sync_interval: Option<Duration>,
     pub block_size: Option<u32>,
     pub listen: Option<String>,
     pub engine_snapshot: Option<String>,
@@ -58,6 +60,7 @@ impl RawConfig {
             internal_token: self.internal_token.or(lower.internal_token),
             fast_interval: self.fast_interval.or(lower.fast_interval),
             sync_interval: self.sync_interval.or(lower.sync_interval),
+            full_sync_interval: self.full_sync_interval.or(lower.full_sync_interval),
             block_size: self.block_size.or(lower.block_size),
             listen: self.listen.or(lower.listen),
             engine_snapshot: self.engine_snapshot.or(lower.engine_snapshot),
@@ -92,7 +95,8 @@ impl RawConfig {
         let routers = self.router.into_iter().map(|r| http_url("router", r)).collect::<Result<Vec<_>, _>>()?;
         let fast_interval = self.fast_interval.unwrap_or(Duration::from_millis(100));
         let sync_interval = self.sync_interval.unwrap_or(Duration::from_secs(5));
-        if fast_interval.is_zero() || sync_interval.is_zero() {
+        let full_sync_interval = self.full_sync_interval.unwrap_or(Duration::from_secs(300));
+        if fast_interval.is_zero() || sync_interval.is_zero() || full_sync_interval.is_zero() {
             return Err(ConfigError::new("fast_interval", "intervals must be positive"));
         }
         let block_size = self
@@ -122,6 +126,7 @@ impl RawConfig {
             internal_token: self.internal_token.map(Secret),
             fast_interval,
             sync_interval,
+            full_sync_interval,
             block_size,
             engine_snapshot,
             max_pending_changes: self.max_pending_changes.unwrap_or(1 << 20),
@@ -214,7 +219,12 @@ pub struct Config {
     pub routers: Vec<String>,
     pub internal_token: Option<Secret>,
     pub fast_interval: Duration,
+    /// The slow loop: engine snapshot, router re-resolution, and full syncs
+    /// to routers that speak only protocol v1.
     pub sync_interval: Duration,
+    /// Full syncs to v2 routers when no digest mismatch asked for one (a
+    /// safety net; `5s` restores the paper's constant snapshots).
+    pub full_sync_interval: Duration,
     /// `None` = read from the engine's `vllm:cache_config_info`, else 16.
     pub block_size: Option<BlockSize>,
     /// The python hook's snapshot endpoint (rank 0; + rank for others).

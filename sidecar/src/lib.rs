@@ -164,6 +164,8 @@ async fn start(
         engine: view,
         state: state.clone(),
         fast_interval: config.fast_interval,
+        full_sync_interval: config.full_sync_interval,
+        v1_sync_interval: config.sync_interval,
         seq: Default::default(),
     });
     let supervisor = Supervisor {

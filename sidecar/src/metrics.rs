@@ -113,6 +113,10 @@ pub struct Metrics {
     pub replays: Family<ReplayLabels, Counter>,
     pub pushes: Family<PushLabels, Counter>,
     pub push_failures: Family<PushLabels, Counter>,
+    /// Acks that asked for a full sync because the digests differed (v2).
+    pub digest_mismatches: Counter,
+    /// Links that fell back to protocol v1 (an older router refused v2).
+    pub protocol_fallbacks: Counter,
     pub tracked_blocks: Gauge,
     pub tracked_keys: Gauge,
     pub snapshot_dropped_blocks: Counter,
@@ -188,6 +192,8 @@ impl Metrics {
             replays: Family::default(),
             pushes: Family::default(),
             push_failures: Family::default(),
+            digest_mismatches: Counter::default(),
+            protocol_fallbacks: Counter::default(),
             tracked_blocks: Gauge::default(),
             tracked_keys: Gauge::default(),
             snapshot_dropped_blocks: Counter::default(),
@@ -214,6 +220,16 @@ impl Metrics {
         r.register("replays", "Replay attempts after a gap, by outcome", self.replays.clone());
         r.register("pushes", "Messages accepted by a router, by router and kind", self.pushes.clone());
         r.register("push_failures", "Messages a router did not accept, by router and kind", self.push_failures.clone());
+        r.register(
+            "digest_mismatches",
+            "Acks asking for a full sync: the router's digest of this worker differed (protocol v2)",
+            self.digest_mismatches.clone(),
+        );
+        r.register(
+            "protocol_fallbacks",
+            "Router links that fell back to protocol v1 (the router refused v2)",
+            self.protocol_fallbacks.clone(),
+        );
         r.register("tracked_blocks", "Engine blocks tracked (GPU, keyed)", self.tracked_blocks.clone());
         r.register("tracked_keys", "Distinct router keys currently held", self.tracked_keys.clone());
         r.register(

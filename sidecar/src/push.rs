@@ -1,6 +1,13 @@
 //! Pushing to one router: eviction deltas every fast interval, full syncs when
 //! due, retries with exponential backoff and jitter.
 //!
+//! Protocol v2 (DESIGN.md §2): every push carries the digest of the whole key
+//! set; a router whose own digest differs answers `resync`, and the full sync
+//! follows at once. Otherwise a link gets a full sync only at the safety
+//! interval. A router that refuses version 2 (an older release) is spoken to
+//! in version 1 — no digests, `as_of_ms`, a full sync every sync interval —
+//! until it restarts (a new `router_epoch`), when version 2 is tried again.
+//!
 //! Failure handling keeps memory bounded: a failed message is never queued for
 //! retry. The router's pending delta is dropped and it is marked for a full
 //! sync, so the first message after recovery is the complete key set.
@@ -10,13 +17,13 @@
 
 mod client;
 
-pub use client::{HttpRouterClient, PushError, RouterClient};
+pub use client::{HttpRouterClient, PushError, RouterClient, sync_timeout};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use kvroute_shared::wire::{AckOutcome, EvictionBatch, InternalAck, Load, SyncSnapshot};
+use kvroute_shared::wire::{AckOutcome, EvictionBatch, InternalAck, Load, PROTOCOL_VERSION, SyncSnapshot};
 use kvroute_shared::{BlockSize, WorkerId};
 use rand::Rng;
 use tokio::sync::Notify;
@@ -54,6 +61,11 @@ pub struct Pusher {
     pub engine: Arc<EngineView>,
     pub state: Arc<WorkerState>,
     pub fast_interval: Duration,
+    /// Full syncs to a v2 router without a digest mismatch: the safety net
+    /// against a bug that corrupts both digests alike (default 5 min).
+    pub full_sync_interval: Duration,
+    /// Full syncs to a v1 router (it cannot compare digests), as before v2.
+    pub v1_sync_interval: Duration,
     /// The last seq sent, shared by every router's task: a task respawned
     /// (a router's address changed) continues the sequence instead of
     /// restarting at 0 under the same epoch, which routers would call stale.
@@ -72,33 +84,67 @@ struct Link {
     router_epoch: Option<String>,
     last_load: Option<Load>,
     last_sent: Option<tokio::time::Instant>,
+    /// When the last full sync was accepted.
+    last_sync: Option<tokio::time::Instant>,
+    /// The protocol this link speaks: [`PROTOCOL_VERSION`], or 1 after the
+    /// router refused it.
+    protocol: u32,
+    /// The router's causal clock from its last ack (v2): a sync read after
+    /// it covers every speculative entry the router made up to it.
+    router_clock: Option<u64>,
+}
+
+impl Link {
+    fn new(target: RouterTarget) -> Self {
+        Link {
+            target,
+            router_epoch: None,
+            last_load: None,
+            last_sent: None,
+            last_sync: None,
+            protocol: PROTOCOL_VERSION,
+            router_clock: None,
+        }
+    }
+
+    fn v2(&self) -> bool {
+        self.protocol >= 2
+    }
 }
 
 impl Pusher {
     async fn round(&self, link: &mut Link) -> Result<Round, (MessageKind, PushError)> {
         let load = self.engine.load();
+        let every = if link.v2() { self.full_sync_interval } else { self.v1_sync_interval };
+        if link.last_sync.is_some_and(|t| t.elapsed() >= every) {
+            self.state.require_sync(&link.target);
+        }
         if self.state.needs_sync(&link.target) {
             let Some(content) = self.state.take_sync(&link.target) else {
                 return Ok(Round::Idle);
             };
             let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
+            let v2 = link.v2();
             let body = SyncSnapshot {
                 worker_id: self.worker_id.clone(),
                 epoch: Some(content.epoch.as_str().to_owned()),
                 seq: Some(seq),
-                as_of_ms: Some(content.as_of_ms),
+                as_of_ms: (!v2).then_some(content.as_of_ms),
+                covers: if v2 { link.router_clock } else { None },
+                digest: v2.then_some(content.digest),
                 url: Some(self.advertise_url.clone()),
                 models: self.engine.models(),
                 block_size: Some(self.block_size),
                 hashes: content.keys,
                 load,
             };
-            let ack = self.client.sync(&link.target, &body).await.map_err(|e| (MessageKind::Sync, e))?;
+            let ack = self.client.sync(&link.target, &body, link.protocol).await.map_err(|e| (MessageKind::Sync, e))?;
             link.last_load = load;
             link.last_sent = Some(tokio::time::Instant::now());
+            link.last_sync = link.last_sent;
             return Ok(Round::Sent(MessageKind::Sync, ack));
         }
-        let Some((epoch, delta)) = self.state.take_delta(&link.target) else {
+        let Some((epoch, delta, digest)) = self.state.take_delta(&link.target) else {
             return Ok(Round::Idle);
         };
         let heartbeat_due = link.last_sent.is_none_or(|t| t.elapsed() >= HEARTBEAT);
@@ -114,8 +160,10 @@ impl Pusher {
             stored_hashes: delta.stored,
             cleared: delta.cleared,
             load,
+            digest: link.v2().then_some(digest),
         };
-        let ack = self.client.eviction(&link.target, &body).await.map_err(|e| (MessageKind::Eviction, e))?;
+        let ack =
+            self.client.eviction(&link.target, &body, link.protocol).await.map_err(|e| (MessageKind::Eviction, e))?;
         link.last_load = load;
         link.last_sent = Some(tokio::time::Instant::now());
         Ok(Round::Sent(MessageKind::Eviction, ack))
@@ -130,6 +178,17 @@ impl Pusher {
         self.state.metrics().pushes.get_or_create(&Self::labels(&link.target, kind)).inc();
         let restarted = link.router_epoch.as_ref().is_some_and(|e| *e != ack.router_epoch);
         link.router_epoch = Some(ack.router_epoch);
+        link.router_clock = ack.clock;
+        if restarted && !link.v2() {
+            // Restarted, perhaps upgraded: try the current protocol again.
+            link.protocol = PROTOCOL_VERSION;
+            link.router_clock = None;
+        }
+        if ack.resync {
+            self.state.metrics().digest_mismatches.inc();
+            debug!(router = %link.target.0, "the router's digest differs: full sync now");
+            self.state.require_sync(&link.target);
+        }
         if ack.outcome == AckOutcome::Stale {
             warn!(router = %link.target.0, "the router called a push stale: continuing under a new epoch with a full sync");
             self.state.renew_epoch();
@@ -145,7 +204,7 @@ impl Pusher {
 /// Pushes to `target` until cancelled; `wake`, or a reset of the worker
 /// state (`WorkerState::resync_due`), makes it act before its next tick.
 pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Notify>, cancel: CancellationToken) {
-    let mut link = Link { target, router_epoch: None, last_load: None, last_sent: None };
+    let mut link = Link::new(target);
     let mut tick = tokio::time::interval(pusher.fast_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut resync = pusher.state.resync_due();
@@ -165,6 +224,15 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
                     if !pusher.on_ack(&mut link, kind, ack) {
                         break;
                     }
+                }
+                Err((_, e)) if e.protocol_refused() && link.v2() => {
+                    // An older router: speak its version from now on, with a
+                    // full sync first (the refused push changed nothing).
+                    warn!(router = %link.target.0, error = %kvroute_shared::logging::error_chain(&e), "the router refused wire protocol v{PROTOCOL_VERSION}: falling back to v1 on this link");
+                    pusher.state.metrics().protocol_fallbacks.inc();
+                    link.protocol = 1;
+                    link.router_clock = None;
+                    pusher.state.require_sync(&link.target);
                 }
                 Err((kind, e)) => {
                     pusher.state.metrics().push_failures.get_or_create(&Pusher::labels(&link.target, kind)).inc();

@@ -6,14 +6,20 @@
 //! the translator and the pending maps *together* — a sync must read the key set
 //! and reset that router's delta atomically, or a change could be lost or sent
 //! twice. Critical sections are short: applying one batch (≈ 0.3 µs per block)
-//! or copying the key set for a sync (≈ 1 ms per million keys, every 5 s).
+//! or copying the key set for a sync (≈ 1 ms per million keys; with protocol
+//! v2 only on a digest mismatch or at the safety interval).
 //! No lock is ever held across an `.await`.
+//!
+//! The same lock keeps the key set's digest ([`KeyDigest`], protocol v2)
+//! current, so a delta and the digest it is sent with are always read
+//! together.
 
 use std::collections::{BTreeMap, HashSet};
+use std::fmt;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use kvroute_shared::BlockKey;
+use kvroute_shared::{BlockKey, KeyDigest};
 use parking_lot::Mutex;
 use rand::Rng;
 use tokio::sync::watch;
@@ -32,7 +38,7 @@ pub struct Epoch(String);
 
 impl Epoch {
     pub fn draw() -> Self {
-        Self::at(SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64))
+        Self::at(WallClock::system().now_ms())
     }
 
     fn at(ms: u64) -> Self {
@@ -41,14 +47,41 @@ impl Epoch {
 
     /// A new epoch ordered after `self`, even within one millisecond or if
     /// the wall clock stepped back.
-    pub fn next(&self) -> Self {
+    pub fn next(&self, now_ms: u64) -> Self {
         let prev = self.0.get(..12).and_then(|h| u64::from_str_radix(h, 16).ok()).unwrap_or(0);
-        let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-        Self::at(now.max(prev + 1))
+        Self::at(now_ms.max(prev + 1))
     }
 
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+}
+
+/// The sidecar's wall clock (ms since the Unix epoch), injectable so tests
+/// can skew it. It stamps epochs, and `as_of_ms` only on links to v1
+/// routers: protocol v2 never compares it with a router's clock.
+#[derive(Clone)]
+pub struct WallClock(Arc<dyn Fn() -> u64 + Send + Sync>);
+
+impl WallClock {
+    pub fn system() -> Self {
+        WallClock(Arc::new(|| SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)))
+    }
+
+    /// The system clock shifted by `skew_ms` (tests).
+    pub fn skewed(skew_ms: i64) -> Self {
+        let system = Self::system();
+        WallClock(Arc::new(move || system.now_ms().saturating_add_signed(skew_ms)))
+    }
+
+    pub fn now_ms(&self) -> u64 {
+        (self.0)()
+    }
+}
+
+impl fmt::Debug for WallClock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "WallClock({})", self.now_ms())
     }
 }
 
@@ -61,6 +94,8 @@ pub struct RouterTarget(pub String);
 pub struct SyncContent {
     pub epoch: Epoch,
     pub keys: Vec<BlockKey>,
+    pub digest: KeyDigest,
+    /// The sidecar's clock when the set was read (v1 links only).
     pub as_of_ms: u64,
 }
 
@@ -69,20 +104,28 @@ struct Inner {
     translator: Translator,
     routers: BTreeMap<RouterTarget, Pending>,
     epoch: Epoch,
+    /// Digest of `translator`'s key set.
+    digest: KeyDigest,
 }
 
-/// Forwards key changes to every router's pending delta.
-struct Fanout<'a>(&'a mut BTreeMap<RouterTarget, Pending>);
+/// Forwards key changes to every router's pending delta and the digest.
+struct Fanout<'a> {
+    routers: &'a mut BTreeMap<RouterTarget, Pending>,
+    digest: &'a mut KeyDigest,
+}
 
 impl KeySink for Fanout<'_> {
     fn stored(&mut self, key: BlockKey) {
-        self.0.values_mut().for_each(|p| p.stored(key));
+        self.digest.insert(key);
+        self.routers.values_mut().for_each(|p| p.stored(key));
     }
     fn evicted(&mut self, key: BlockKey) {
-        self.0.values_mut().for_each(|p| p.evicted(key));
+        self.digest.remove(key);
+        self.routers.values_mut().for_each(|p| p.evicted(key));
     }
     fn cleared(&mut self) {
-        self.0.values_mut().for_each(|p| p.cleared());
+        *self.digest = KeyDigest::default();
+        self.routers.values_mut().for_each(|p| p.cleared());
     }
 }
 
@@ -95,15 +138,22 @@ pub struct WorkerState {
     /// Bumped when every router must get a full sync now (a rank reset):
     /// push tasks watch it and send at once instead of at their next tick.
     resync: watch::Sender<u64>,
+    clock: WallClock,
 }
 
 impl WorkerState {
     pub fn new(translator: Translator, metrics: Arc<Metrics>, max_pending: usize) -> Self {
+        Self::with_clock(translator, metrics, max_pending, WallClock::system())
+    }
+
+    pub fn with_clock(translator: Translator, metrics: Arc<Metrics>, max_pending: usize, clock: WallClock) -> Self {
+        let digest = KeyDigest::of(translator.keys());
         WorkerState {
-            inner: Mutex::new(Inner { translator, routers: BTreeMap::new(), epoch: Epoch::draw() }),
+            inner: Mutex::new(Inner { translator, routers: BTreeMap::new(), epoch: Epoch::at(clock.now_ms()), digest }),
             metrics,
             max_pending,
             resync: watch::Sender::new(0),
+            clock,
         }
     }
 
@@ -116,8 +166,8 @@ impl WorkerState {
         self.metrics.event_batches.inc();
         self.metrics.unknown_fields.inc_by(u64::from(batch.unknown_fields));
         let mut inner = self.inner.lock();
-        let Inner { translator, routers, .. } = &mut *inner;
-        let mut sink = Fanout(routers);
+        let Inner { translator, routers, digest, .. } = &mut *inner;
+        let mut sink = Fanout { routers, digest };
         for event in &batch.events {
             translator.apply(rank, event, &mut sink);
         }
@@ -130,9 +180,9 @@ impl WorkerState {
     /// be gone, so it does not wait for the next fast-path tick.
     pub fn reset(&self, rank: Rank) {
         let mut inner = self.inner.lock();
-        let Inner { translator, routers, epoch } = &mut *inner;
-        translator.clear_rank(rank, &mut Fanout(routers));
-        *epoch = epoch.next();
+        let Inner { translator, routers, epoch, digest } = &mut *inner;
+        translator.clear_rank(rank, &mut Fanout { routers, digest });
+        *epoch = epoch.next(self.clock.now_ms());
         routers.values_mut().for_each(Pending::require_sync);
         self.update_gauges(translator);
         drop(inner);
@@ -149,7 +199,7 @@ impl WorkerState {
     /// new epoch, with a full sync to every router.
     pub fn renew_epoch(&self) {
         let mut inner = self.inner.lock();
-        inner.epoch = inner.epoch.next();
+        inner.epoch = inner.epoch.next(self.clock.now_ms());
         inner.routers.values_mut().for_each(Pending::require_sync);
     }
 
@@ -185,25 +235,31 @@ impl WorkerState {
         self.inner.lock().routers.get(target).is_some_and(Pending::needs_sync)
     }
 
-    /// Takes `target`'s net delta (`None` when it needs a sync instead, or is gone).
-    pub fn take_delta(&self, target: &RouterTarget) -> Option<(Epoch, Delta)> {
+    /// Takes `target`'s net delta with the digest of the key set it leads
+    /// to (`None` when it needs a sync instead, or is gone).
+    pub fn take_delta(&self, target: &RouterTarget) -> Option<(Epoch, Delta, KeyDigest)> {
         let mut inner = self.inner.lock();
-        let epoch = inner.epoch.clone();
+        let (epoch, digest) = (inner.epoch.clone(), inner.digest);
         let pending = inner.routers.get_mut(target)?;
         if pending.needs_sync() {
             return None;
         }
-        Some((epoch, pending.take()))
+        Some((epoch, pending.take(), digest))
     }
 
     /// Reads the full key set for `target` and resets its delta, atomically.
     pub fn take_sync(&self, target: &RouterTarget) -> Option<SyncContent> {
         let mut inner = self.inner.lock();
-        let Inner { translator, routers, epoch } = &mut *inner;
+        let Inner { translator, routers, epoch, digest } = &mut *inner;
         let pending = routers.get_mut(target)?;
         pending.sync_taken();
-        let as_of_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-        Some(SyncContent { epoch: epoch.clone(), keys: translator.keys().collect(), as_of_ms })
+        let as_of_ms = self.clock.now_ms();
+        Some(SyncContent { epoch: epoch.clone(), keys: translator.keys().collect(), digest: *digest, as_of_ms })
+    }
+
+    /// The digest of the key set (tests, health).
+    pub fn digest(&self) -> KeyDigest {
+        self.inner.lock().digest
     }
 
     /// Unsent changes held for `target` (tests and memory accounting).
@@ -218,8 +274,8 @@ impl WorkerState {
     /// Drops blocks of `rank` the engine's own snapshot no longer holds.
     pub fn reconcile(&self, rank: Rank, held: &HashSet<u64>) -> usize {
         let mut inner = self.inner.lock();
-        let Inner { translator, routers, .. } = &mut *inner;
-        let dropped = translator.retain_engine_hashes(rank, held, &mut Fanout(routers));
+        let Inner { translator, routers, digest, .. } = &mut *inner;
+        let dropped = translator.retain_engine_hashes(rank, held, &mut Fanout { routers, digest });
         self.metrics.snapshot_dropped_blocks.inc_by(dropped as u64);
         self.update_gauges(translator);
         dropped
@@ -282,6 +338,30 @@ mod tests {
         assert!(!state.needs_sync(&r));
         state.apply(Rank(0), &batch(vec![store(20_000)]));
         assert_eq!(state.take_delta(&r).unwrap().1.stored.len(), 1);
+    }
+
+    #[test]
+    fn the_digest_follows_the_key_set_through_stores_evictions_and_resets() {
+        let metrics = Arc::new(Metrics::new());
+        let translator = Translator::new(ModelName::new("m"), BlockSize::new(4).unwrap(), metrics.translate.clone());
+        let state = WorkerState::new(translator, metrics, 1000);
+        let r = RouterTarget("http://r".into());
+        state.set_routers(std::slice::from_ref(&r));
+        for h in 0..100 {
+            state.apply(Rank(0), &batch(vec![store(h)]));
+        }
+        // A second copy of a block is no new key.
+        state.apply(Rank(0), &batch(vec![store(5)]));
+        let (_, _, digest) = state.take_delta(&r).unwrap_or_else(|| {
+            state.take_sync(&r);
+            state.take_delta(&r).unwrap()
+        });
+        assert_eq!(digest, KeyDigest::of(state.keys()));
+        assert_eq!(digest.count, 100);
+        let sync = state.take_sync(&r).unwrap();
+        assert_eq!(sync.digest, KeyDigest::of(sync.keys.iter().copied()));
+        state.reset(Rank(0));
+        assert_eq!(state.digest(), KeyDigest::default());
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The slow loop, every sync interval: anti-entropy against the engine's own
-//! snapshot (when the python hook is configured), re-resolution of router
-//! addresses (starting and stopping one push task per address), and the
-//! periodic full sync to every router.
+//! snapshot (when the python hook is configured) and re-resolution of router
+//! addresses (starting and stopping one push task per address). Periodic full
+//! syncs are each push task's own business (`push`): a v2 router gets one
+//! only on a digest mismatch or at the safety interval.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -42,7 +43,6 @@ impl Supervisor {
         let mut resolved: HashMap<String, Vec<RouterTarget>> = HashMap::new();
         let mut tick = tokio::time::interval(self.sync_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut first = true;
         loop {
             tokio::select! {
                 _ = cancel.cancelled() => break,
@@ -73,10 +73,6 @@ impl Supervisor {
             for t in &targets {
                 tasks.entry(t.clone()).or_insert_with(|| self.spawn(t.clone(), &cancel));
             }
-            if !first {
-                self.state.require_sync_all();
-            }
-            first = false;
             tasks.values().for_each(|t| t.wake.notify_one());
         }
         for task in tasks.values() {

@@ -56,7 +56,9 @@ async fn periodic_sync_carries_the_full_state() {
     assert_eq!(sync["block_size"], 4);
     assert_eq!(sync["load"], serde_json::json!({"running": 3, "waiting": 1, "kv_usage": 0.5}));
     assert_eq!(sync["epoch"], h.epoch().await.as_str());
-    assert!(sync["as_of_ms"].as_u64().unwrap() > 1_700_000_000_000);
+    // Protocol v2: the digest of the set, and no wall-clock time.
+    assert_eq!(sync["digest"]["count"], 2);
+    assert!(sync.get("as_of_ms").is_none(), "{sync}");
     let syncs = h.received().iter().filter(|m| m.is_sync()).count();
     h.wait_for("another periodic sync", |r| r.iter().filter(|m| m.is_sync()).count() > syncs).await;
     h.stop().await;

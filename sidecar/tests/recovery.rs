@@ -30,6 +30,7 @@ async fn a_gap_is_replayed_in_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_copy_of_a_batch_the_idle_probe_recovered_is_no_restart() {
     let mut h = Harness::start_with(Options { replay_keep_last: Some(10_000), ..Options::sync("60s") }).await;
+    let epoch = h.epoch().await;
     let tokens: Vec<u32> = (0..8).collect();
     h.publisher.publish(vec![stored(&[1], None, &tokens[..4])]).await;
     let lost_at = h.publisher.seq;
@@ -44,6 +45,10 @@ async fn a_late_copy_of_a_batch_the_idle_probe_recovered_is_no_restart() {
     all.extend(keys(&next));
     support::wait("every key, none cleared", || async { h.router_view() == hex_set(&all) }).await;
     assert_eq!(h.metric("kvroute_sidecar_engine_restarts_total").await, 0.0, "a duplicate is no restart");
+    // No resync either: the same epoch, and the only sync the warm-up's.
+    assert_eq!(h.epoch().await, epoch, "a replayed batch keeps the epoch");
+    let syncs = h.received().iter().filter(|m| m.is_sync() && m.body["epoch"] == epoch.as_str()).count();
+    assert_eq!(syncs, 1, "no full sync after the replay");
     h.stop().await;
 }
 

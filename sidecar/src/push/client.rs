@@ -6,15 +6,26 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use kvroute_shared::wire::{
-    EVICTION_PATH, ErrorBody, EvictionBatch, InternalAck, PROTOCOL_HEADER, PROTOCOL_VERSION, SYNC_PATH, SyncSnapshot,
+    EVICTION_PATH, ErrorBody, EvictionBatch, InternalAck, PROTOCOL_HEADER, SYNC_PATH, SyncSnapshot,
 };
 use serde::Serialize;
 
 use crate::config::Secret;
 use crate::state::RouterTarget;
 
-/// Timeout of one HTTP call to a router.
+/// Timeout of one eviction batch (a heartbeat at worst: it must not wait
+/// behind a slow sync's budget).
 const CALL_TIMEOUT: Duration = Duration::from_secs(3);
+/// A full sync's timeout: this plus [`SYNC_TIMEOUT_PER_100K`] per 100 k keys.
+/// A large sync to a busy router takes longer than a batch, and timing it out
+/// only makes the sidecar send it again from the start.
+const SYNC_TIMEOUT_BASE: Duration = Duration::from_secs(10);
+const SYNC_TIMEOUT_PER_100K: Duration = Duration::from_secs(1);
+
+/// How long a sync of `keys` keys may take.
+pub fn sync_timeout(keys: usize) -> Duration {
+    SYNC_TIMEOUT_BASE + SYNC_TIMEOUT_PER_100K.mul_f64(keys as f64 / 100_000.0)
+}
 
 /// A push that the router did not accept.
 #[derive(Debug, thiserror::Error)]
@@ -33,7 +44,13 @@ pub enum PushError {
         source: reqwest::Error,
     },
     #[error("{url} answered {status}: {detail}")]
-    Status { url: String, status: u16, detail: String },
+    Status {
+        url: String,
+        status: u16,
+        detail: String,
+        /// The field the router named as at fault (its error's `param`).
+        param: Option<String>,
+    },
 }
 
 impl PushError {
@@ -41,19 +58,28 @@ impl PushError {
     pub fn nothing_sent(&self) -> bool {
         matches!(self, PushError::Unreachable { .. })
     }
+
+    /// The router refused the protocol version the push named (an older
+    /// router: the link falls back to version 1).
+    pub fn protocol_refused(&self) -> bool {
+        matches!(self, PushError::Status { status: 400, param: Some(p), .. } if p == PROTOCOL_HEADER)
+    }
 }
 
-/// Delivers the two internal messages to a router and returns its ack.
+/// Delivers the two internal messages to a router, naming `protocol` in the
+/// version header, and returns its ack.
 pub trait RouterClient: Send + Sync + fmt::Debug {
     fn eviction<'a>(
         &'a self,
         target: &'a RouterTarget,
         body: &'a EvictionBatch,
+        protocol: u32,
     ) -> BoxFuture<'a, Result<InternalAck, PushError>>;
     fn sync<'a>(
         &'a self,
         target: &'a RouterTarget,
         body: &'a SyncSnapshot,
+        protocol: u32,
     ) -> BoxFuture<'a, Result<InternalAck, PushError>>;
 }
 
@@ -74,10 +100,11 @@ impl HttpRouterClient {
         target: &RouterTarget,
         path: &str,
         body: &T,
+        protocol: u32,
+        timeout: Duration,
     ) -> Result<InternalAck, PushError> {
         let url = format!("{}{path}", target.0);
-        let mut req =
-            self.http.post(&url).json(body).timeout(CALL_TIMEOUT).header(PROTOCOL_HEADER, PROTOCOL_VERSION.to_string());
+        let mut req = self.http.post(&url).json(body).timeout(timeout).header(PROTOCOL_HEADER, protocol.to_string());
         if let Some(token) = &self.token {
             req = req.bearer_auth(&token.0);
         }
@@ -90,8 +117,11 @@ impl HttpRouterClient {
             // The router's error names the field and why (an unsupported
             // protocol version, a block-size mismatch, …): keep it for the log.
             let detail = resp.text().await.unwrap_or_default();
-            let detail = serde_json::from_str::<ErrorBody>(&detail).map_or(detail, |e| e.error.message);
-            return Err(PushError::Status { url, status, detail });
+            let (detail, param) = match serde_json::from_str::<ErrorBody>(&detail) {
+                Ok(e) => (e.error.message, e.error.param),
+                Err(_) => (detail, None),
+            };
+            return Err(PushError::Status { url, status, detail, param });
         }
         resp.json::<InternalAck>().await.map_err(http)
     }
@@ -102,16 +132,18 @@ impl RouterClient for HttpRouterClient {
         &'a self,
         target: &'a RouterTarget,
         body: &'a EvictionBatch,
+        protocol: u32,
     ) -> BoxFuture<'a, Result<InternalAck, PushError>> {
-        Box::pin(self.post(target, EVICTION_PATH, body))
+        Box::pin(self.post(target, EVICTION_PATH, body, protocol, CALL_TIMEOUT))
     }
 
     fn sync<'a>(
         &'a self,
         target: &'a RouterTarget,
         body: &'a SyncSnapshot,
+        protocol: u32,
     ) -> BoxFuture<'a, Result<InternalAck, PushError>> {
-        Box::pin(self.post(target, SYNC_PATH, body))
+        Box::pin(self.post(target, SYNC_PATH, body, protocol, sync_timeout(body.hashes.len())))
     }
 }
 
@@ -123,6 +155,7 @@ mod tests {
     use axum::http::{HeaderMap, StatusCode};
     use axum::routing::post;
     use kvroute_shared::WorkerId;
+    use kvroute_shared::wire::PROTOCOL_VERSION;
 
     use super::*;
     use crate::state::RouterTarget;
@@ -136,10 +169,12 @@ mod tests {
         let handler = move |h: HeaderMap| async move {
             let v = h.get(PROTOCOL_HEADER).and_then(|v| v.to_str().ok()).unwrap_or("none").to_owned();
             s.lock().unwrap().push(v);
-            let msg = "wire protocol version 1 is not supported: this router speaks version 2";
+            let msg = "wire protocol version 2 is not supported: this router speaks version 3";
             (
                 StatusCode::BAD_REQUEST,
-                axum::Json(serde_json::json!({"error": {"message": msg, "type": "x", "code": 400}})),
+                axum::Json(
+                    serde_json::json!({"error": {"message": msg, "type": "x", "code": 400, "param": PROTOCOL_HEADER}}),
+                ),
             )
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -151,14 +186,17 @@ mod tests {
             epoch: None,
             seq: None,
             as_of_ms: None,
+            covers: None,
+            digest: None,
             url: None,
             models: Vec::new(),
             block_size: None,
             hashes: Vec::new(),
             load: None,
         };
-        let err = client.sync(&RouterTarget(url), &body).await.unwrap_err();
+        let err = client.sync(&RouterTarget(url), &body, PROTOCOL_VERSION).await.unwrap_err();
         assert_eq!(*seen.lock().unwrap(), [PROTOCOL_VERSION.to_string()]);
-        assert!(err.to_string().contains("this router speaks version 2"), "{err}");
+        assert!(err.to_string().contains("this router speaks version 3"), "{err}");
+        assert!(err.protocol_refused(), "the version header was named as the fault: {err:?}");
     }
 }

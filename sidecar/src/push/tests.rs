@@ -4,8 +4,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use kvroute_shared::wire::{AckOutcome, EvictionBatch, InternalAck, SyncSnapshot};
-use kvroute_shared::{BlockKey, BlockSize, KeyRoot, ModelName, WorkerId, block_keys};
+use std::collections::HashSet;
+
+use kvroute_shared::wire::{AckOutcome, EvictionBatch, InternalAck, PROTOCOL_HEADER, SyncSnapshot};
+use kvroute_shared::{BlockKey, BlockSize, KeyDigest, KeyRoot, ModelName, WorkerId, block_keys};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -15,7 +17,7 @@ use super::*;
 use crate::decode::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent};
 use crate::engine::EngineView;
 use crate::metrics::Metrics;
-use crate::state::{RouterTarget, WorkerState};
+use crate::state::{RouterTarget, WallClock, WorkerState};
 use crate::translate::{Rank, Translator};
 
 #[derive(Clone, Debug)]
@@ -33,6 +35,16 @@ struct FakeRouter {
     unreachable_left: Mutex<usize>,
     stale_left: Mutex<usize>,
     epoch: Mutex<String>,
+    /// A router of the release before v2: it refuses a version-2 header.
+    v1_only: Mutex<bool>,
+    /// Deltas acked as applied but lost (a misapplied or lost push).
+    lose_left: Mutex<usize>,
+    /// The keys this router holds for the worker, as a real router applies
+    /// pushes, and the protocol each accepted message was sent under.
+    held: Mutex<HashSet<BlockKey>>,
+    protocols: Mutex<Vec<u32>>,
+    /// The router's causal clock: one tick per ack here.
+    clock: Mutex<u64>,
 }
 
 impl FakeRouter {
@@ -44,11 +56,25 @@ impl FakeRouter {
             unreachable_left: Mutex::new(0),
             stale_left: Mutex::new(0),
             epoch: Mutex::new("r1".into()),
+            v1_only: Mutex::new(false),
+            lose_left: Mutex::new(0),
+            held: Mutex::new(HashSet::new()),
+            protocols: Mutex::new(Vec::new()),
+            clock: Mutex::new(0),
         })
     }
 
-    fn answer(&self, sent: Sent) -> Result<InternalAck, PushError> {
+    fn answer(&self, sent: Sent, protocol: u32) -> Result<InternalAck, PushError> {
         self.attempts.lock().push(Instant::now());
+        if protocol >= 2 && *self.v1_only.lock() {
+            let detail = format!("wire protocol version {protocol} is not supported: this router speaks version 1");
+            return Err(PushError::Status {
+                url: "fake".into(),
+                status: 400,
+                detail,
+                param: Some(PROTOCOL_HEADER.into()),
+            });
+        }
         let mut refused = self.unreachable_left.lock();
         if *refused > 0 {
             *refused -= 1;
@@ -58,8 +84,10 @@ impl FakeRouter {
         let mut left = self.failures_left.lock();
         if *left > 0 {
             *left -= 1;
-            return Err(PushError::Status { url: "fake".into(), status: 503, detail: String::new() });
+            return Err(PushError::Status { url: "fake".into(), status: 503, detail: String::new(), param: None });
         }
+        self.protocols.lock().push(protocol);
+        let theirs = self.apply(&sent);
         self.log.lock().push((Instant::now(), sent));
         let mut stale = self.stale_left.lock();
         let outcome = if *stale > 0 {
@@ -68,7 +96,38 @@ impl FakeRouter {
         } else {
             AckOutcome::Applied
         };
-        Ok(InternalAck { router_epoch: self.epoch.lock().clone(), outcome, protocol: 1 })
+        let resync = theirs.is_some_and(|d| d != KeyDigest::of(self.held.lock().iter().copied()));
+        let mut clock = self.clock.lock();
+        *clock += 1;
+        let protocol = if *self.v1_only.lock() { 1 } else { 2 };
+        let clock = (protocol >= 2).then_some(*clock);
+        Ok(InternalAck { router_epoch: self.epoch.lock().clone(), outcome, protocol, resync, clock })
+    }
+
+    /// Applies what a router would; the digest the message carried.
+    fn apply(&self, sent: &Sent) -> Option<KeyDigest> {
+        let mut held = self.held.lock();
+        match sent {
+            Sent::Sync(s) => {
+                *held = s.hashes.iter().copied().collect();
+                s.digest
+            }
+            Sent::Eviction(b) => {
+                let mut lose = self.lose_left.lock();
+                if *lose > 0 {
+                    *lose -= 1;
+                    return None;
+                }
+                if b.cleared {
+                    held.clear();
+                }
+                b.evicted_hashes.iter().for_each(|k| {
+                    held.remove(k);
+                });
+                held.extend(b.stored_hashes.iter().copied());
+                b.digest
+            }
+        }
     }
 
     fn sent(&self) -> Vec<Sent> {
@@ -81,15 +140,17 @@ impl RouterClient for FakeRouter {
         &'a self,
         _: &'a RouterTarget,
         body: &'a EvictionBatch,
+        protocol: u32,
     ) -> BoxFuture<'a, Result<InternalAck, PushError>> {
-        Box::pin(std::future::ready(self.answer(Sent::Eviction(body.clone()))))
+        Box::pin(std::future::ready(self.answer(Sent::Eviction(body.clone()), protocol)))
     }
     fn sync<'a>(
         &'a self,
         _: &'a RouterTarget,
         body: &'a SyncSnapshot,
+        protocol: u32,
     ) -> BoxFuture<'a, Result<InternalAck, PushError>> {
-        Box::pin(std::future::ready(self.answer(Sent::Sync(body.clone()))))
+        Box::pin(std::future::ready(self.answer(Sent::Sync(body.clone()), protocol)))
     }
 }
 
@@ -100,12 +161,15 @@ struct Setup {
 }
 
 fn start() -> Setup {
+    start_with(FakeRouter::new(), WallClock::system())
+}
+
+fn start_with(router: Arc<FakeRouter>, clock: WallClock) -> Setup {
     let metrics = Arc::new(Metrics::new());
     let translator = Translator::new(ModelName::new("m"), BlockSize::new(4).unwrap(), metrics.translate.clone());
-    let state = Arc::new(WorkerState::new(translator, metrics, 1 << 20));
+    let state = Arc::new(WorkerState::with_clock(translator, metrics, 1 << 20, clock));
     let target = RouterTarget("http://r".into());
     state.set_routers(std::slice::from_ref(&target));
-    let router = FakeRouter::new();
     let pusher = Arc::new(Pusher {
         client: router.clone(),
         worker_id: WorkerId::new("w1"),
@@ -114,6 +178,8 @@ fn start() -> Setup {
         engine: Arc::new(EngineView::new(vec![ModelName::new("m")])),
         state: state.clone(),
         fast_interval: Duration::from_millis(100),
+        full_sync_interval: Duration::from_secs(300),
+        v1_sync_interval: Duration::from_secs(5),
         seq: Default::default(),
     });
     let cancel = CancellationToken::new();
@@ -278,4 +344,98 @@ async fn a_reset_is_synced_at_once() {
     assert!(*when - at < Duration::from_millis(1), "sent {:?} after the reset", *when - at);
     assert!(sync.hashes.is_empty(), "the rank's keys are gone");
     s.cancel.cancel();
+}
+
+fn syncs(sent: &[Sent]) -> Vec<&SyncSnapshot> {
+    sent.iter()
+        .filter_map(|m| match m {
+            Sent::Sync(s) => Some(s),
+            Sent::Eviction(_) => None,
+        })
+        .collect()
+}
+
+/// Protocol v2: a push the router acked but lost is detected by the digest of
+/// the next push (≤ one fast interval later), and the full sync that heals it
+/// follows in the same round.
+#[tokio::test(start_paused = true)]
+async fn a_lost_push_is_detected_at_the_next_push_and_healed_at_once() {
+    let s = start();
+    advance(1).await;
+    *s.router.lose_left.lock() = 1;
+    s.state.apply(Rank(0), &store(1, [1, 1, 1, 1]));
+    advance(100).await;
+    assert!(s.router.held.lock().is_empty(), "the batch carrying key 1 was lost");
+    let lost_at = Instant::now();
+    s.state.apply(Rank(0), &store(2, [2, 2, 2, 2]));
+    advance(100).await;
+    let log = s.router.log.lock().clone();
+    let (healed_at, Sent::Sync(heal)) = log.last().unwrap() else { panic!("{log:?}") };
+    assert!(*healed_at - lost_at <= Duration::from_millis(100), "healed {:?} after the loss", *healed_at - lost_at);
+    assert_eq!(heal.digest, Some(s.state.digest()));
+    let want: HashSet<BlockKey> = s.state.keys().into_iter().collect();
+    assert_eq!(*s.router.held.lock(), want);
+    assert_eq!(s.state.metrics().digest_mismatches.get(), 1);
+    // In sync again: no more full syncs for the safety interval.
+    let before = syncs(&s.router.sent()).len();
+    advance(60_000).await;
+    assert_eq!(syncs(&s.router.sent()).len(), before, "no periodic sync within the safety interval");
+    s.cancel.cancel();
+}
+
+/// A v2 sidecar and a router of the release before: the first push is
+/// refused for its version; the link falls back to v1 bodies (no digest,
+/// `as_of_ms`) and v1's periodic full syncs, and tries v2 again once the
+/// router restarts (perhaps upgraded).
+#[tokio::test(start_paused = true)]
+async fn a_v1_router_gets_v1_bodies_and_periodic_syncs() {
+    let router = FakeRouter::new();
+    *router.v1_only.lock() = true;
+    let s = start_with(router, WallClock::system());
+    s.state.apply(Rank(0), &store(1, [1, 1, 1, 1]));
+    advance(12_000).await;
+    let sent = s.router.sent();
+    assert!(s.router.protocols.lock().iter().all(|p| *p == 1));
+    assert_eq!(s.state.metrics().protocol_fallbacks.get(), 1);
+    let all_syncs = syncs(&sent);
+    assert!(all_syncs.len() >= 3, "a sync at start and every 5 s: {}", all_syncs.len());
+    for sync in &all_syncs {
+        assert!(sync.digest.is_none() && sync.covers.is_none() && sync.as_of_ms.is_some(), "{sync:?}");
+    }
+    for m in &sent {
+        if let Sent::Eviction(b) = m {
+            assert!(b.digest.is_none(), "a v1 router refuses unknown fields: {b:?}");
+        }
+    }
+    // Upgraded and restarted: v2 again.
+    *s.router.v1_only.lock() = false;
+    *s.router.epoch.lock() = "r2".into();
+    advance(1_000).await;
+    assert_eq!(s.router.protocols.lock().last(), Some(&2));
+    let last = s.router.sent();
+    assert!(syncs(&last).last().is_some_and(|s| s.digest.is_some() && s.as_of_ms.is_none()));
+    s.cancel.cancel();
+}
+
+/// No wall clock crosses the wire in v2: with the sidecar's clock ten
+/// minutes off either way, its syncs name the router clock of the last ack
+/// they follow (`covers`), never a time.
+#[tokio::test(start_paused = true)]
+async fn a_skewed_sidecar_clock_never_reaches_a_v2_router() {
+    for skew_ms in [-600_000i64, 600_000] {
+        let s = start_with(FakeRouter::new(), WallClock::skewed(skew_ms));
+        advance(1).await;
+        s.state.apply(Rank(0), &store(1, [1, 1, 1, 1]));
+        advance(300).await;
+        let acked_clock = *s.router.clock.lock();
+        s.state.reset(Rank(0));
+        advance(1).await;
+        let sent = s.router.sent();
+        let all = syncs(&sent);
+        let [first, .., last] = &all[..] else { panic!("{all:?}") };
+        assert_eq!(first.covers, None, "nothing acked before the first sync");
+        assert_eq!(last.covers, Some(acked_clock), "the reset's sync covers the last ack");
+        assert!(all.iter().all(|s| s.as_of_ms.is_none()), "no wall clock in v2");
+        s.cancel.cancel();
+    }
 }

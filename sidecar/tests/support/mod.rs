@@ -293,6 +293,8 @@ impl Harness {
             internal_token: Some(TOKEN.into()),
             fast_interval: Some(Duration::from_millis(20)),
             sync_interval: Some(humantime_serde::re::humantime::parse_duration(opts.sync_interval).unwrap()),
+            // The paper's constant snapshots: these tests watch periodic syncs.
+            full_sync_interval: Some(humantime_serde::re::humantime::parse_duration(opts.sync_interval).unwrap()),
             block_size: Some(BS),
             ..RawConfig::default()
         };
