@@ -26,7 +26,7 @@ fn run(args: &[&str], body: &Value) -> (bool, Value, String) {
 #[test]
 fn qwen3_chat_matches_hf_transformers_and_keys_follow() {
     let dir = tokenizer_dir("qwen3").unwrap_or_else(|why| {
-        panic!("no qwen3 tokenizer: {why} (install npm, or place the shared test data at ../shared/testdata)")
+        panic!("no qwen3 tokenizer: {why} (or place the shared test data at ../shared/testdata)")
     });
     let goldens = std::fs::read_to_string(project_testdata().join("tokenizers/qwen3/chat-goldens.jsonl")).unwrap();
     let g: Value = serde_json::from_str(goldens.lines().nth(2).unwrap()).unwrap();

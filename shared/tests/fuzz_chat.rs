@@ -13,7 +13,7 @@ fn qwen3() -> Option<&'static PromptTokenizer> {
     TOK.get_or_init(|| match tokenizer_dir("qwen3") {
         Ok(dir) => Some(PromptTokenizer::load(&dir).expect("qwen3 loads")),
         Err(why) => {
-            panic!("no qwen3 tokenizer: {why} (install npm, or place the shared test data at ../shared/testdata)")
+            panic!("no qwen3 tokenizer: {why} (or place the shared test data at ../shared/testdata)")
         }
     })
     .as_ref()

@@ -8,7 +8,7 @@ use proptest::prelude::*;
 
 fn load(name: &str) -> PromptTokenizer {
     let dir = tokenizer_dir(name).unwrap_or_else(|why| {
-        panic!("no {name} tokenizer: {why} (install npm, or place the shared test data at ../shared/testdata)")
+        panic!("no {name} tokenizer: {why} (or place the shared test data at ../shared/testdata)")
     });
     PromptTokenizer::load(&dir).expect("loads")
 }

@@ -19,7 +19,7 @@ fn load(name: &str) -> Option<PromptTokenizer> {
     match tokenizer_dir(name) {
         Ok(dir) => Some(PromptTokenizer::load(&dir).unwrap()),
         Err(why) => {
-            panic!("no {name} tokenizer: {why} (install npm, or place the shared test data at ../shared/testdata)")
+            panic!("no {name} tokenizer: {why} (or place the shared test data at ../shared/testdata)")
         }
     }
 }

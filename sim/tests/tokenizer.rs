@@ -13,7 +13,7 @@ async fn qwen3_chat_matches_the_hf_goldens() {
     let dir = match kvroute_shared::testdata::tokenizer_dir("qwen3") {
         Ok(d) => d,
         Err(why) => {
-            panic!("no qwen3 tokenizer: {why} (install npm, or place the shared test data at ../shared/testdata)")
+            panic!("no qwen3 tokenizer: {why} (or place the shared test data at ../shared/testdata)")
         }
     };
     let goldens = kvroute_shared::testdata::project_testdata().join("tokenizers/qwen3/chat-goldens.jsonl");
