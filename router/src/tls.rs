@@ -1,8 +1,10 @@
-//! Optional TLS for the router's listener (rustls, ring provider).
+//! Optional TLS for the router's listener (rustls, ring provider), with
+//! concurrent handshakes from `tls-listener`.
 //!
-//! Handshakes run in their own tasks, so a slow or hostile client cannot hold
-//! up the accept loop; finished connections are handed to axum through a
-//! bounded channel.
+//! The serve loop stays `serve::serve` (hyper-util), shared with plain HTTP,
+//! rather than `axum-server`'s: axum-server has no cap on open connections
+//! (`max_connections` pauses accepting at the cap), and its `tls-rustls`
+//! feature builds aws-lc-rs (C, cmake) where the router uses ring.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -12,8 +14,8 @@ use std::time::Duration;
 use rustls::ServerConfig;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use tls_listener::{AsyncTls, SpawningHandshakes};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 
@@ -49,47 +51,42 @@ pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, TlsEr
     Ok(Arc::new(config))
 }
 
-/// A listener whose connections are TLS-terminated.
-#[derive(Debug)]
+/// A listener whose connections are TLS-terminated: `tls-listener` runs each
+/// handshake in its own task (a slow or hostile client cannot hold up the
+/// others) under [`HANDSHAKE_TIMEOUT`]; this adapts it to axum's `Listener`,
+/// which `serve` drives, logging failed handshakes at debug level (a port
+/// scanner's are not errors).
 pub struct TlsListener {
-    ready: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
-    local: SocketAddr,
+    inner: tls_listener::TlsListener<TcpListener, SpawningHandshakes<NoDelay>>,
+}
+
+impl std::fmt::Debug for TlsListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsListener").field("local", &self.inner.local_addr().ok()).finish_non_exhaustive()
+    }
+}
+
+/// rustls's acceptor, switching Nagle off first: streamed tokens must go out
+/// at once (see `run`), and so must the handshake's flights.
+#[derive(Clone)]
+struct NoDelay(TlsAcceptor);
+
+impl AsyncTls<TcpStream> for NoDelay {
+    type Stream = TlsStream<TcpStream>;
+    type Error = std::io::Error;
+    type AcceptFuture = tokio_rustls::Accept<TcpStream>;
+
+    fn accept(&self, tcp: TcpStream) -> Self::AcceptFuture {
+        let _ = tcp.set_nodelay(true);
+        self.0.accept(tcp)
+    }
 }
 
 impl TlsListener {
     pub fn new(listener: TcpListener, config: Arc<ServerConfig>) -> std::io::Result<Self> {
-        let local = listener.local_addr()?;
-        let acceptor = TlsAcceptor::from(config);
-        let (tx, ready) = mpsc::channel(64);
-        tokio::spawn(async move {
-            loop {
-                let (tcp, peer) = match listener.accept().await {
-                    Ok(c) => c,
-                    Err(e) => {
-                        // Out of file descriptors and the like: back off briefly.
-                        tracing::warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                if tx.is_closed() {
-                    return;
-                }
-                // No Nagle delay on streamed tokens (see `run`).
-                let _ = tcp.set_nodelay(true);
-                let (acceptor, tx) = (acceptor.clone(), tx.clone());
-                tokio::spawn(async move {
-                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                        Ok(Ok(tls)) => {
-                            let _ = tx.send((tls, peer)).await;
-                        }
-                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
-                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-                    }
-                });
-            }
-        });
-        Ok(TlsListener { ready, local })
+        let acceptor = SpawningHandshakes(NoDelay(TlsAcceptor::from(config)));
+        let inner = tls_listener::builder(acceptor).handshake_timeout(HANDSHAKE_TIMEOUT).listen(listener);
+        Ok(TlsListener { inner })
     }
 }
 
@@ -98,14 +95,20 @@ impl axum::serve::Listener for TlsListener {
     type Addr = SocketAddr;
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        match self.ready.recv().await {
-            Some(conn) => conn,
-            // The accept task is gone: no connection will ever come.
-            None => std::future::pending().await,
+        loop {
+            match self.inner.accept().await {
+                Ok(conn) => return conn,
+                Err(tls_listener::Error::ListenerError(e)) => {
+                    // Out of file descriptors and the like: back off briefly.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => tracing::debug!(error = %e, "TLS handshake failed"),
+            }
         }
     }
 
     fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        Ok(self.local)
+        self.inner.local_addr()
     }
 }

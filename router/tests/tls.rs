@@ -98,6 +98,33 @@ async fn serves_https_and_refuses_plain_http() {
     assert!(reqwest::Client::new().get(format!("https://{addr}/health")).send().await.is_err());
 }
 
+/// Handshakes run side by side: clients that connect and then send nothing
+/// (or half a ClientHello) do not hold up a real client behind them.
+#[tokio::test]
+async fn stalled_handshakes_do_not_block_other_clients() {
+    use tokio::io::AsyncWriteExt;
+    let c = certs("stalled");
+    let addr = https_router(&c).await;
+    let mut stalled = Vec::new();
+    for i in 0..8 {
+        let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        if i % 2 == 1 {
+            // The first bytes of a TLS record header, then silence.
+            tcp.write_all(&[0x16, 0x03, 0x01]).await.unwrap();
+        }
+        stalled.push(tcp);
+    }
+    // Handshakes taken one at a time would wait out the stalled ones' 10 s
+    // handshake timeouts first (80 s): the deadline is half of one.
+    let health =
+        tokio::time::timeout(Duration::from_secs(5), trusting(&c.pem).get(format!("https://{addr}/health")).send())
+            .await
+            .expect("the handshake waited behind stalled ones")
+            .unwrap();
+    assert_eq!(health.status(), 200);
+    drop(stalled);
+}
+
 /// ALPN offers h2 and http/1.1, and the router speaks both: curl (the tool
 /// operators reach for) gets an answer with either.
 #[tokio::test]
