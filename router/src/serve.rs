@@ -10,6 +10,14 @@
 //!
 //! Shutdown is graceful: on cancellation no new connection is accepted and
 //! open ones finish their requests (the caller bounds the wait).
+//!
+//! Request-level load shedding (`max_concurrent_requests`, 503 with
+//! `retry-after`, `kvroute_shed_total`) is `proxy::admit`'s semaphore, not
+//! tower's `ConcurrencyLimit` + `LoadShed`: those take the slot before the
+//! body is read (a slow sender would hold one) and give it back when the
+//! response's headers are ready, while a streamed answer must keep its slot
+//! until its last chunk; and they would cover `/health`, `/metrics` and the
+//! sidecars' pushes, which are never shed.
 
 use std::sync::Arc;
 use std::time::Duration;
