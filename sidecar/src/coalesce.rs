@@ -7,6 +7,7 @@
 //! cap, the map is dropped and the router is marked for a full sync instead:
 //! the next message it gets is the whole key set, whatever happened meanwhile.
 
+use std::collections::VecDeque;
 use std::collections::hash_map::Entry;
 
 use kvroute_shared::BlockKey;
@@ -33,6 +34,11 @@ impl Delta {
     }
 }
 
+/// How many of the last deltas' keys a router's [`Pending`] remembers for a
+/// repair (protocol v2): a lost push shows at the next one, so the lost
+/// delta is among the last two; four leave room for a retry.
+pub const REPAIR_WINDOW: usize = 4;
+
 /// One router's unsent changes.
 #[derive(Debug)]
 pub struct Pending {
@@ -40,12 +46,16 @@ pub struct Pending {
     changes: FastMap<BlockKey, Change>,
     needs_sync: bool,
     max_changes: usize,
+    /// The keys of the last [`REPAIR_WINDOW`] deltas taken: a push that was
+    /// lost, or that the router's digest says went wrong, is repaired by
+    /// re-sending the *current* state of these keys instead of a full sync.
+    recent: VecDeque<Vec<BlockKey>>,
 }
 
 impl Pending {
     /// A new router starts with a full sync (that is its registration).
     pub fn new(max_changes: usize) -> Self {
-        Pending { cleared: false, changes: FastMap::default(), needs_sync: true, max_changes }
+        Pending { cleared: false, changes: FastMap::default(), needs_sync: true, max_changes, recent: VecDeque::new() }
     }
 
     pub fn needs_sync(&self) -> bool {
@@ -56,6 +66,7 @@ impl Pending {
     pub fn require_sync(&mut self) {
         self.needs_sync = true;
         self.cleared = false;
+        self.recent.clear();
         // A fresh map, so a burst's worth of capacity is returned.
         self.changes = FastMap::default();
     }
@@ -65,6 +76,7 @@ impl Pending {
     pub fn sync_taken(&mut self) {
         self.needs_sync = false;
         self.cleared = false;
+        self.recent.clear();
         self.changes = FastMap::default();
     }
 
@@ -77,7 +89,39 @@ impl Pending {
                 Change::Evicted => delta.evicted.push(key),
             }
         }
+        if delta.cleared {
+            // Keys from before a clear need no repair: the clear is in this
+            // delta, and if it is lost the digest asks for a full sync.
+            self.recent.clear();
+        }
+        if !delta.stored.is_empty() || !delta.evicted.is_empty() {
+            if self.recent.len() == REPAIR_WINDOW {
+                self.recent.pop_front();
+            }
+            self.recent.push_back(delta.stored.iter().chain(&delta.evicted).copied().collect());
+        }
         delta
+    }
+
+    /// Takes the net changes plus a repair: every key of the last few
+    /// deltas, sent again as it stands now (`holds` says whether the worker
+    /// holds it). Re-sending a key's current state is idempotent, so it
+    /// heals a lost or misapplied delta whether or not the router had it.
+    /// `None` when nothing is remembered (a full sync must do).
+    pub fn take_repair(&mut self, holds: impl Fn(BlockKey) -> bool) -> Option<Delta> {
+        if self.recent.is_empty() {
+            return None;
+        }
+        let recent: Vec<Vec<BlockKey>> = self.recent.iter().cloned().collect();
+        let mut delta = self.take();
+        let mut seen: crate::translate::FastSet<BlockKey> =
+            delta.stored.iter().chain(&delta.evicted).copied().collect();
+        for key in recent.into_iter().flatten() {
+            if seen.insert(key) {
+                if holds(key) { delta.stored.push(key) } else { delta.evicted.push(key) }
+            }
+        }
+        Some(delta)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -154,6 +198,26 @@ mod tests {
         p.cleared();
         p.stored(BlockKey(2));
         assert_eq!(p.take(), Delta { cleared: true, stored: vec![BlockKey(2)], evicted: vec![] });
+    }
+
+    #[test]
+    fn a_repair_resends_recent_keys_as_they_stand_now() {
+        let mut p = Pending::new(100);
+        p.sync_taken();
+        p.stored(BlockKey(1));
+        p.stored(BlockKey(2));
+        p.take(); // lost on the way
+        p.evicted(BlockKey(1));
+        p.stored(BlockKey(3));
+        let held = [BlockKey(2), BlockKey(3)];
+        let mut repair = p.take_repair(|k| held.contains(&k)).unwrap();
+        repair.stored.sort();
+        repair.evicted.sort();
+        assert_eq!(repair.stored, vec![BlockKey(2), BlockKey(3)]);
+        assert_eq!(repair.evicted, vec![BlockKey(1)]);
+        p.require_sync();
+        p.sync_taken();
+        assert!(p.take_repair(|_| true).is_none(), "nothing remembered across a sync");
     }
 
     #[test]

@@ -2,8 +2,13 @@
 //! due, retries with exponential backoff and jitter.
 //!
 //! Protocol v2 (DESIGN.md §2): every push carries the digest of the whole key
-//! set; a router whose own digest differs answers `resync`, and the full sync
-//! follows at once. Otherwise a link gets a full sync only at the safety
+//! set; a router whose own digest differs answers `resync`. The sidecar then
+//! sends a *repair* at once — the current state of every key its last few
+//! deltas touched, which heals a lost or misapplied delta whatever the
+//! router made of it — and a full sync only if the digests still differ.
+//! A delta that failed visibly (an error, a timeout) is repaired the same
+//! way on the next push; a second failure in a row, or a failed sync, means
+//! a full sync. Otherwise a link gets a full sync only at the safety
 //! interval. A router that refuses version 2 (an older release) is spoken to
 //! in version 1 — no digests, `as_of_ms`, a full sync every sync interval —
 //! until it restarts (a new `router_epoch`), when version 2 is tried again.
@@ -92,6 +97,13 @@ struct Link {
     /// The router's causal clock from its last ack (v2): a sync read after
     /// it covers every speculative entry the router made up to it.
     router_clock: Option<u64>,
+    /// The next push must be a repair (v2).
+    repair_due: bool,
+    /// The message in flight is a repair: if the digests still differ after
+    /// it, only a full sync will do.
+    repairing: bool,
+    /// Failed messages since the last accepted one.
+    failures: u32,
 }
 
 impl Link {
@@ -104,6 +116,9 @@ impl Link {
             last_sync: None,
             protocol: PROTOCOL_VERSION,
             router_clock: None,
+            repair_due: false,
+            repairing: false,
+            failures: 0,
         }
     }
 
@@ -144,13 +159,27 @@ impl Pusher {
             link.last_sync = link.last_sent;
             return Ok(Round::Sent(MessageKind::Sync, ack));
         }
-        let Some((epoch, delta, digest)) = self.state.take_delta(&link.target) else {
+        let repair = std::mem::take(&mut link.repair_due) && link.v2();
+        let taken = if repair {
+            match self.state.take_repair(&link.target) {
+                Some(taken) => Some(taken),
+                None => {
+                    // Nothing remembered to repair with: the whole set, now.
+                    self.state.require_sync(&link.target);
+                    return Box::pin(self.round(link)).await;
+                }
+            }
+        } else {
+            self.state.take_delta(&link.target)
+        };
+        let Some((epoch, delta, digest)) = taken else {
             return Ok(Round::Idle);
         };
         let heartbeat_due = link.last_sent.is_none_or(|t| t.elapsed() >= HEARTBEAT);
-        if delta.is_empty() && load == link.last_load && !heartbeat_due {
+        if !repair && delta.is_empty() && load == link.last_load && !heartbeat_due {
             return Ok(Round::Idle);
         }
+        link.repairing = repair;
         let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
         let body = EvictionBatch {
             worker_id: self.worker_id.clone(),
@@ -184,10 +213,17 @@ impl Pusher {
             link.protocol = PROTOCOL_VERSION;
             link.router_clock = None;
         }
+        let was_repair = std::mem::take(&mut link.repairing);
+        link.failures = 0;
         if ack.resync {
             self.state.metrics().digest_mismatches.inc();
-            debug!(router = %link.target.0, "the router's digest differs: full sync now");
-            self.state.require_sync(&link.target);
+            if was_repair || kind == MessageKind::Sync {
+                debug!(router = %link.target.0, "the router's digest still differs: full sync now");
+                self.state.require_sync(&link.target);
+            } else {
+                debug!(router = %link.target.0, "the router's digest differs: repairing now");
+                link.repair_due = true;
+            }
         }
         if ack.outcome == AckOutcome::Stale {
             warn!(router = %link.target.0, "the router called a push stale: continuing under a new epoch with a full sync");
@@ -197,7 +233,7 @@ impl Pusher {
             debug!(router = %link.target.0, restarted, "router needs a full sync");
             self.state.require_sync(&link.target);
         }
-        self.state.needs_sync(&link.target)
+        link.repair_due || self.state.needs_sync(&link.target)
     }
 }
 
@@ -236,8 +272,18 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
                 }
                 Err((kind, e)) => {
                     pusher.state.metrics().push_failures.get_or_create(&Pusher::labels(&link.target, kind)).inc();
-                    warn!(router = %link.target.0, error = %kvroute_shared::logging::error_chain(&e), "push failed; next message is a full sync");
-                    pusher.state.require_sync(&link.target);
+                    link.failures += 1;
+                    link.repairing = false;
+                    if link.v2() && kind == MessageKind::Eviction && link.failures == 1 {
+                        // One lost delta: the next push repairs it (its keys
+                        // are among the recent ones); the digest checks that.
+                        warn!(router = %link.target.0, error = %kvroute_shared::logging::error_chain(&e), "push failed; next message repairs it");
+                        link.repair_due = true;
+                    } else {
+                        warn!(router = %link.target.0, error = %kvroute_shared::logging::error_chain(&e), "push failed; next message is a full sync");
+                        link.repair_due = false;
+                        pusher.state.require_sync(&link.target);
+                    }
                     let cap = if e.nothing_sent() { RECONNECT_MAX } else { BACKOFF_MAX };
                     let pause = jitter(backoff.min(cap));
                     backoff = (backoff * 2).min(BACKOFF_MAX);

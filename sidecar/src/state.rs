@@ -247,6 +247,20 @@ impl WorkerState {
         Some((epoch, pending.take(), digest))
     }
 
+    /// As [`WorkerState::take_delta`], plus the current state of every key
+    /// of `target`'s last few deltas (a repair, protocol v2). `None` when
+    /// `target` needs a sync, is gone, or nothing is remembered.
+    pub fn take_repair(&self, target: &RouterTarget) -> Option<(Epoch, Delta, KeyDigest)> {
+        let mut inner = self.inner.lock();
+        let Inner { translator, routers, epoch, digest } = &mut *inner;
+        let pending = routers.get_mut(target)?;
+        if pending.needs_sync() {
+            return None;
+        }
+        let delta = pending.take_repair(|k| translator.contains_key(k))?;
+        Some((epoch.clone(), delta, *digest))
+    }
+
     /// Reads the full key set for `target` and resets its delta, atomically.
     pub fn take_sync(&self, target: &RouterTarget) -> Option<SyncContent> {
         let mut inner = self.inner.lock();

@@ -39,6 +39,8 @@ struct FakeRouter {
     v1_only: Mutex<bool>,
     /// Deltas acked as applied but lost (a misapplied or lost push).
     lose_left: Mutex<usize>,
+    /// Deltas of these seqs are misapplied (dropped), and the ack says so.
+    misapply_seqs: Mutex<Vec<u64>>,
     /// The keys this router holds for the worker, as a real router applies
     /// pushes, and the protocol each accepted message was sent under.
     held: Mutex<HashSet<BlockKey>>,
@@ -58,6 +60,7 @@ impl FakeRouter {
             epoch: Mutex::new("r1".into()),
             v1_only: Mutex::new(false),
             lose_left: Mutex::new(0),
+            misapply_seqs: Mutex::new(Vec::new()),
             held: Mutex::new(HashSet::new()),
             protocols: Mutex::new(Vec::new()),
             clock: Mutex::new(0),
@@ -117,6 +120,9 @@ impl FakeRouter {
                 if *lose > 0 {
                     *lose -= 1;
                     return None;
+                }
+                if b.seq.is_some_and(|seq| self.misapply_seqs.lock().contains(&seq)) {
+                    return b.digest;
                 }
                 if b.cleared {
                     held.clear();
@@ -356,10 +362,11 @@ fn syncs(sent: &[Sent]) -> Vec<&SyncSnapshot> {
 }
 
 /// Protocol v2: a push the router acked but lost is detected by the digest of
-/// the next push (≤ one fast interval later), and the full sync that heals it
-/// follows in the same round.
+/// the next push (≤ one fast interval later), and the repair that heals it —
+/// the current state of the recent deltas' keys, not the whole set — follows
+/// in the same round.
 #[tokio::test(start_paused = true)]
-async fn a_lost_push_is_detected_at_the_next_push_and_healed_at_once() {
+async fn a_lost_push_is_detected_at_the_next_push_and_repaired_at_once() {
     let s = start();
     advance(1).await;
     *s.router.lose_left.lock() = 1;
@@ -370,16 +377,49 @@ async fn a_lost_push_is_detected_at_the_next_push_and_healed_at_once() {
     s.state.apply(Rank(0), &store(2, [2, 2, 2, 2]));
     advance(100).await;
     let log = s.router.log.lock().clone();
-    let (healed_at, Sent::Sync(heal)) = log.last().unwrap() else { panic!("{log:?}") };
+    let (healed_at, Sent::Eviction(repair)) = log.last().unwrap() else { panic!("{log:?}") };
     assert!(*healed_at - lost_at <= Duration::from_millis(100), "healed {:?} after the loss", *healed_at - lost_at);
-    assert_eq!(heal.digest, Some(s.state.digest()));
+    assert!(repair.stored_hashes.contains(&key([1, 1, 1, 1])), "{repair:?}");
     let want: HashSet<BlockKey> = s.state.keys().into_iter().collect();
     assert_eq!(*s.router.held.lock(), want);
     assert_eq!(s.state.metrics().digest_mismatches.get(), 1);
+    assert_eq!(syncs(&s.router.sent()).len(), 1, "no full sync: only the registration");
     // In sync again: no more full syncs for the safety interval.
-    let before = syncs(&s.router.sent()).len();
     advance(60_000).await;
-    assert_eq!(syncs(&s.router.sent()).len(), before, "no periodic sync within the safety interval");
+    assert_eq!(syncs(&s.router.sent()).len(), 1, "no periodic sync within the safety interval");
+    s.cancel.cancel();
+}
+
+/// When the repair does not bring the digests together either (here the
+/// router misapplies it too), the whole key set follows at once.
+#[tokio::test(start_paused = true)]
+async fn a_failed_repair_is_followed_by_a_full_sync() {
+    let s = start();
+    advance(1).await;
+    // The registration sync is seq 1; the delta (2) and its repair (3) are
+    // misapplied.
+    *s.router.misapply_seqs.lock() = vec![2, 3];
+    s.state.apply(Rank(0), &store(1, [1, 1, 1, 1]));
+    advance(100).await;
+    let sent = s.router.sent();
+    let [.., Sent::Eviction(_), Sent::Sync(heal)] = &sent[..] else { panic!("{sent:?}") };
+    assert_eq!(heal.digest, Some(s.state.digest()));
+    assert_eq!(*s.router.held.lock(), s.state.keys().into_iter().collect::<HashSet<_>>());
+    assert_eq!(s.state.metrics().digest_mismatches.get(), 2);
+    s.cancel.cancel();
+}
+
+/// A delta that failed visibly (the router answered an error) is repaired
+/// by the next push, not replaced by a full sync.
+#[tokio::test(start_paused = true)]
+async fn a_failed_delta_is_repaired_by_the_next_push() {
+    let s = start();
+    advance(1).await;
+    *s.router.failures_left.lock() = 1;
+    s.state.apply(Rank(0), &store(1, [1, 1, 1, 1]));
+    advance(400).await;
+    assert_eq!(*s.router.held.lock(), s.state.keys().into_iter().collect::<HashSet<_>>());
+    assert_eq!(syncs(&s.router.sent()).len(), 1, "only the registration sync");
     s.cancel.cancel();
 }
 
