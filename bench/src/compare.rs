@@ -17,6 +17,7 @@ use std::time::Duration;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use kvroute_sim::cluster::worker_id;
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 use crate::ceiling::{self, Ceiling};
 use crate::cli::CompareArgs;
@@ -318,7 +319,7 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
         records.push(rec);
         overall.inc(1);
         // Partial results survive an interrupted long run.
-        report::write_json(&args.out.join("results.json"), &records)?;
+        report::write_results(&args.out, &args, &records)?;
     }
     if let Some(old) = pool.take() {
         old.engines.shutdown().await;
@@ -326,7 +327,7 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
     overall.finish_and_clear();
     let descriptions: Vec<(String, String, Ceiling)> =
         prepared.iter().map(|p| (p.workload.name.clone(), p.workload.description.clone(), p.ceiling)).collect();
-    report::write_json(&args.out.join("results.json"), &records)?;
+    report::write_results(&args.out, &args, &records)?;
     let mut md = summary::markdown(&records, &descriptions, &args);
     md.push_str(&report::plots_section("compare", &args.out));
     report::write(&args.out.join("report.md"), md.as_bytes())?;
@@ -468,7 +469,15 @@ async fn measure(
 
 /// The records of an earlier, interrupted run of the same command.
 fn previous(path: &Path) -> Vec<Record> {
-    std::fs::read_to_string(path).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default()
+    let Some(json) = std::fs::read_to_string(path).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok()) else {
+        return Vec::new();
+    };
+    // `{"run": …, "results": [...]}`, or a bare list from before the run header.
+    let records = match json {
+        Value::Object(mut o) => o.remove("results").unwrap_or_default(),
+        list => list,
+    };
+    serde_json::from_value(records).unwrap_or_default()
 }
 
 /// One JSON line per request (worker, TTFT, prompt length, error), for

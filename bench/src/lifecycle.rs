@@ -90,7 +90,11 @@ fn engine_index(worker: &str) -> Option<usize> {
     worker.strip_prefix('w')?.parse::<usize>().ok()?.checked_sub(1)
 }
 
+/// A state's verdict, also printed as it comes (a run takes minutes, real
+/// vLLM engines longer).
 fn step(state: &str, pass: bool, latency: Option<Duration>, what: &str, detail: String) -> Step {
+    let took = latency.map_or(String::new(), |d| format!(", {:.1} ms ({what})", d.as_secs_f64() * 1e3));
+    eprintln!("lifecycle: {state}: {}{took}", if pass { "PASS" } else { "FAIL" });
     Step {
         state: state.into(),
         pass,
@@ -179,6 +183,7 @@ pub async fn run(args: LifecycleArgs) -> Result<Vec<Step>, BenchError> {
         engine,
         long_tokens: long_tokens(engine, max_len, prompt_len),
     };
+    eprintln!("lifecycle: {engines_line} up; checking the states");
     let result = states(&mut rig, &ctx, &args).await;
     rig.shutdown().await;
     if let Some(pool) = pool {
@@ -207,7 +212,7 @@ pub async fn run(args: LifecycleArgs) -> Result<Vec<Step>, BenchError> {
         })
         .collect();
     md.push_str(&report::table(&["state", "verdict", "latency", "detail"], &rows));
-    report::write_json(&args.out.join("results.json"), &steps)?;
+    report::write_results(&args.out, &args, &steps)?;
     md.push_str(&report::plots_section("lifecycle", &args.out));
     report::write(&args.out.join("report.md"), md.as_bytes())?;
     Ok(steps)

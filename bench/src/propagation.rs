@@ -15,6 +15,7 @@ use serde::Serialize;
 
 use crate::client;
 use crate::error::BenchError;
+use crate::report::progress::Progress;
 use crate::setup::{self, MODEL, Shape};
 use crate::tokens::{extend_run, seed};
 use crate::{probe, report, stats};
@@ -61,7 +62,10 @@ pub async fn run(args: PropagationArgs) -> Result<PropagationResult, BenchError>
         sim_args: vec!["--instant".into()],
         router_args: vec![],
     };
+    let mut progress = Progress::new("propagation", samples, Duration::from_secs(5));
+    progress.note("starting a simulated engine, its sidecar and a router");
     let cluster = Cluster::start(setup::spec(&shape, &dir)).await?;
+    progress.note(format!("cluster up; following {samples} events of {} tokens", args.prompt_len));
     let http = client::http_client();
     let router = cluster.router_url(0).to_owned();
     let engine = cluster.engines[0].url.clone();
@@ -77,7 +81,9 @@ pub async fn run(args: PropagationArgs) -> Result<PropagationResult, BenchError>
         loop {
             let view = probe::debug_route(&http, &router, MODEL, &prompt).await?;
             if view.matched_blocks(&worker) >= blocks {
-                latencies.push(started.elapsed());
+                let took = started.elapsed();
+                latencies.push(took);
+                progress.step(i + 1, format_args!("last {:.1} ms", took.as_secs_f64() * 1e3));
                 break;
             }
             if started.elapsed() > WAIT {
@@ -97,7 +103,7 @@ pub async fn run(args: PropagationArgs) -> Result<PropagationResult, BenchError>
         mean_ms: stats::mean_ms(&latencies),
         fast_interval_ms: 100,
     };
-    report::write_json(&args.out.join("results.json"), &result)?;
+    report::write_results(&args.out, &args, &result)?;
     let md = format!(
         "# kvroute-bench propagation\n\nvLLM KV event → router map applied, {samples} samples, {}-token prompts, \
          engine `--instant`, sidecar fast interval 100 ms.\n\n{}\n\nMachine: {}\n",

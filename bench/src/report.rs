@@ -1,13 +1,19 @@
-//! Writing a run's outputs: `results.json`, `report.md` and the PNG plots
-//! (drawn by `bench/plot.py` with matplotlib when python3 has it; otherwise
-//! the command to draw them later is printed).
+//! Writing a run's outputs: `results.json` (the figures, with the commit,
+//! configuration and machine they came from), `report.md`, the PNG plots
+//! ([`plot`], drawn by the binary), and progress lines while it runs
+//! ([`progress`]).
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+pub mod plot;
+pub mod progress;
+mod run;
+
+use std::path::Path;
 
 use serde::Serialize;
 
 use crate::error::BenchError;
+
+pub use run::{Machine, RunInfo, write_results};
 
 pub fn write(path: &Path, contents: &[u8]) -> Result<(), BenchError> {
     if let Some(dir) = path.parent() {
@@ -30,33 +36,10 @@ pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     s
 }
 
-/// The plotting script: beside the crate's manifest when built from the repo.
-fn plot_script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("plot.py")
-}
-
-/// Runs `plot.py KIND DIR`; returns the PNGs it wrote, or a note on how to
-/// draw them by hand.
-pub fn plot(kind: &str, dir: &Path) -> Result<Vec<String>, String> {
-    let script = plot_script();
-    let hint = format!("python3 -m pip install matplotlib && python3 {} {kind} {}", script.display(), dir.display());
-    if !script.is_file() {
-        return Err(format!("plot script not found; draw the plots with: {hint}"));
-    }
-    let has_mpl = Command::new("python3").args(["-c", "import matplotlib"]).output().is_ok_and(|o| o.status.success());
-    if !has_mpl {
-        return Err(format!("python3 with matplotlib not available; draw the plots with: {hint}"));
-    }
-    match Command::new("python3").arg(&script).arg(kind).arg(dir).output() {
-        Ok(o) if o.status.success() => Ok(String::from_utf8_lossy(&o.stdout).lines().map(str::to_owned).collect()),
-        Ok(o) => Err(format!("plot.py failed: {}", String::from_utf8_lossy(&o.stderr).trim())),
-        Err(e) => Err(format!("cannot run python3: {e}")),
-    }
-}
-
-/// Appends the plot images (or the note on how to draw them) to a report.
+/// Draws the run's plots from `dir/results.json` and returns the report's
+/// section linking them (or saying why there are none).
 pub fn plots_section(kind: &str, dir: &Path) -> String {
-    match plot(kind, dir) {
+    match plot::draw(kind, dir) {
         Ok(files) if !files.is_empty() => {
             let mut s = String::from("\n## Plots\n\n");
             for f in files {
@@ -74,14 +57,7 @@ pub fn plots_section(kind: &str, dir: &Path) -> String {
 
 /// Machine facts for a report's header.
 pub fn machine() -> String {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|t| {
-            t.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
-    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    format!("{cores} cores, {cpu}")
+    Machine::detect().to_string()
 }
 
 pub fn ms(x: f64) -> String {

@@ -343,7 +343,7 @@ pub async fn run(args: RestartsArgs) -> Result<RestartsResult, BenchError> {
     let result = rounds_of(&ctx, &mut cluster, &args, rounds, &downtimes, sidecar_rounds).await;
     cluster.shutdown().await;
     let result = result?;
-    report::write_json(&args.out.join("results.json"), &result)?;
+    report::write_results(&args.out, &args, &result)?;
     report::write(&args.out.join("report.md"), render(&args, &result).as_bytes())?;
     Ok(result)
 }

@@ -172,7 +172,7 @@ pub async fn run(args: SoakArgs) -> Result<SoakResult, BenchError> {
         router_rss_growth_second_half_pct: (end - mid) / mid * 100.0,
         samples,
     };
-    report::write_json(&args.out.join("results.json"), &result)?;
+    report::write_results(&args.out, &args, &result)?;
     let rows: Vec<Vec<String>> = result
         .samples
         .iter()
