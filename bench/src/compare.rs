@@ -11,6 +11,7 @@ pub mod summary;
 
 use kvroute_router::policy::DEFAULT_POLICY;
 use std::collections::BTreeMap;
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -270,11 +271,19 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
             overall.inc(1);
             continue;
         }
-        overall.set_message(format!(
-            "{} {policy} w{n} r{routers}{}",
-            p.workload.name,
-            if sidecars { "" } else { " no-sidecars" }
-        ));
+        let what =
+            format!("{} {policy} w{n} r{routers}{}", p.workload.name, if sidecars { "" } else { " no-sidecars" });
+        // Bars draw nothing when stderr is a file or a pipe (CI, nohup, tee):
+        // there, each run says when it starts (its figures follow when it ends).
+        if !std::io::stderr().is_terminal() {
+            eprintln!(
+                "compare run {}/{}: {what}, {} requests",
+                overall.position() + 1,
+                overall.length().unwrap_or(0),
+                p.workload.requests.len()
+            );
+        }
+        overall.set_message(what);
         let shape = Shape {
             workers: n,
             routers,

@@ -58,8 +58,9 @@ impl fmt::Display for Machine {
 /// The header of a `results.json`.
 #[derive(Clone, Debug, Serialize)]
 pub struct RunInfo {
-    /// `git rev-parse HEAD` where the bench ran (`-dirty` with uncommitted
-    /// changes to tracked files), else `KVROUTE_COMMIT`, else `unknown`.
+    /// `KVROUTE_COMMIT`, else `git rev-parse HEAD` of the checkout the binary
+    /// was built in (`-dirty` with uncommitted changes to tracked files), else
+    /// of the current folder, else `unknown`.
     pub commit: String,
     /// The command line as given.
     pub argv: Vec<String>,
@@ -86,27 +87,33 @@ impl RunInfo {
     }
 }
 
-/// The commit of the checkout the bench runs in (an environment without git,
-/// such as an image, names it in `KVROUTE_COMMIT`).
+/// The commit of the checkout the bench binary was built in (found from the
+/// executable's folder, `target/…` inside it), else of the current folder;
+/// an environment without git, such as an image, names it in `KVROUTE_COMMIT`.
 fn commit() -> String {
     if let Some(c) = std::env::var("KVROUTE_COMMIT").ok().filter(|c| !c.is_empty()) {
         return c;
     }
+    let exe_dir = std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf));
+    let dirs = exe_dir.into_iter().chain(std::env::current_dir().ok());
+    dirs.filter_map(|dir| commit_of(&dir)).next().unwrap_or_else(|| "unknown".into())
+}
+
+/// `HEAD` of the repository holding `dir`, `-dirty` when tracked files changed.
+fn commit_of(dir: &Path) -> Option<String> {
     let git = |args: &[&str]| {
         Command::new("git")
+            .arg("-C")
+            .arg(dir)
             .args(args)
             .output()
             .ok()
             .filter(|o| o.status.success())
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
     };
-    match git(&["rev-parse", "HEAD"]) {
-        Some(head) if !head.is_empty() => {
-            let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
-            if dirty { format!("{head}-dirty") } else { head }
-        }
-        _ => "unknown".into(),
-    }
+    let head = git(&["rev-parse", "HEAD"]).filter(|h| !h.is_empty())?;
+    let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+    Some(if dirty { format!("{head}-dirty") } else { head })
 }
 
 /// `{"run": RunInfo, "results": results}` to `dir/results.json`.
@@ -136,7 +143,9 @@ mod tests {
             serde_json::from_str(&std::fs::read_to_string(dir.join("results.json")).unwrap()).unwrap();
         assert_eq!(v["results"], serde_json::json!([1, 2]));
         assert_eq!(v["run"]["config"], "Args { workers: 4 }");
-        assert!(v["run"]["commit"].as_str().is_some_and(|c| !c.is_empty()));
+        // The test binary lives in this checkout's target folder.
+        let commit = v["run"]["commit"].as_str().unwrap();
+        assert!(commit.len() >= 40 && commit[..40].chars().all(|c| c.is_ascii_hexdigit()), "{commit}");
         let m = &v["run"]["machine"];
         assert!(m["cores"].as_u64().unwrap() >= 1);
         // Linux: read from /proc.
