@@ -32,6 +32,19 @@ pub enum Command {
     Soak(crate::soak::SoakArgs),
     /// Engine, router and sidecar restarts: how soon the router's map is true again.
     Restarts(crate::restarts::RestartsArgs),
+    /// Draw a run's PNG plots again from its OUT/results.json.
+    Plot(PlotArgs),
+}
+
+/// `plot KIND DIR`: the plots a run of KIND drew, drawn again (after a
+/// change to the plots, or for results from another machine).
+#[derive(Debug, Clone, Args)]
+pub struct PlotArgs {
+    /// The subcommand whose results DIR holds.
+    #[arg(value_parser = ["compare", "lifecycle", "overhead"])]
+    pub kind: String,
+    /// The run's output folder (its --out), holding results.json.
+    pub dir: PathBuf,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -49,6 +49,10 @@ pub async fn run(command: Command) -> Result<String, BenchError> {
 
 async fn run_command(command: Command) -> Result<String, BenchError> {
     match command {
+        Command::Plot(args) => {
+            let files = report::plot::draw(&args.kind, &args.dir).map_err(BenchError::Usage)?;
+            Ok(format!("plot: {} in {}", files.join(", "), args.dir.display()))
+        }
         Command::Lifecycle(args) => {
             let out = args.out.clone();
             let steps = lifecycle::run(args).await?;

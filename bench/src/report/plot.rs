@@ -316,6 +316,22 @@ mod tests {
         (be(16), be(20))
     }
 
+    #[tokio::test]
+    async fn the_plot_subcommand_draws_a_run_again() {
+        use clap::Parser;
+        let dir = scratch("cmd");
+        let steps =
+            serde_json::json!([{"state": "cold start", "pass": true, "latency_ms": 12.5, "latency_what": "burst"}]);
+        std::fs::write(dir.join("results.json"), steps.to_string()).unwrap();
+        let cli =
+            crate::cli::Cli::try_parse_from(["kvroute-bench", "plot", "lifecycle", dir.to_str().unwrap()]).unwrap();
+        let said = crate::run(cli.command).await.unwrap();
+        assert!(said.starts_with("plot: lifecycle_latencies.png in "), "{said}");
+        assert!(dir.join("lifecycle_latencies.png").is_file());
+        assert!(crate::cli::Cli::try_parse_from(["kvroute-bench", "plot", "soak", "x"]).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn tick_labels_are_short() {
         assert_eq!(short(0.30000000000000004), "0.3");
