@@ -24,7 +24,10 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     cargo build --release --locked --bins \
         -p kvroute-router -p kvroute-sidecar -p kvroute-sim \
     && mkdir -p /out \
-    && cp target/release/kvroute-router target/release/kvroute-sidecar target/release/kvroute-sim /out/
+    && cp target/release/kvroute-router target/release/kvroute-sidecar target/release/kvroute-sim /out/ \
+    # The release profile keeps debug info for profiling; the image does not
+    # need it (symbols stay: backtraces still name functions).
+    && strip --strip-debug /out/*
 
 FROM debian:${DEBIAN_RELEASE}-slim AS runtime
 # curl is the container healthcheck tool (compose `healthcheck:` runs

@@ -75,7 +75,15 @@ fi
 # A context of its own: only the binaries, not the repository and its target/.
 ctx="$work/context"
 rm -rf "$ctx" && mkdir -p "$ctx/bin"
-for b in "${bins[@]}"; do cp "$binaries/$b" "$ctx/bin/$b"; done
+for b in "${bins[@]}"; do
+  # Debug info stays on the host (the release profile keeps it for profiling);
+  # symbols stay, so backtraces still name functions.
+  if command -v strip >/dev/null; then
+    strip --strip-debug -o "$ctx/bin/$b" "$binaries/$b"
+  else
+    cp "$binaries/$b" "$ctx/bin/$b"
+  fi
+done
 cp deploy/docker/Dockerfile.prebuilt "$ctx/Dockerfile"
 DOCKER_BUILDKIT=0 docker build -q --build-arg "BASE=$base" -t "$tag" "$ctx" >"$work/build.log" 2>&1 \
   || { cat "$work/build.log" >&2; exit 1; }
