@@ -9,6 +9,7 @@
 //! in-flight request, a scrape's snapshot) holds the removed worker: ids come
 //! and go (sidecar registrations), and their series must not pile up.
 
+use std::borrow::Cow;
 use std::sync::{Arc, Weak};
 
 use parking_lot::{Mutex, RwLock};
@@ -129,7 +130,19 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Metrics without a `policy` label (tests, tools).
     pub fn new() -> Self {
+        Self::build(None)
+    }
+
+    /// The router's metrics: its request-duration and TTFT histograms carry
+    /// `policy="<name>"` (one value per router process), so routers running
+    /// different policies can be compared on one dashboard.
+    pub fn for_policy(policy: &'static str) -> Self {
+        Self::build(Some(policy))
+    }
+
+    fn build(policy: Option<&'static str>) -> Self {
         let mut registry = Registry::with_prefix("kvroute");
         // Process metrics keep their standard, unprefixed names.
         let mut process = Registry::default();
@@ -138,7 +151,17 @@ impl Metrics {
         registry.register("build_info", "1, labelled with the router's version", build_info.clone());
         build_info.get_or_create(&VersionLabel { version: env!("CARGO_PKG_VERSION") }).set(1);
         let request_duration: HistFamily<WorkerStatus> = Family::new_with_constructor(request_histogram);
-        registry.register(
+        let ttft: HistFamily<WorkerLabel> = Family::new_with_constructor(ttft_histogram);
+        let per_request = match policy {
+            Some(p) => registry.sub_registry_with_label((Cow::Borrowed("policy"), Cow::Borrowed(p))),
+            None => &mut registry,
+        };
+        per_request.register(
+            "upstream_ttft_seconds",
+            "Time from dispatch to the upstream's first body byte",
+            ttft.clone(),
+        );
+        per_request.register(
             "request_duration_seconds",
             "Proxied requests from arrival to the answer's end, by worker (none: refused before one was chosen) \
              and status class",
@@ -210,12 +233,6 @@ impl Metrics {
             "worker_last_sync_timestamp_seconds",
             "Unix time of the worker's sidecar's last full sync (absent for workers without a sidecar)",
             worker_sync_timestamp.clone(),
-        );
-        let ttft: HistFamily<WorkerLabel> = Family::new_with_constructor(ttft_histogram);
-        registry.register(
-            "upstream_ttft_seconds",
-            "Time from dispatch to the upstream's first body byte",
-            ttft.clone(),
         );
         let routing_seconds = Histogram::new(exponential_buckets(0.000_002, 2.0, 16));
         registry.register(
@@ -446,6 +463,24 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "no {line} in\n{text}");
         }
+        m.retire_worker(&worker("w1"));
+        assert_eq!(series_of(&m, "w1"), 0, "{}", m.encode());
+    }
+
+    #[test]
+    fn per_request_histograms_name_the_policy() {
+        let m = Metrics::for_policy("round_robin");
+        m.request_finished("w1", "2xx", 0.5);
+        m.ttft.get_or_create(&WorkerLabel { worker: "w1".into() }).observe(0.1);
+        let text = m.encode();
+        for line in [
+            "kvroute_request_duration_seconds_count{policy=\"round_robin\",worker=\"w1\",status=\"2xx\"} 1",
+            "kvroute_upstream_ttft_seconds_count{policy=\"round_robin\",worker=\"w1\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no {line} in\n{text}");
+        }
+        // Other series do not repeat it.
+        assert!(!text.contains("kvroute_build_info{policy"), "{text}");
         m.retire_worker(&worker("w1"));
         assert_eq!(series_of(&m, "w1"), 0, "{}", m.encode());
     }

@@ -225,6 +225,7 @@ pub struct AppState {
 impl AppState {
     pub fn new(config: Config, tokenizers: Tokenizers, shutdown: CancellationToken, client: reqwest::Client) -> Self {
         let policy = config.policy.build();
+        let metrics = Metrics::for_policy(policy.name());
         let concurrency = Arc::new(Semaphore::new(config.raw.max_concurrent_requests));
         let sessions = Sessions::new(config.raw.max_sessions);
         AppState {
@@ -232,7 +233,7 @@ impl AppState {
             map: RwLock::new(MapState::default()),
             tokenizers,
             policy,
-            metrics: Metrics::new(),
+            metrics,
             sessions,
             client,
             router_epoch: format!("{:016x}", rand::random::<u64>()),

@@ -78,11 +78,21 @@ async fn requests_build_process_and_sync_series_are_exported() {
     assert_eq!(resp.status(), 200);
 
     let text = r.scrape().await;
-    assert_eq!(value(&text, r#"kvroute_request_duration_seconds_count{worker="w1",status="2xx"}"#), 1.0);
-    let took = value(&text, r#"kvroute_request_duration_seconds_sum{worker="w1",status="2xx"}"#);
+    assert_eq!(
+        value(&text, r#"kvroute_request_duration_seconds_count{policy="predicted_ttft",worker="w1",status="2xx"}"#),
+        1.0
+    );
+    let took =
+        value(&text, r#"kvroute_request_duration_seconds_sum{policy="predicted_ttft",worker="w1",status="2xx"}"#);
     assert!(took > 0.0, "{took}");
-    assert_eq!(value(&text, r#"kvroute_request_duration_seconds_count{worker="none",status="4xx"}"#), 1.0);
-    assert_eq!(value(&text, r#"kvroute_request_duration_seconds_count{worker="none",status="5xx"}"#), 0.0);
+    assert_eq!(
+        value(&text, r#"kvroute_request_duration_seconds_count{policy="predicted_ttft",worker="none",status="4xx"}"#),
+        1.0
+    );
+    assert_eq!(
+        value(&text, r#"kvroute_request_duration_seconds_count{policy="predicted_ttft",worker="none",status="5xx"}"#),
+        0.0
+    );
     let build = format!(r#"kvroute_build_info{{version="{}"}}"#, env!("CARGO_PKG_VERSION"));
     assert_eq!(value(&text, &build), 1.0);
 
@@ -101,8 +111,14 @@ async fn requests_build_process_and_sync_series_are_exported() {
         .unwrap();
     assert_eq!(resp.status(), 502);
     let text = r.scrape().await;
-    assert_eq!(value(&text, r#"kvroute_request_duration_seconds_count{worker="bad",status="5xx"}"#), 1.0);
-    assert_eq!(value(&text, r#"kvroute_request_duration_seconds_count{worker="none",status="5xx"}"#), 0.0);
+    assert_eq!(
+        value(&text, r#"kvroute_request_duration_seconds_count{policy="predicted_ttft",worker="bad",status="5xx"}"#),
+        1.0
+    );
+    assert_eq!(
+        value(&text, r#"kvroute_request_duration_seconds_count{policy="predicted_ttft",worker="none",status="5xx"}"#),
+        0.0
+    );
 
     if cfg!(target_os = "linux") {
         assert!(value(&text, "process_resident_memory_bytes") > 1e6);
