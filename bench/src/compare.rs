@@ -532,6 +532,27 @@ mod tests {
     }
 
     #[test]
+    fn resume_reads_results_with_and_without_the_run_header() {
+        let dir = std::env::temp_dir().join(format!("kvroute-compare-resume-{}", std::process::id()));
+        let record = serde_json::json!({"workload": "chat", "policy": "round_robin", "workers": 4, "routers": 1,
+            "sidecars": true, "hit_rate": 0.5, "ceiling": 0.9, "ttft_p50_ms": 1.0, "ttft_p90_ms": 2.0,
+            "ttft_p99_ms": 3.0, "ttft_mean_ms": 1.5, "latency_p50_ms": 4.0, "throughput_rps": 10.0,
+            "max_mean_load": 1.1, "requests": 100, "errors": 0, "per_worker": {}, "num_blocks": 64,
+            "time_scale": 1.0, "wall_s": 2.0, "router_config": null});
+        let records: Vec<Record> = vec![serde_json::from_value(record.clone()).unwrap()];
+        let args = parse(&["--quick"]);
+        report::write_results(&dir, &args, &records).unwrap();
+        let path = dir.join("results.json");
+        let back = previous(&path);
+        assert_eq!((back.len(), back[0].policy.as_str()), (1, "round_robin"));
+        std::fs::write(&path, serde_json::json!([record]).to_string()).unwrap();
+        assert_eq!(previous(&path).len(), 1);
+        std::fs::write(&path, "not json").unwrap();
+        assert!(previous(&path).is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn cluster_holds_the_working_set_but_one_worker_does_not() {
         let c = Ceiling { hit_tokens: 0, query_tokens: 1, unique_blocks: 8_000, max_prompt_blocks: 136 };
         let b = blocks_per_worker(&c, 4, 16, 16);

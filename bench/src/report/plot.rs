@@ -239,18 +239,14 @@ fn lifecycle(dir: &Path, results: &Value) -> Result<Vec<String>, String> {
     let path = dir.join(&name);
     let root = canvas(&path, 1000, labels.len()).into_drawing_area();
     root.fill(&WHITE).map_err(|e| e.to_string())?;
-    // Two series with one non-zero bar per row: the colour tells PASS from FAIL.
-    bars(
-        &root,
-        "lifecycle latencies (ms)",
-        &labels,
-        &[
-            Series { name: "PASS", values: value(true), color: RGBColor(44, 160, 44) },
-            Series { name: "FAIL", values: value(false), color: RGBColor(214, 39, 40) },
-        ],
-        &[],
-        false,
-    )?;
+    // A series per verdict present, one non-zero bar per row: the colour
+    // tells PASS from FAIL (full-height bars when all states agree).
+    let series: Vec<Series<'_>> = [("PASS", true, RGBColor(44, 160, 44)), ("FAIL", false, RGBColor(214, 39, 40))]
+        .into_iter()
+        .filter(|(_, pass, _)| steps.iter().any(|s| s["pass"] == *pass))
+        .map(|(name, pass, color)| Series { name, values: value(pass), color })
+        .collect();
+    bars(&root, "lifecycle latencies (ms, green PASS, red FAIL)", &labels, &series, &[], false)?;
     root.present().map_err(|e| e.to_string())?;
     Ok(vec![name])
 }
