@@ -14,6 +14,7 @@
 //! and so the simulator and router agree with no tokenizer files at all.
 
 pub mod chat_template;
+mod fast_bpe;
 mod segments;
 
 use std::path::{Path, PathBuf};
@@ -181,6 +182,12 @@ impl PromptTokenizer {
             },
             PromptTokenizer::Bytes => self.encode_uncached(text, add_special_tokens),
         }
+    }
+
+    /// True when cold ASCII text is split and BPE-encoded without HF's
+    /// pipeline (checked exact when the tokenizer loaded).
+    pub fn fast_path(&self) -> bool {
+        matches!(self, PromptTokenizer::Hf(hf) if hf.segments.as_ref().is_some_and(SegmentCache::fast_path))
     }
 
     /// True when long texts are cut at line starts and cached chunk by chunk.

@@ -34,6 +34,8 @@ use std::sync::{Arc, Mutex};
 
 use aho_corasick::{AhoCorasick, MatchKind};
 
+use super::fast_bpe::FastBpe;
+
 /// Token ids kept, over both generations (~4 bytes each plus the text).
 const CAPACITY_TOKENS: usize = 2_000_000;
 
@@ -49,11 +51,13 @@ pub struct SegmentCache {
     line_chunks: bool,
     /// What `add_special_tokens = true` puts before and after the ids.
     special: Option<(Vec<u32>, Vec<u32>)>,
+    /// Encodes a cache miss without HF's pipeline when that is exact.
+    fast: Option<FastBpe>,
 }
 
 impl std::fmt::Debug for SegmentCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SegmentCache").field("added_tokens", &self.ids.len()).finish()
+        f.debug_struct("SegmentCache").field("added_tokens", &self.ids.len()).field("fast", &self.fast).finish()
     }
 }
 
@@ -108,9 +112,15 @@ impl SegmentCache {
             cache: Mutex::default(),
             line_chunks: false,
             special: special_wrapping(tokenizer),
+            fast: FastBpe::new(tokenizer),
         };
         cache.line_chunks = line_chunks_are_exact(tokenizer);
         Some(cache)
+    }
+
+    /// True when cold ASCII text skips HF's pipeline ([`FastBpe`]).
+    pub fn fast_path(&self) -> bool {
+        self.fast.is_some()
     }
 
     /// True when long gaps are cut at line starts (see the module doc).
@@ -165,7 +175,11 @@ impl SegmentCache {
         let ids = match hit {
             Some(ids) => ids,
             None => {
-                let ids: Arc<[u32]> = tokenizer.encode_fast(segment, false)?.get_ids().into();
+                let mut fast = Vec::new();
+                let ids: Arc<[u32]> = match self.fast.as_ref().and_then(|f| f.encode(tokenizer, segment, &mut fast)) {
+                    Some(done) => done.map(|()| fast.into())?,
+                    None => tokenizer.encode_fast(segment, false)?.get_ids().into(),
+                };
                 self.cache.lock().unwrap_or_else(|p| p.into_inner()).insert(segment.into(), ids.clone());
                 ids
             }
