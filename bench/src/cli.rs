@@ -148,10 +148,23 @@ pub struct OverheadArgs {
     /// instead of token-id prompts.
     #[arg(long, value_name = "DIR")]
     pub text_tokenizer: Option<PathBuf>,
-    /// Prompt length in tokens (about, for text): half shared, half one of
-    /// 256 distinct suffixes.
-    #[arg(long, default_value_t = 1024)]
-    pub prompt_tokens: usize,
+    /// Prompt lengths in tokens (about, for text), comma-separated, all in
+    /// one run: half shared, half one of 256 distinct suffixes.
+    #[arg(long, value_delimiter = ',', default_value = "1024")]
+    pub prompt_tokens: Vec<usize>,
+    /// SMG's `smg` executable (default: on PATH, else target/peers-venv/bin).
+    #[arg(long, value_name = "BIN")]
+    pub smg: Option<PathBuf>,
+    /// vllm-router's executable (default: on PATH, else target/peers-venv/bin).
+    #[arg(long, value_name = "BIN")]
+    pub vllm_router: Option<PathBuf>,
+    /// Measure kvroute alone, without SMG and vllm-router.
+    #[arg(long)]
+    pub no_peers: bool,
+    /// Another kvroute-router build measured in the same run ("kvroute
+    /// baseline"), e.g. a copy of the binary before a change.
+    #[arg(long, value_name = "BIN")]
+    pub baseline_router: Option<PathBuf>,
     #[arg(long, default_value = "bench-out/overhead")]
     pub out: PathBuf,
 }

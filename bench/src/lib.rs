@@ -21,6 +21,7 @@ pub mod engine;
 pub mod error;
 pub mod lifecycle;
 pub mod overhead;
+pub mod peers;
 pub mod probe;
 pub mod propagation;
 pub mod report;
@@ -104,7 +105,7 @@ async fn run_command(command: Command) -> Result<String, BenchError> {
             let out = args.out.clone();
             let r = overhead::run(args).await?;
             Ok(format!(
-                "overhead: router adds {:.3} ms p50, {:.3} ms p99 at c=1; {:.0} % of direct throughput at c=64; report in {}",
+                "overhead: kvroute adds {:.3} ms p50, {:.3} ms p99 at c=1; {:.0} % of direct throughput at c=64; report in {}",
                 r.added_p50_ms,
                 r.added_p99_ms,
                 r.throughput_ratio * 100.0,
