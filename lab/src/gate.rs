@@ -27,21 +27,43 @@ pub fn spec(kind: WorkloadKind) -> MatrixSpec {
     }
 }
 
-/// `Ok(report)` when the default is within tolerance, `Err(report)` when not;
-/// the report names the figures either way.
-pub fn check(kind: WorkloadKind) -> Result<Result<String, String>, MatrixError> {
+/// The default's distance from the best policy in one gate run.
+#[derive(Clone, Debug)]
+pub struct Gap {
+    /// How much slower the default's TTFT p50 is than the best p50, percent.
+    pub p50_pct: f64,
+    /// The same for p99.
+    pub p99_pct: f64,
+    /// The figures, for humans.
+    pub report: String,
+}
+
+impl Gap {
+    /// Within [`TOLERANCE_PCT`] of the best on both p50 and p99.
+    pub fn passes(&self) -> bool {
+        self.p50_pct <= TOLERANCE_PCT && self.p99_pct <= TOLERANCE_PCT
+    }
+}
+
+/// Runs the gate's scenario and measures the default against the best.
+pub fn measure(kind: WorkloadKind) -> Result<Gap, MatrixError> {
     let result = run_matrix(&spec(kind), |_| {})?;
     let default = default_policy();
     let rows = &result.rows;
     let Some(d) = rows.iter().find(|r| r.policy == default) else {
-        return Ok(Err(format!("{}: the default policy {default} did not run", kind.as_str())));
+        return Ok(Gap {
+            p50_pct: f64::INFINITY,
+            p99_pct: f64::INFINITY,
+            report: format!("{}: the default policy {default} did not run", kind.as_str()),
+        });
     };
     let best = |f: fn(&crate::measure::Summary) -> f64| {
-        rows.iter().min_by(|a, b| f(&a.summary).total_cmp(&f(&b.summary))).map(|r| (f(&r.summary), r.policy.clone()))
+        rows.iter()
+            .min_by(|a, b| f(&a.summary).total_cmp(&f(&b.summary)))
+            .map(|r| (f(&r.summary), r.policy.clone()))
+            .unwrap_or((f64::NAN, String::new()))
     };
-    let (Some((b50, p50)), Some((b99, p99))) = (best(|s| s.ttft_p50_ms), best(|s| s.ttft_p99_ms)) else {
-        return Ok(Err("no rows".into()));
-    };
+    let ((b50, p50), (b99, p99)) = (best(|s| s.ttft_p50_ms), best(|s| s.ttft_p99_ms));
     let (g50, g99) = (gap_pct(d.summary.ttft_p50_ms, b50), gap_pct(d.summary.ttft_p99_ms, b99));
     let report = format!(
         "{}: {default} TTFT p50 {:.0} ms vs best {b50:.0} ms ({p50}), {g50:+.1} %; p99 {:.0} ms vs best {b99:.0} ms ({p99}), {g99:+.1} %",
@@ -49,5 +71,12 @@ pub fn check(kind: WorkloadKind) -> Result<Result<String, String>, MatrixError> 
         d.summary.ttft_p50_ms,
         d.summary.ttft_p99_ms,
     );
-    Ok(if g50 <= TOLERANCE_PCT && g99 <= TOLERANCE_PCT { Ok(report) } else { Err(report) })
+    Ok(Gap { p50_pct: g50, p99_pct: g99, report })
+}
+
+/// `Ok(report)` when the default is within tolerance, `Err(report)` when not;
+/// the report names the figures either way.
+pub fn check(kind: WorkloadKind) -> Result<Result<String, String>, MatrixError> {
+    let gap = measure(kind)?;
+    Ok(if gap.passes() { Ok(gap.report) } else { Err(gap.report) })
 }

@@ -19,6 +19,7 @@ pub mod gate;
 pub mod goodput;
 pub mod matrix;
 pub mod measure;
+pub mod plot;
 pub mod policies;
 pub mod prompt;
 pub mod router;

@@ -6,7 +6,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use kvroute_lab::cluster::{SidecarModel, run};
 use kvroute_lab::matrix::{GoodputSpec, MatrixSpec, markdown, run_matrix, scenario_for, workload_for};
-use kvroute_lab::policies::{all, factory};
+use kvroute_lab::policies::{all, default_policy, factory};
 use kvroute_lab::workload::{WorkloadKind, default_trace_path};
 
 #[derive(Parser, Debug)]
@@ -72,6 +72,15 @@ enum Cmd {
         out: PathBuf,
         #[command(flatten)]
         common: Common,
+    },
+    /// Goodput curves (TTFT p90 against rate, per policy, PNG) from a
+    /// matrix's results.json; `matrix` draws them too when it runs ≥ 2 loads.
+    Plot {
+        /// The matrix's output folder (holds results.json; the PNGs go there).
+        dir: PathBuf,
+        /// The SLO drawn as a rule: TTFT p90 in ms.
+        #[arg(long, default_value_t = 1_000.0)]
+        slo_ms: f64,
     },
     /// The CI gate's check, per workload, with its figures.
     Gate {
@@ -141,6 +150,21 @@ fn main() -> anyhow::Result<()> {
             std::fs::write(out.join("report.md"), markdown(&result))?;
             std::fs::write(out.join("results.json"), serde_json::to_string_pretty(&result)?)?;
             eprintln!("wrote {}/report.md and results.json", out.display());
+            let slo = goodput_slo_ms.unwrap_or(1_000.0);
+            let pngs = kvroute_lab::plot::goodput_curves(&out, slo, &default_policy()).map_err(anyhow::Error::msg)?;
+            if !pngs.is_empty() {
+                eprintln!("drew {} goodput curves (TTFT p90 vs rate, SLO {slo} ms) in {}", pngs.len(), out.display());
+            }
+        }
+        Cmd::Plot { dir, slo_ms } => {
+            let pngs =
+                kvroute_lab::plot::goodput_curves(&dir, slo_ms, &default_policy()).map_err(anyhow::Error::msg)?;
+            for png in &pngs {
+                println!("{}", dir.join(png).display());
+            }
+            if pngs.is_empty() {
+                anyhow::bail!("{}: no case with two or more loads to draw a curve through", dir.display());
+            }
         }
         Cmd::Gate { workloads } => {
             for kind in workloads {
