@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use crate::index::Compaction;
 use crate::metrics::{ENGINE_KINDS, INDEX_KINDS, WorkerKind, WorkerLabel};
 use crate::proxy::note_failure;
 use crate::state::{AppState, now_ms};
@@ -109,6 +110,9 @@ pub async fn run_housekeeping(state: Arc<AppState>) {
             _ = tick.tick() => {}
         }
         housekeeping(&state);
+        // Off the async workers: a million-key scan takes a while.
+        let st = state.clone();
+        let _ = tokio::task::spawn_blocking(move || compact_reverse_vectors(&st)).await;
     }
 }
 
@@ -126,6 +130,26 @@ pub fn housekeeping(state: &AppState) {
         }
     }
     housekeeping_gauges(state);
+}
+
+/// Compacts the reverse vectors too large to compact inline, each scanned
+/// in slices under the read lock and swapped under the write lock
+/// (`index::Compaction`), so no routing decision waits for one.
+pub fn compact_reverse_vectors(state: &AppState) {
+    let due = state.map.read().index.compaction_due();
+    for slot in due {
+        let Some(mut c) = Compaction::new(&state.map.read().index, slot) else { continue };
+        let scanned = loop {
+            match c.scan(&state.map.read().index, crate::internal::SYNC_READ_CHUNK) {
+                Some(true) => continue,
+                Some(false) => break true,
+                None => break false,
+            }
+        };
+        if scanned {
+            c.install(&mut state.map.write().index);
+        }
+    }
 }
 
 /// Is something to be done about a worker going quiet: a sidecar silent for

@@ -12,6 +12,7 @@
 //! scanning the whole forward map (the paper's reverse index).
 
 mod approx;
+mod compaction;
 mod hasher;
 mod sync;
 mod workerset;
@@ -21,6 +22,7 @@ use std::collections::{HashMap, VecDeque};
 use kvroute_shared::{BlockKey, KeyDigest};
 
 use approx::ApproxLru;
+pub use compaction::Compaction;
 pub use hasher::KeyMap;
 pub use sync::{Covers, SyncPlan};
 pub use workerset::{MAX_WORKERS, Slot, SlotSet};
@@ -90,7 +92,18 @@ struct WorkerKeys {
     /// equal (protocol v2). Speculative and approximate entries are the
     /// router's own and never enter it.
     digest: KeyDigest,
+    /// Bumped whenever `keys` is replaced or cleared: a [`Compaction`]
+    /// planned against an older vector is abandoned.
+    generation: u64,
 }
+
+/// Reverse vectors up to this many items are compacted inline (a retain and
+/// a sort: well under a millisecond); larger ones by a [`Compaction`] off the
+/// write lock (`health::housekeeping`), unless they reach
+/// [`HARD_SLACK`] × their live keys, which bounds memory where no
+/// housekeeping runs (the lab).
+const INLINE_COMPACT_MAX: usize = 16_384;
+const HARD_SLACK: usize = 4;
 
 impl WorkerKeys {
     fn kind_of(&self, key: &BlockKey) -> Kind {
@@ -285,21 +298,30 @@ impl Index {
         true
     }
 
-    /// Drops stale and duplicate items once they outnumber the live keys.
+    /// Drops stale and duplicate items once they outnumber the live keys:
+    /// inline while the vector is small, else left to a [`Compaction`].
     fn compact(&mut self, slot: Slot) {
         let Some(w) = self.workers.get_mut(&slot) else { return };
-        if w.keys.len() > 2 * w.live + 64 {
+        let n = w.keys.len();
+        if n > 2 * w.live + 64 && (n <= INLINE_COMPACT_MAX || n > HARD_SLACK * w.live + INLINE_COMPACT_MAX) {
             let forward = &self.forward;
             w.keys.retain(|k| forward.holds(slot, k));
             w.keys.sort_unstable();
             w.keys.dedup();
+            w.generation += 1;
         }
+    }
+
+    /// Slots whose reverse vector is due a compaction too large to do inline.
+    pub fn compaction_due(&self) -> Vec<Slot> {
+        self.workers.iter().filter(|(_, w)| w.keys.len() > 2 * w.live + 64).map(|(s, _)| *s).collect()
     }
 
     /// Drops every entry of `slot` (engine cleared, worker dead or removed).
     pub fn clear_worker(&mut self, slot: Slot) -> usize {
         let Some(w) = self.workers.get_mut(&slot) else { return 0 };
         let removed = w.live;
+        w.generation += 1;
         for key in std::mem::take(&mut w.keys) {
             self.forward.clear(slot, &key);
         }

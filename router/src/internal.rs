@@ -257,10 +257,17 @@ pub async fn sync(
         state.metrics.sync("rejected_too_large");
         return Err(RouterError::PayloadTooLarge { limit: state.config.raw.max_sync_keys });
     }
+    // A sync is a sign of life from the moment it arrives, however long it
+    // waits for its turn below (a registration storm after a restart).
+    if let Some(w) = state.workers.get(&snap.worker_id) {
+        w.live.last_report_ms.store(now_ms(), Ordering::Relaxed);
+    }
     // One sync per worker at a time, so two cannot interleave their chunks;
     // the chunks run on the blocking pool, off the async workers.
     let gate = state.sync_gate(&snap.worker_id);
     let _turn = gate.lock().await;
+    let _slot =
+        state.sync_slots.acquire().await.map_err(|_| RouterError::Unavailable("the router is shutting down".into()))?;
     let st = state.clone();
     let (result, snap) = tokio::task::spawn_blocking(move || (apply_sync(&st, &snap, protocol), snap))
         .await

@@ -183,6 +183,9 @@ impl MapState {
     }
 }
 
+/// Full syncs applied concurrently (see [`AppState::sync_slots`]).
+pub const SYNCS_AT_ONCE: usize = 8;
+
 /// Tokenizers by served model name, with a default for other models.
 #[derive(Debug)]
 pub struct Tokenizers {
@@ -220,6 +223,11 @@ pub struct AppState {
     /// One full sync per worker id at a time (`internal::sync`): a sync is
     /// applied in chunks, and two of one worker's must not interleave.
     sync_gates: parking_lot::Mutex<HashMap<WorkerId, Arc<tokio::sync::Mutex<()>>>>,
+    /// Full syncs applied at once, across workers: each holds its key set
+    /// in a hash set while it is diffed (~40 MB per million keys), so a
+    /// registration storm after a restart queues here instead of holding
+    /// every worker's set in memory together.
+    pub sync_slots: Semaphore,
 }
 
 impl AppState {
@@ -245,6 +253,7 @@ impl AppState {
             shutdown,
             config,
             sync_gates: Default::default(),
+            sync_slots: Semaphore::new(SYNCS_AT_ONCE),
         }
     }
 

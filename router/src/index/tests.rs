@@ -281,3 +281,28 @@ fn reverse_vector_is_compacted() {
     assert_eq!(ix.keys_of(Slot(0)), vec![(k(1), Kind::Confirmed)]);
     ix.check_consistency().unwrap();
 }
+
+/// A large vector is compacted in steps: scanned under a read lock, swapped
+/// under the write lock, with what changed in between respected.
+#[test]
+fn a_large_reverse_vector_is_compacted_in_steps() {
+    let mut ix = Index::new();
+    let all: Vec<_> = (0..40_000).map(k).collect();
+    ix.apply_events(Slot(0), false, &[], &all);
+    ix.apply_events(Slot(0), false, &all[..30_000], &[]);
+    assert_eq!(ix.compaction_due(), vec![Slot(0)], "too large to compact inline");
+    let mut c = Compaction::new(&ix, Slot(0)).unwrap();
+    while c.scan(&ix, 4_096).unwrap() {}
+    // Meanwhile: one key removed, one re-added, one new.
+    ix.apply_events(Slot(0), false, &[k(35_000)], &[k(5), k(50_000)]);
+    assert!(c.install(&mut ix));
+    assert!(ix.compaction_due().is_empty());
+    let w = ix.workers.get(&Slot(0)).unwrap();
+    assert!(w.keys.len() <= w.live + 1, "{} items for {} live", w.keys.len(), w.live);
+    assert_eq!(w.live, 10_001);
+    ix.check_consistency().unwrap();
+    // A plan against a vector replaced since is abandoned.
+    let stale = Compaction::new(&ix, Slot(0)).unwrap();
+    ix.clear_worker(Slot(0));
+    assert!(!stale.install(&mut ix));
+}

@@ -20,7 +20,7 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(3);
 /// A large sync to a busy router takes longer than a batch, and timing it out
 /// only makes the sidecar send it again from the start.
 const SYNC_TIMEOUT_BASE: Duration = Duration::from_secs(10);
-const SYNC_TIMEOUT_PER_100K: Duration = Duration::from_secs(1);
+const SYNC_TIMEOUT_PER_100K: Duration = Duration::from_secs(2);
 
 /// How long a sync of `keys` keys may take.
 pub fn sync_timeout(keys: usize) -> Duration {
