@@ -32,6 +32,9 @@ pub enum Command {
     Soak(crate::soak::SoakArgs),
     /// Engine, router and sidecar restarts: how soon the router's map is true again.
     Restarts(crate::restarts::RestartsArgs),
+    /// Wire protocol v1 against v2 at scale (in-process synthetic sidecars,
+    /// lost pushes): router CPU, bytes, lookup latency during syncs, healing.
+    Antientropy(crate::antientropy::AntientropyArgs),
     /// Draw a run's PNG plots again from its OUT/results.json.
     Plot(PlotArgs),
 }

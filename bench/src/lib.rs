@@ -12,6 +12,7 @@
 //! Workload generation and the ceiling are pure functions with unit tests;
 //! timings are benchmark figures, never test assertions.
 
+pub mod antientropy;
 pub mod ceiling;
 pub mod cli;
 pub mod client;
@@ -69,6 +70,25 @@ async fn run_command(command: Command) -> Result<String, BenchError> {
             let out = args.out.clone();
             let records = compare::run(args).await?;
             Ok(format!("compare: {} runs; report in {}", records.len(), out.display()))
+        }
+        Command::Antientropy(args) => {
+            let out = args.out.clone();
+            let r = antientropy::run(args).await?;
+            let line = |f: &antientropy::Figures| {
+                format!(
+                    "v{}: {:.2} MB/s received, {:.3} router cores, lookup p99 {:.1} µs during syncs, heal p50 {:.0} ms",
+                    f.protocol,
+                    f.bytes_per_s / 1e6,
+                    f.router_cores,
+                    f.lookup_p99_during_sync_us,
+                    f.heal_p50_ms
+                )
+            };
+            Ok(format!(
+                "antientropy: {}; report in {}",
+                r.runs.iter().map(line).collect::<Vec<_>>().join("; "),
+                out.display()
+            ))
         }
         Command::Propagation(args) => {
             let out = args.out.clone();
