@@ -303,6 +303,13 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
 }
 
 /// Full jitter over the upper half: spreads retries of many sidecars.
+///
+/// Hand-written rather than `backon` (issue 15): this is not one call retried
+/// until it succeeds but a long-lived push loop whose next message changes
+/// after a failure (a repair, or a full sync), whose pause cap depends on
+/// whether anything was sent (`RECONNECT_MAX` vs `BACKOFF_MAX`), and whose
+/// sleep races cancellation; `backon` would replace these three lines and
+/// not the loop around them.
 fn jitter(base: Duration) -> Duration {
     let half = base / 2;
     half + half.mul_f64(rand::thread_rng().r#gen::<f64>())
