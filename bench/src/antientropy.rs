@@ -96,6 +96,9 @@ pub struct Figures {
     pub lookup_p99_during_sync_us: f64,
     pub lookup_max_during_sync_us: f64,
     pub lookups_during_sync: u64,
+    /// Read-lock acquisition alone.
+    pub lock_wait_p99_us: f64,
+    pub lock_wait_max_us: f64,
     /// From a lost push to the router's map equal to the worker's again.
     pub heal_p50_ms: f64,
     pub heal_max_ms: f64,
@@ -229,13 +232,16 @@ fn hist() -> Histogram<u64> {
 
 /// Routing lookups until `stop`: read lock + longest-prefix match of 32
 /// consecutive keys of a random worker's current window.
+/// Latencies of lookups outside and during full syncs, and of the read-lock
+/// acquisitions alone (a long lookup whose lock came at once was a thread
+/// descheduled, not a lock held too long).
 fn lookups(
     state: Arc<AppState>,
     windows: Arc<Vec<AtomicU64>>,
     syncing: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
-) -> (Histogram<u64>, Histogram<u64>) {
-    let (mut calm, mut during) = (hist(), hist());
+) -> (Histogram<u64>, Histogram<u64>, Histogram<u64>) {
+    let (mut calm, mut during, mut waits) = (hist(), hist(), hist());
     let mut rng = StdRng::seed_from_u64(99);
     let mut keys = Vec::with_capacity(32);
     while !stop.load(Ordering::Relaxed) {
@@ -245,13 +251,17 @@ fn lookups(
         keys.extend((hi.saturating_sub(1_000)..hi.saturating_sub(968)).map(|i| key(w as u64, i)));
         let in_sync = syncing.load(Ordering::Relaxed);
         let t = Instant::now();
-        let depth = state.map.read().index.match_depths(&keys).len();
+        let map = state.map.read();
+        let locked = t.elapsed();
+        let depth = map.index.match_depths(&keys).len();
+        drop(map);
         let ns = t.elapsed().as_nanos() as u64;
         std::hint::black_box(depth);
         let h = if in_sync { &mut during } else { &mut calm };
         let _ = h.record(ns.max(1));
+        let _ = waits.record((locked.as_nanos() as u64).max(1));
     }
-    (calm, during)
+    (calm, during, waits)
 }
 
 async fn run_protocol(args: &AntientropyArgs, v2: bool) -> Result<Figures, BenchError> {
@@ -390,7 +400,7 @@ async fn run_protocol(args: &AntientropyArgs, v2: bool) -> Result<Figures, Bench
         }
     }
     stop.store(true, Ordering::Relaxed);
-    let (calm, during) = reader.join().unwrap_or_else(|_| (hist(), hist()));
+    let (calm, during, waits) = reader.join().unwrap_or_else(|_| (hist(), hist(), hist()));
     let mut all = calm.clone();
     let _ = all.add(&during);
     // Is every worker's map equal to its sidecar's set, but for losses in
@@ -422,6 +432,8 @@ async fn run_protocol(args: &AntientropyArgs, v2: bool) -> Result<Figures, Bench
         lookup_p99_during_sync_us: during.value_at_quantile(0.99) as f64 / 1e3,
         lookup_max_during_sync_us: during.max() as f64 / 1e3,
         lookups_during_sync: during.len(),
+        lock_wait_p99_us: waits.value_at_quantile(0.99) as f64 / 1e3,
+        lock_wait_max_us: waits.max() as f64 / 1e3,
         heal_p50_ms: heals.get(heals.len() / 2).copied().unwrap_or(0.0),
         heal_max_ms: heals.last().copied().unwrap_or(0.0),
         heals: heals.len() as u64,
