@@ -244,13 +244,19 @@ class EventLog:
         finally:
             s.close()
 
-    def snapshot(self) -> List[list]:
-        """The batches from seq 0 up to the newest, gaps filled from replay."""
+    def snapshot(self, tail: bool = False) -> List[list]:
+        """The batches from seq 0 up to the newest, gaps filled from replay.
+        `tail`: also ask the replay socket for batches after the newest one
+        seen live, which finds a batch the subscription missed when no later
+        one has arrived yet (the very first batch, published before the SUB
+        socket had joined)."""
         with self.lock:
             top = max(self.batches, default=-1)
             missing = [s for s in range(top + 1) if s not in self.batches]
         if missing:
             self._fill_from_replay(missing[0])
+        elif tail:
+            self._fill_from_replay(top + 1)
         with self.lock:
             top = max(self.batches, default=-1)
             missing = [s for s in range(top + 1) if s not in self.batches]
@@ -364,7 +370,7 @@ def wait_for_sentinel(log: EventLog, key: bytes, timeout: float = 60) -> List[li
     published (batches go out in order, so every earlier one is in too)."""
 
     def probe():
-        batches = log.snapshot()
+        batches = log.snapshot(tail=True)
         for batch in reversed(batches):
             for ev in batch:
                 if isinstance(ev, dict) and ev.get("type") == "BlockStored":
