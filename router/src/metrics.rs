@@ -176,6 +176,13 @@ impl Metrics {
         registry.register("requests", "Proxied requests by worker and outcome", requests.clone());
         let decisions = Family::<PolicyReason, Counter>::default();
         registry.register("decisions", "Routing decisions by policy and reason", decisions.clone());
+        // Every reason, labelled with this router's policy, exists at 0 before
+        // the first decision: dashboards rate over series there from the start.
+        if let Some(p) = policy {
+            for r in crate::policy::Reason::ALL {
+                let _ = decisions.get_or_create(&PolicyReason { policy: p, reason: r.as_str() });
+            }
+        }
         let matched_ratio = Histogram::new([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0]);
         registry.register(
             "matched_prefix_ratio",
@@ -465,6 +472,17 @@ mod tests {
         }
         m.retire_worker(&worker("w1"));
         assert_eq!(series_of(&m, "w1"), 0, "{}", m.encode());
+    }
+
+    #[test]
+    fn every_decision_reason_exists_at_zero_for_the_policy() {
+        let text = Metrics::for_policy("predicted_ttft").encode();
+        for r in crate::policy::Reason::ALL {
+            let line = format!("kvroute_decisions_total{{policy=\"predicted_ttft\",reason=\"{}\"}} 0", r.as_str());
+            assert!(text.lines().any(|l| l == line), "no {line} in\n{text}");
+        }
+        let reasons: std::collections::BTreeSet<_> = crate::policy::Reason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(reasons.len(), crate::policy::Reason::ALL.len(), "a reason listed twice");
     }
 
     #[test]

@@ -137,6 +137,23 @@ pub enum Reason {
 }
 
 impl Reason {
+    /// Every reason, for metric series that exist before the first decision.
+    pub const ALL: [Reason; 13] = [
+        Reason::BestCost,
+        Reason::ColdPlacement,
+        Reason::Imbalanced,
+        Reason::NoFullBlock,
+        Reason::RoundRobin,
+        Reason::LeastLoaded,
+        Reason::PowerOfTwo,
+        Reason::ConsistentHash,
+        Reason::StickyHolder,
+        Reason::StickyMiss,
+        Reason::ThresholdMatch,
+        Reason::BelowThreshold,
+        Reason::Session,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Reason::BestCost => "best_cost",
