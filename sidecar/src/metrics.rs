@@ -34,6 +34,8 @@ pub enum ReplayOutcome {
 }
 
 impl ReplayOutcome {
+    pub const ALL: [ReplayOutcome; 3] = [ReplayOutcome::Recovered, ReplayOutcome::Lost, ReplayOutcome::Failed];
+
     pub fn as_str(self) -> &'static str {
         match self {
             ReplayOutcome::Recovered => "recovered",
@@ -55,6 +57,8 @@ pub enum MessageKind {
 }
 
 impl MessageKind {
+    pub const ALL: [MessageKind; 2] = [MessageKind::Eviction, MessageKind::Sync];
+
     pub fn as_str(self) -> &'static str {
         match self {
             MessageKind::Eviction => "eviction",
@@ -206,6 +210,15 @@ impl Metrics {
         m.register_rest()
     }
 
+    /// The push series of a router link, at 0 until its first push.
+    pub fn init_router(&self, router: &str) {
+        for kind in MessageKind::ALL {
+            let labels = PushLabels { router: router.to_owned(), kind: kind.as_str() };
+            let _ = counter(&self.pushes, &labels);
+            let _ = counter(&self.push_failures, &labels);
+        }
+    }
+
     fn register_rest(mut self) -> Self {
         let r = &mut self.registry;
         r.register("decode_errors", "ZMQ messages that could not be decoded", self.decode_errors.clone());
@@ -218,6 +231,11 @@ impl Metrics {
             self.disconnects.clone(),
         );
         r.register("replays", "Replay attempts after a gap, by outcome", self.replays.clone());
+        // Rated series exist at 0 from the start (dashboards and alerts rate
+        // over them); a router's push series from its first link.
+        for outcome in ReplayOutcome::ALL.map(ReplayOutcome::as_str).into_iter().chain(["idle_probe"]) {
+            let _ = counter(&self.replays, &ReplayLabels { outcome });
+        }
         r.register("pushes", "Messages accepted by a router, by router and kind", self.pushes.clone());
         r.register("push_failures", "Messages a router did not accept, by router and kind", self.push_failures.clone());
         r.register(
@@ -259,5 +277,29 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rated_series_exist_at_zero_from_the_start() {
+        let m = Metrics::new();
+        let text = m.render();
+        for outcome in ["recovered", "lost", "failed", "idle_probe"] {
+            let line = format!("kvroute_sidecar_replays_total{{outcome=\"{outcome}\"}} 0");
+            assert!(text.lines().any(|l| l == line), "no {line} in\n{text}");
+        }
+        assert!(!text.contains("kvroute_sidecar_pushes_total{"), "push series before any router:\n{text}");
+        m.init_router("http://r:8080");
+        let text = m.render();
+        for family in ["pushes", "push_failures"] {
+            for kind in ["eviction", "sync"] {
+                let line = format!("kvroute_sidecar_{family}_total{{router=\"http://r:8080\",kind=\"{kind}\"}} 0");
+                assert!(text.lines().any(|l| l == line), "no {line} in\n{text}");
+            }
+        }
     }
 }

@@ -240,6 +240,7 @@ impl Pusher {
 /// Pushes to `target` until cancelled; `wake`, or a reset of the worker
 /// state (`WorkerState::resync_due`), makes it act before its next tick.
 pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Notify>, cancel: CancellationToken) {
+    pusher.state.metrics().init_router(&target.0);
     let mut link = Link::new(target);
     let mut tick = tokio::time::interval(pusher.fast_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
