@@ -28,6 +28,10 @@ pub const INDEX_KINDS: [&str; 3] = ["confirmed", "speculative", "approximate"];
 pub const ENGINE_KINDS: [&str; 2] = ["running", "waiting"];
 /// The `status` labels of [`Metrics::request_duration`].
 pub const STATUS_CLASSES: [&str; 4] = ["2xx", "4xx", "5xx", "error"];
+/// The status classes a first byte can have: the router relays an upstream's
+/// answer only when it is a success or a client error (a 5xx is retried or
+/// answered by the router itself).
+pub const TTFT_STATUS_CLASSES: [&str; 2] = ["2xx", "4xx"];
 /// The `kind` labels of [`Metrics::syncs`], created at 0 at start.
 pub const SYNC_KINDS: [&str; 4] = ["applied", "stale", "rejected_block_size", "rejected_too_large"];
 /// The `kind` labels of [`Metrics::events`] every router sees, created at 0
@@ -108,7 +112,7 @@ pub struct Metrics {
     pub worker_sync_age: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
     pub worker_sync_timestamp: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
     pub request_duration: HistFamily<WorkerStatus>,
-    pub ttft: HistFamily<WorkerLabel>,
+    pub ttft: HistFamily<WorkerStatus>,
     pub routing_seconds: Histogram,
     pub retries: Counter,
     pub shed: Counter,
@@ -151,7 +155,7 @@ impl Metrics {
         registry.register("build_info", "1, labelled with the router's version", build_info.clone());
         build_info.get_or_create(&VersionLabel { version: env!("CARGO_PKG_VERSION") }).set(1);
         let request_duration: HistFamily<WorkerStatus> = Family::new_with_constructor(request_histogram);
-        let ttft: HistFamily<WorkerLabel> = Family::new_with_constructor(ttft_histogram);
+        let ttft: HistFamily<WorkerStatus> = Family::new_with_constructor(ttft_histogram);
         let per_request = match policy {
             Some(p) => registry.sub_registry_with_label((Cow::Borrowed("policy"), Cow::Borrowed(p))),
             None => &mut registry,
@@ -306,7 +310,9 @@ impl Metrics {
     pub fn init_worker_series(&self, worker: &str) {
         let label = WorkerLabel { worker: worker.to_owned() };
         let _ = self.ejections.get_or_create(&label);
-        let _ = self.ttft.get_or_create(&label);
+        for status in TTFT_STATUS_CLASSES {
+            let _ = self.ttft.get_or_create(&WorkerStatus { worker: worker.to_owned(), status });
+        }
         for status in STATUS_CLASSES {
             let _ = self.request_duration.get_or_create(&WorkerStatus { worker: worker.to_owned(), status });
         }
@@ -369,7 +375,9 @@ impl Metrics {
         self.worker_healthy.remove(&w);
         self.worker_sync_age.remove(&w);
         self.worker_sync_timestamp.remove(&w);
-        self.ttft.remove(&w);
+        for status in TTFT_STATUS_CLASSES {
+            self.ttft.remove(&WorkerStatus { worker: worker.to_owned(), status });
+        }
         self.ejections.remove(&w);
         for status in STATUS_CLASSES {
             self.request_duration.remove(&WorkerStatus { worker: worker.to_owned(), status });
@@ -431,7 +439,7 @@ mod tests {
         m.request_finished("gone", "2xx", 0.5);
         m.request_finished("gone", "error", 0.5);
         m.worker_sync_timestamp.get_or_create(&label).set(1.0);
-        m.ttft.get_or_create(&label).observe(0.1);
+        m.ttft.get_or_create(&WorkerStatus { worker: "gone".into(), status: "2xx" }).observe(0.1);
         m.ejections.get_or_create(&label).inc();
         m.worker_inflight.get_or_create(&label).set(1);
         m.index_worker_entries.get_or_create(&WorkerKind { worker: "gone".into(), kind: "confirmed" }).set(3);
@@ -445,7 +453,7 @@ mod tests {
         assert_eq!(series_of(&m, "gone"), 0);
         let late = w.clone();
         drop(w);
-        m.ttft.get_or_create(&label).observe(0.2);
+        m.ttft.get_or_create(&WorkerStatus { worker: "gone".into(), status: "4xx" }).observe(0.2);
         drop(late);
         m.sweep_departed(|_| false);
         assert_eq!(series_of(&m, "gone"), 0);
@@ -465,7 +473,7 @@ mod tests {
         for line in [
             "kvroute_worker_ejections_total{worker=\"w1\"} 0",
             "kvroute_requests_total{worker=\"w1\",outcome=\"ok\"} 0",
-            "kvroute_upstream_ttft_seconds_count{worker=\"w1\"} 0",
+            "kvroute_upstream_ttft_seconds_count{worker=\"w1\",status=\"2xx\"} 0",
             "kvroute_request_duration_seconds_count{worker=\"w1\",status=\"5xx\"} 0",
         ] {
             assert!(text.lines().any(|l| l == line), "no {line} in\n{text}");
@@ -489,11 +497,11 @@ mod tests {
     fn per_request_histograms_name_the_policy() {
         let m = Metrics::for_policy("round_robin");
         m.request_finished("w1", "2xx", 0.5);
-        m.ttft.get_or_create(&WorkerLabel { worker: "w1".into() }).observe(0.1);
+        m.ttft.get_or_create(&WorkerStatus { worker: "w1".into(), status: "2xx" }).observe(0.1);
         let text = m.encode();
         for line in [
             "kvroute_request_duration_seconds_count{policy=\"round_robin\",worker=\"w1\",status=\"2xx\"} 1",
-            "kvroute_upstream_ttft_seconds_count{policy=\"round_robin\",worker=\"w1\"} 1",
+            "kvroute_upstream_ttft_seconds_count{policy=\"round_robin\",worker=\"w1\",status=\"2xx\"} 1",
         ] {
             assert!(text.lines().any(|l| l == line), "no {line} in\n{text}");
         }

@@ -20,7 +20,7 @@ use kvroute_shared::wire::ErrorBody;
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::error::RouterError;
-use crate::metrics::{NO_WORKER, WorkerLabel};
+use crate::metrics::{NO_WORKER, WorkerStatus};
 use crate::routing::{self, Plan};
 use crate::sessions::valid_session_id;
 use crate::state::AppState;
@@ -397,7 +397,7 @@ fn relay(
             }
             match tokio::time::timeout(idle, st.chunks.next()).await {
                 Ok(Some(Ok(chunk))) => {
-                    st.guard.first_byte();
+                    st.guard.first_byte(status_class(st.outcome));
                     Some((Ok(chunk), st))
                 }
                 Ok(None) => {
@@ -484,13 +484,14 @@ impl InflightGuard {
         }
     }
 
-    fn first_byte(&mut self) {
+    /// The answer's first byte reached the client; `status` is its class.
+    fn first_byte(&mut self, status: &'static str) {
         if self.first_seen {
             return;
         }
         self.first_seen = true;
         self.worker.live.pending_prefill_tokens.fetch_sub(self.pending, Ordering::Relaxed);
-        let label = WorkerLabel { worker: self.worker.id.to_string() };
+        let label = WorkerStatus { worker: self.worker.id.to_string(), status };
         self.state.metrics.ttft.get_or_create(&label).observe(self.started.elapsed().as_secs_f64());
     }
 
