@@ -125,14 +125,35 @@ def registered_metrics(path: Path) -> set[str]:
 
 
 def vllm_metrics() -> set[str]:
-    """vLLM's names as the simulator reproduces them (gauges, counters, histograms)."""
-    src = (ROOT / "sim/src/http/metrics.rs").read_text()
+    """vLLM's names as the simulator exports them: read off a running
+    kvroute-sim's /metrics (its exposition is encoded by prometheus-client,
+    not written as literals the source could be scanned for)."""
+    import os
+    import urllib.request
+
+    target = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
+    sim = target / "debug" / "kvroute-sim"
+    if not sim.exists():
+        raise AssertionError(f"{sim} is not built (scripts/test.sh builds it: cargo build --workspace --bins)")
+    proc = subprocess.Popen([str(sim), "--listen", "127.0.0.1:0", "--model", "m"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = None
+        for line in proc.stdout:
+            if line.startswith("listening on "):
+                url = line.split()[2].strip()
+                break
+        assert url, "kvroute-sim exited without a 'listening on' line"
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
     names = set()
-    for m in re.finditer(r'(gauge|counter)\(\s*"(vllm:\w+)"', src):
-        names.add(m.group(2) + ("_total" if m.group(1) == "counter" else ""))
-    for m in re.finditer(r'let name = "(vllm:\w+)"', src):
-        names.update(m.group(1) + s for s in ("_bucket", "_sum", "_count"))
-    names.update(re.findall(r'let info = "(vllm:\w+)"', src))
+    for line in text.splitlines():
+        m = re.match(r"(vllm:[\w:]+)", line)
+        if m and not line.startswith("#"):
+            names.add(m.group(1))
     return names
 
 
