@@ -33,10 +33,12 @@ pub const STATUS_CLASSES: [&str; 4] = ["2xx", "4xx", "5xx", "error"];
 /// answered by the router itself).
 pub const TTFT_STATUS_CLASSES: [&str; 2] = ["2xx", "4xx"];
 /// The `kind` labels of [`Metrics::syncs`], created at 0 at start.
-pub const SYNC_KINDS: [&str; 4] = ["applied", "stale", "rejected_block_size", "rejected_too_large"];
+pub const SYNC_KINDS: [&str; 6] =
+    ["applied", "stale", "rejected_block_size", "rejected_too_large", "digest_mismatch", "not_member"];
 /// The `kind` labels of [`Metrics::events`] every router sees, created at 0
 /// at start (rarer kinds appear when they first happen).
-pub const EVENT_KINDS: [&str; 4] = ["stored", "evicted", "cleared", "stale_batch"];
+pub const EVENT_KINDS: [&str; 6] =
+    ["stored", "evicted", "cleared", "stale_batch", "digest_mismatch", "rejected_protocol"];
 /// The `worker` label of requests refused before a worker was chosen.
 pub const NO_WORKER: &str = "none";
 
