@@ -460,8 +460,9 @@ pub async fn run(args: AntientropyArgs) -> Result<Report, BenchError> {
     let write = |path: PathBuf| move |source| BenchError::Write { path, source };
     std::fs::create_dir_all(&args.out).map_err(write(args.out.clone()))?;
     let report = Report { runs };
-    let path = args.out.join("antientropy.json");
-    std::fs::write(&path, serde_json::to_vec_pretty(&report).unwrap_or_default()).map_err(write(path.clone()))?;
+    // results.json, like every other subcommand: the run (commit, arguments,
+    // machine) and the figures.
+    crate::report::write_results(&args.out, &args, &report)?;
     for f in &report.runs {
         println!("{}", serde_json::to_string(f).unwrap_or_default());
     }
