@@ -116,6 +116,8 @@ pub struct Metrics {
     pub request_duration: HistFamily<WorkerStatus>,
     pub ttft: HistFamily<WorkerStatus>,
     pub routing_seconds: Histogram,
+    /// Arrival to the first dispatch to a worker.
+    pub dispatch_delay: Histogram,
     pub retries: Counter,
     pub shed: Counter,
     pub speculative_expired: Counter,
@@ -253,6 +255,14 @@ impl Metrics {
             "Time to tokenize, match and choose a worker",
             routing_seconds.clone(),
         );
+        // 50 µs to ~13 s: the router's own queueing before a worker sees the request.
+        let dispatch_delay = Histogram::new(exponential_buckets(0.000_05, 2.0, 19));
+        registry.register(
+            "dispatch_delay_seconds",
+            "Time from a request's arrival to its first dispatch to a worker: reading the body, rendering, \
+             tokenizing, routing and waiting for admission (the router's own queueing)",
+            dispatch_delay.clone(),
+        );
         let retries = Counter::default();
         registry.register(
             "retries",
@@ -290,6 +300,7 @@ impl Metrics {
             request_duration,
             ttft,
             routing_seconds,
+            dispatch_delay,
             retries,
             shed,
             speculative_expired,

@@ -189,6 +189,9 @@ async fn dispatch(
         if attempt > 0 {
             state.metrics.retries.inc();
             routing::record_dispatch(state, worker, &plan.keys);
+        } else {
+            // The router's own queueing: body, tokenize, route, admission.
+            state.metrics.dispatch_delay.observe(arrived.elapsed().as_secs_f64());
         }
         let guard = InflightGuard::new(state.clone(), worker.clone(), plan.uncached_tokens(cand), arrived);
         let mut request_may_be_at_fault = false;

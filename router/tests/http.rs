@@ -663,6 +663,7 @@ async fn metrics_are_exported() {
         "kvroute_matched_prefix_ratio_bucket",
         "kvroute_index_entries",
         "kvroute_routing_duration_seconds_count 1",
+        "kvroute_dispatch_delay_seconds_count 1",
         "kvroute_upstream_ttft_seconds_count{policy=\"predicted_ttft\",worker=\"w1\",status=\"2xx\"} 1",
         "kvroute_worker_inflight{worker=\"w1\"} 0",
     ] {
