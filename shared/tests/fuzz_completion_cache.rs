@@ -2,21 +2,11 @@
 //! encoded chunk by chunk, cold and warm, with and without special tokens,
 //! give exactly the whole-text ids, for the GPT-2 and Qwen3 tokenizers.
 
-use kvroute_shared::testdata::tokenizer_dir;
-use kvroute_shared::tokenize::PromptTokenizer;
 use proptest::prelude::*;
 
-fn load(name: &str) -> PromptTokenizer {
-    let dir = tokenizer_dir(name).unwrap_or_else(|why| {
-        panic!("no {name} tokenizer: {why} (or place the shared test data at ../shared/testdata)")
-    });
-    PromptTokenizer::load(&dir).expect("loads")
-}
+mod support;
 
-fn tokenizers() -> &'static [(&'static str, PromptTokenizer)] {
-    static TOKS: std::sync::OnceLock<Vec<(&'static str, PromptTokenizer)>> = std::sync::OnceLock::new();
-    TOKS.get_or_init(|| vec![("gpt2", load("gpt2")), ("qwen3", load("qwen3"))])
-}
+use support::tokenizers;
 
 fn line() -> impl Strategy<Value = String> {
     prop_oneof![

@@ -4,21 +4,11 @@
 //! tokenizers, on arbitrary ASCII (every byte, every run of classes) and on
 //! prose and code; a text with any non-ASCII byte goes through HF.
 
-use kvroute_shared::testdata::tokenizer_dir;
-use kvroute_shared::tokenize::PromptTokenizer;
 use proptest::prelude::*;
 
-fn load(name: &str) -> PromptTokenizer {
-    let dir = tokenizer_dir(name).unwrap_or_else(|why| {
-        panic!("no {name} tokenizer: {why} (or place the shared test data at ../shared/testdata)")
-    });
-    PromptTokenizer::load(&dir).expect("loads")
-}
+mod support;
 
-fn tokenizers() -> &'static [(&'static str, PromptTokenizer)] {
-    static TOKS: std::sync::OnceLock<Vec<(&'static str, PromptTokenizer)>> = std::sync::OnceLock::new();
-    TOKS.get_or_init(|| vec![("gpt2", load("gpt2")), ("qwen3", load("qwen3"))])
-}
+use support::tokenizers;
 
 /// Short runs of one character class each, so that every boundary the
 /// regexes care about (space before a word, runs of spaces before text or at
