@@ -142,13 +142,16 @@ async fn a_worker_killed_mid_stream_is_ejected_and_readmitted() {
 }
 
 /// A metric's value from Prometheus text (first sample whose line starts with `name`).
+/// A metric summed over its label sets (series exist at 0 from the start, so
+/// the first line is not necessarily the one that moved); NaN when absent.
 async fn metric(c: &Client, url: &str, name: &str) -> f64 {
     let text = c.http.get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
-    text.lines()
-        .find(|l| l.starts_with(name))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(f64::NAN)
+    let values: Vec<f64> = text
+        .lines()
+        .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' ')))
+        .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+        .collect();
+    if values.is_empty() { f64::NAN } else { values.iter().sum() }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
