@@ -150,6 +150,7 @@ pub async fn workers(State(state): State<Arc<AppState>>) -> Json<Value> {
             json!({
                 "id": w.id,
                 "url": w.url,
+                "dp_rank": w.dp_rank,
                 "models": w.models,
                 "source": w.source,
                 "healthy": w.live.is_healthy(),

@@ -61,7 +61,9 @@ pub struct ServeArgs {
     /// [default: 127.0.0.1]; needs --prometheus-port.
     #[arg(long, value_name = "HOST", requires = "prometheus_port")]
     pub prometheus_host: Option<String>,
-    /// A static worker, ID=URL (repeatable). Sidecars register others.
+    /// A static worker, ID=URL (repeatable); ID=URL#dp-rank=R for data-parallel
+    /// rank R behind a URL serving every rank (sent as X-data-parallel-rank).
+    /// Sidecars register others.
     #[arg(long = "worker", value_name = "ID=URL")]
     pub workers: Vec<String>,
     /// vllm-router/SMG spelling: static workers by URL alone (space-separated

@@ -49,7 +49,9 @@ pub struct RawConfig {
     /// `/metrics` stays on `listen` too, so existing scrape configs keep
     /// working. Unset: no second listener.
     pub metrics_listen: Option<SocketAddr>,
-    /// Static workers, `ID=URL`.
+    /// Static workers, `ID=URL`, or `ID=URL#dp-rank=R` for data-parallel
+    /// rank R behind a URL that serves every rank (vLLM's internal load
+    /// balancing; requests then carry `X-data-parallel-rank: R`).
     pub workers: Vec<String>,
     /// Tokenizer directory for models without their own entry in `tokenizers`.
     pub tokenizer: Option<PathBuf>,
@@ -192,11 +194,26 @@ impl Default for RawConfig {
     }
 }
 
-/// A static worker from `--worker ID=URL`.
+/// A static worker from `--worker ID=URL[#dp-rank=R]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StaticWorker {
     pub id: WorkerId,
     pub url: String,
+    pub dp_rank: Option<u32>,
+}
+
+/// `URL#dp-rank=R` → (`URL`, `Some(R)`); a URL without a fragment is its own
+/// target. Worker URLs may not carry fragments, so `#` is unambiguous.
+fn split_dp_rank(target: &str) -> Result<(&str, Option<u32>), String> {
+    let Some((url, fragment)) = target.split_once('#') else { return Ok((target, None)) };
+    let rank = fragment
+        .strip_prefix("dp-rank=")
+        .and_then(|r| r.parse::<u32>().ok())
+        .filter(|r| *r < kvroute_shared::wire::MAX_DP_RANKS)
+        .ok_or_else(|| {
+            format!("{fragment:?} after '#' is not dp-rank=R with R below {}", kvroute_shared::wire::MAX_DP_RANKS)
+        })?;
+    Ok((url, Some(rank)))
 }
 
 /// Which policy, with its parameters.
@@ -265,13 +282,14 @@ impl RawConfig {
         let block_size = BlockSize::new(self.block_size).map_err(|e| invalid("block_size", e.to_string()))?;
         let mut workers: Vec<StaticWorker> = Vec::new();
         for spec in &self.workers {
-            let (id, url) =
+            let (id, target) =
                 spec.split_once('=').ok_or_else(|| invalid("workers", format!("{spec:?} is not ID=URL")))?;
+            let (url, dp_rank) = split_dp_rank(target).map_err(|e| invalid("workers", format!("{spec:?}: {e}")))?;
             let url = crate::workers::checked_url(url).map_err(|e| invalid("workers", format!("{spec:?}: {e}")))?;
             if id.is_empty() || workers.iter().any(|w| w.id.as_str() == id) {
                 return Err(invalid("workers", format!("{spec:?}: worker ids must be unique and non-empty")));
             }
-            workers.push(StaticWorker { id: WorkerId::new(id), url });
+            workers.push(StaticWorker { id: WorkerId::new(id), url, dp_rank });
         }
         let policy = match self.policy.as_str() {
             "cache_aware" => PolicyConfig::CacheAware(self.cache_aware),
@@ -438,6 +456,18 @@ mod tests {
         assert!(e.to_string().contains("`predicted_ttft`"), "{e}");
         let e = RawConfig { block_size: 0, ..Default::default() }.validate().unwrap_err();
         assert!(e.to_string().contains("`block_size`"), "{e}");
+    }
+
+    #[test]
+    fn a_static_worker_may_name_its_data_parallel_rank() {
+        let workers = vec!["a=http://h:8000".into(), "b=http://h:8000/#dp-rank=3".into()];
+        let c = RawConfig { workers, ..Default::default() }.validate().unwrap();
+        let got: Vec<_> = c.workers.iter().map(|w| (w.url.as_str(), w.dp_rank)).collect();
+        assert_eq!(got, [("http://h:8000", None), ("http://h:8000", Some(3))]);
+        for bad in ["c=http://h#rank=1", "c=http://h#dp-rank=x", "c=http://h#dp-rank=1024"] {
+            let e = RawConfig { workers: vec![bad.into()], ..Default::default() }.validate().unwrap_err();
+            assert!(e.to_string().contains("dp-rank=R"), "{bad}: {e}");
+        }
     }
 
     #[test]

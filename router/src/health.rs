@@ -259,7 +259,7 @@ mod tests {
     fn registered(state: &AppState, id: &str, at_ms: u64, keys: &[BlockKey]) -> Arc<Worker> {
         let mut map = state.map.write();
         let w = map
-            .register_sidecar(&state.workers, &WorkerId::new(id), Some("http://10.0.0.1:8000"), None, at_ms)
+            .register_sidecar(&state.workers, &WorkerId::new(id), Some("http://10.0.0.1:8000".into()), None, at_ms)
             .unwrap()
             .worker;
         map.index.sync(w.slot, keys, at_ms);

@@ -36,7 +36,7 @@ use crate::error::RouterError;
 use crate::index::{Covers, SyncOutcome, SyncPlan};
 use crate::proxy::read_body_within;
 use crate::state::{AppState, Registered, now_ms};
-use crate::workers::{RegistryError, Source, Upsert, Worker};
+use crate::workers::{RegistryError, Source, Target, Upsert, Worker};
 
 fn presented(headers: &HeaderMap) -> &str {
     headers
@@ -316,7 +316,8 @@ fn apply_sync(
     let models = (!snap.models.is_empty()).then_some(snap.models.as_slice());
     let (registered, covers) = {
         let mut map = state.map.write();
-        let registered = map.register_sidecar(&state.workers, &snap.worker_id, snap.url.as_deref(), models, now)?;
+        let target = snap.url.as_deref().map(|url| Target { url, dp_rank: snap.dp_rank });
+        let registered = map.register_sidecar(&state.workers, &snap.worker_id, target, models, now)?;
         let w = &registered.worker;
         // Alive from the moment the sync arrived, however long it takes.
         w.live.last_report_ms.store(now, Ordering::Relaxed);
@@ -397,6 +398,7 @@ mod tests {
             covers: None,
             digest: None,
             url: Some("http://10.0.0.1:8000".into()),
+            dp_rank: None,
             models: Vec::new(),
             block_size: None,
             hashes,

@@ -40,7 +40,7 @@ use tracing::Instrument;
 
 use config::Config;
 use state::{AppState, Tokenizers};
-use workers::Source;
+use workers::{Source, Target};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
@@ -86,7 +86,8 @@ pub fn build_state(config: Config, shutdown: CancellationToken) -> Result<Arc<Ap
     let client = upstream_client(&config)?;
     let state = Arc::new(AppState::new(config, Tokenizers { by_model, default }, shutdown, client));
     for w in statics {
-        let (worker, _) = state.workers.upsert(&w.id, Some(&w.url), None, Source::Static)?;
+        let (worker, _) =
+            state.workers.upsert(&w.id, Some(Target { url: &w.url, dp_rank: w.dp_rank }), None, Source::Static)?;
         state.map.write().index.set_approximate(worker.slot, Some(capacity));
     }
     Ok(state)

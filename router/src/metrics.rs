@@ -433,6 +433,7 @@ mod tests {
             slot: Slot(0),
             generation: 0,
             url: "http://w".into(),
+            dp_rank: None,
             models: Vec::new(),
             source: Source::Sidecar,
             live: Arc::new(WorkerLive::default()),

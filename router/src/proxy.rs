@@ -16,7 +16,7 @@ use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use http_body_util::BodyExt;
 use kvroute_shared::openai::{Endpoint, PromptRequest};
-use kvroute_shared::wire::ErrorBody;
+use kvroute_shared::wire::{DP_RANK_HEADER, ErrorBody};
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::error::RouterError;
@@ -304,6 +304,11 @@ async fn send(
         if let Some(v) = headers.get(*name) {
             rb = rb.header(*name, v);
         }
+    }
+    // The router picked the rank; a client's own header is never forwarded
+    // (it is not in FORWARDED), so it cannot send a request past the index.
+    if let Some(rank) = worker.dp_rank {
+        rb = rb.header(DP_RANK_HEADER, rank);
     }
     let timeout = || Failure { error: RouterError::UpstreamTimeout { worker: worker.id.clone() }, request_sent: true };
     match tokio::time::timeout(state.config.raw.first_byte_timeout, rb.send()).await {

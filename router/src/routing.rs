@@ -278,7 +278,7 @@ mod tests {
 
     fn register(state: &AppState, id: &str) -> Arc<Worker> {
         let mut map = state.map.write();
-        map.register_sidecar(&state.workers, &WorkerId::new(id), Some("http://10.0.0.1:8000"), None, now_ms())
+        map.register_sidecar(&state.workers, &WorkerId::new(id), Some("http://10.0.0.1:8000".into()), None, now_ms())
             .unwrap()
             .worker
     }

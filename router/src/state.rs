@@ -26,7 +26,7 @@ use crate::index::{Index, Slot};
 use crate::metrics::Metrics;
 use crate::policy::Policy;
 use crate::sessions::Sessions;
-use crate::workers::{Registry, RegistryError, Source, Upsert, Worker};
+use crate::workers::{Registry, RegistryError, Source, Target, Upsert, Worker};
 
 /// The last (epoch, seq) applied per worker: reordered or duplicated sidecar
 /// batches are dropped.
@@ -142,12 +142,12 @@ impl MapState {
         &mut self,
         registry: &Registry,
         id: &WorkerId,
-        url: Option<&str>,
+        target: Option<Target<'_>>,
         models: Option<&[ModelName]>,
         now_ms: u64,
     ) -> Result<Registered, RegistryError> {
         let mut reclaimed = None;
-        let (worker, how) = match registry.upsert(id, url, models, Source::Sidecar) {
+        let (worker, how) = match registry.upsert(id, target, models, Source::Sidecar) {
             Err(RegistryError::Full) => {
                 let silence = RECLAIM_AFTER_SILENCE.as_millis() as u64;
                 let victim = registry
@@ -156,7 +156,7 @@ impl MapState {
                     .ok_or(RegistryError::Full)?;
                 self.remove(registry, &victim);
                 reclaimed = Some(victim);
-                registry.upsert(id, url, models, Source::Sidecar)?
+                registry.upsert(id, target, models, Source::Sidecar)?
             }
             other => other?,
         };
@@ -326,7 +326,7 @@ mod tests {
     }
 
     fn sidecar(map: &mut MapState, r: &Registry, id: &str, now_ms: u64) -> Result<Registered, RegistryError> {
-        map.register_sidecar(r, &WorkerId::new(id), Some("http://10.0.0.1:8000"), None, now_ms)
+        map.register_sidecar(r, &WorkerId::new(id), Some("http://10.0.0.1:8000".into()), None, now_ms)
     }
 
     #[test]
@@ -348,7 +348,8 @@ mod tests {
     fn a_full_table_reclaims_the_longest_silent_sidecar_slot_never_a_static_one() {
         let (mut map, r) = (MapState::default(), Registry::default());
         let now = 100_000;
-        let (stat, _) = r.upsert(&WorkerId::new("static"), Some("http://10.0.0.9:8000"), None, Source::Static).unwrap();
+        let (stat, _) =
+            r.upsert(&WorkerId::new("static"), Some("http://10.0.0.9:8000".into()), None, Source::Static).unwrap();
         let fakes: Vec<Arc<Worker>> = (0..crate::index::MAX_WORKERS - 1)
             .map(|i| sidecar(&mut map, &r, &format!("fake{i}"), now).unwrap().worker)
             .collect();

@@ -43,6 +43,9 @@ pub struct Worker {
     pub generation: u64,
     /// Base URL without a trailing slash.
     pub url: String,
+    /// A data-parallel rank behind `url` (vLLM's internal load balancing):
+    /// its requests carry `X-data-parallel-rank: dp_rank`.
+    pub dp_rank: Option<u32>,
     /// Served models; empty means unknown (a static worker before its first
     /// sync), which accepts any model.
     pub models: Vec<ModelName>,
@@ -154,6 +157,20 @@ pub fn checked_url(url: &str) -> Result<String, RegistryError> {
     Ok(url.trim_end_matches('/').to_owned())
 }
 
+/// Where a worker's requests go: a base URL and, for a data-parallel rank
+/// behind a URL that serves every rank, that rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Target<'a> {
+    pub url: &'a str,
+    pub dp_rank: Option<u32>,
+}
+
+impl<'a> From<&'a str> for Target<'a> {
+    fn from(url: &'a str) -> Self {
+        Target { url, dp_rank: None }
+    }
+}
+
 /// What a registration changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Upsert {
@@ -202,27 +219,27 @@ impl Registry {
     pub fn upsert(
         &self,
         id: &WorkerId,
-        url: Option<&str>,
+        target: Option<Target<'_>>,
         models: Option<&[ModelName]>,
         source: Source,
     ) -> Result<(Arc<Worker>, Upsert), RegistryError> {
         let mut next_generation = self.write.lock();
         let current = self.snapshot.load_full();
         let mut next: Vec<Arc<Worker>> = current.iter().cloned().collect();
-        let url = url.map(checked_url).transpose()?;
+        let target = target.map(|e| checked_url(e.url).map(|url| (url, e.dp_rank))).transpose()?;
         if let Some(pos) = next.iter().position(|w| &w.id == id) {
             let old = &next[pos];
-            // A static worker's URL is the operator's: a push never moves it.
-            let url = match url {
-                Some(u) if old.source == Source::Static && u != old.url => {
+            // A static worker's target (URL and rank) is the operator's: a push never moves it.
+            let (url, dp_rank) = match target {
+                Some((u, r)) if old.source == Source::Static && (u != old.url || r != old.dp_rank) => {
                     tracing::warn!(worker.id = %id, pushed = %u, kept = %old.url, "ignoring a pushed URL for a static worker");
-                    old.url.clone()
+                    (old.url.clone(), old.dp_rank)
                 }
-                Some(u) => u,
-                None => old.url.clone(),
+                Some(e) => e,
+                None => (old.url.clone(), old.dp_rank),
             };
             let models = models.map(<[ModelName]>::to_vec).unwrap_or_else(|| old.models.clone());
-            if url == old.url && models == old.models {
+            if url == old.url && dp_rank == old.dp_rank && models == old.models {
                 return Ok((old.clone(), Upsert::Unchanged));
             }
             let updated = Arc::new(Worker {
@@ -230,6 +247,7 @@ impl Registry {
                 slot: old.slot,
                 generation: old.generation,
                 url,
+                dp_rank,
                 models,
                 source: old.source,
                 id_hash: old.id_hash,
@@ -239,7 +257,7 @@ impl Registry {
             self.snapshot.store(Arc::new(next));
             return Ok((updated, Upsert::Updated));
         }
-        let url = url.ok_or_else(|| RegistryError::NoUrl(id.clone()))?;
+        let (url, dp_rank) = target.ok_or_else(|| RegistryError::NoUrl(id.clone()))?;
         let slot = (0..MAX_WORKERS as u16)
             .map(Slot)
             .find(|s| !next.iter().any(|w| w.slot == *s))
@@ -251,6 +269,7 @@ impl Registry {
             slot,
             generation,
             url,
+            dp_rank,
             models: models.map(<[ModelName]>::to_vec).unwrap_or_default(),
             source,
             id_hash: id_hash(id),
@@ -286,10 +305,10 @@ mod tests {
     fn upsert_keeps_slot_and_live_figures() {
         let r = Registry::default();
         let id = WorkerId::new("w1");
-        let (w, how) = r.upsert(&id, Some("http://a/"), None, Source::Sidecar).unwrap();
+        let (w, how) = r.upsert(&id, Some("http://a/".into()), None, Source::Sidecar).unwrap();
         assert_eq!((how, w.url.as_str()), (Upsert::Added, "http://a"));
         w.live.inflight.store(3, Ordering::Relaxed);
-        let (w2, how) = r.upsert(&id, Some("http://b"), Some(&[ModelName::new("m")]), Source::Sidecar).unwrap();
+        let (w2, how) = r.upsert(&id, Some("http://b".into()), Some(&[ModelName::new("m")]), Source::Sidecar).unwrap();
         assert_eq!(how, Upsert::Updated);
         assert_eq!(w2.slot, w.slot);
         assert_eq!(w2.live.inflight.load(Ordering::Relaxed), 3);
@@ -300,9 +319,9 @@ mod tests {
     #[test]
     fn slots_are_reused_and_urls_required() {
         let r = Registry::default();
-        let (a, _) = r.upsert(&WorkerId::new("a"), Some("http://a"), None, Source::Static).unwrap();
+        let (a, _) = r.upsert(&WorkerId::new("a"), Some("http://a".into()), None, Source::Static).unwrap();
         assert!(r.remove(&a));
-        let (b, _) = r.upsert(&WorkerId::new("b"), Some("http://b"), None, Source::Static).unwrap();
+        let (b, _) = r.upsert(&WorkerId::new("b"), Some("http://b".into()), None, Source::Static).unwrap();
         assert_eq!(a.slot, b.slot);
         assert_ne!(a.generation, b.generation);
         assert_eq!(
@@ -315,14 +334,14 @@ mod tests {
     fn removal_takes_only_the_registration_it_names() {
         let r = Registry::default();
         let id = WorkerId::new("a");
-        let (old, _) = r.upsert(&id, Some("http://a"), None, Source::Sidecar).unwrap();
+        let (old, _) = r.upsert(&id, Some("http://a".into()), None, Source::Sidecar).unwrap();
         assert!(r.remove(&old));
-        let (new, _) = r.upsert(&id, Some("http://a"), None, Source::Sidecar).unwrap();
+        let (new, _) = r.upsert(&id, Some("http://a".into()), None, Source::Sidecar).unwrap();
         assert!(!r.is_current(&old) && r.is_current(&new));
         assert!(!r.remove(&old), "a stale copy of the old registration removes nothing");
         assert!(r.get(&id).is_some());
         // An update keeps the registration: a copy from before it is current.
-        let (moved, how) = r.upsert(&id, Some("http://b"), None, Source::Sidecar).unwrap();
+        let (moved, how) = r.upsert(&id, Some("http://b".into()), None, Source::Sidecar).unwrap();
         assert_eq!((how, moved.generation), (Upsert::Updated, new.generation));
         assert!(r.is_current(&new));
     }

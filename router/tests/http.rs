@@ -837,3 +837,61 @@ async fn an_admin_token_guards_debug_and_admin_endpoints() {
     let open = router(&[("w1", &w.url)], |_| {}).await;
     assert_eq!(open.http.get(format!("{}/admin/workers", open.url)).send().await.unwrap().status(), 200);
 }
+
+/// An engine serving several data-parallel ranks on one URL (vLLM's internal
+/// load balancing): it answers with the rank the request named in
+/// `X-data-parallel-rank`, or "balanced" when none.
+async fn ranked_engine() -> String {
+    let complete = |headers: axum::http::HeaderMap| async move {
+        let rank = headers.get("x-data-parallel-rank").and_then(|v| v.to_str().ok()).unwrap_or("balanced").to_owned();
+        axum::Json(json!({"rank": rank, "choices": [{"text": "hi"}]}))
+    };
+    let app = Router::new().route("/v1/completions", post(complete)).route("/health", get(|| async { "ok" }));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    url
+}
+
+#[tokio::test]
+async fn data_parallel_ranks_are_targets_pinned_by_header() {
+    let engine = ranked_engine().await;
+    // A static rank from the command line's `ID=URL#dp-rank=R`.
+    let r = router(&[("static-dp2", &format!("{engine}#dp-rank=2"))], |_| {}).await;
+    let text = prompt(200);
+    let keys = keys_of("m", &text);
+    // Two ranks registered by their sidecar with the same URL; rank 1 holds the prompt.
+    for (rank, hashes) in [(0, vec![]), (1, keys.clone())] {
+        let body = json!({"worker_id": format!("e-dp{rank}"), "url": engine, "dp_rank": rank, "models": ["m"],
+                          "block_size": 16, "hashes": hashes, "seq": 1, "epoch": "e1"});
+        assert_eq!(r.internal("/internal/sync", body).await.status(), 200);
+    }
+    let workers: Value = r.http.get(format!("{}/admin/workers", r.url)).send().await.unwrap().json().await.unwrap();
+    let ranks: Vec<_> =
+        workers["workers"].as_array().unwrap().iter().map(|w| (w["id"].clone(), w["dp_rank"].clone())).collect();
+    assert_eq!(ranks, [(json!("e-dp0"), json!(0)), (json!("e-dp1"), json!(1)), (json!("static-dp2"), json!(2))]);
+
+    // A client naming a rank itself is not obeyed: the router pinned the holder.
+    let resp = r
+        .http
+        .post(format!("{}/v1/completions", r.url))
+        .header("x-data-parallel-rank", "0")
+        .json(&json!({"model": "m", "prompt": text}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.headers()["x-kvroute-worker"], "e-dp1");
+    assert_eq!(resp.json::<Value>().await.unwrap()["rank"], "1");
+
+    // Whichever rank a new prompt lands on, the engine is told that rank.
+    for i in 0..6 {
+        let resp = r.complete(json!({"model": "m", "prompt": format!("{i} {}", prompt(100))})).await;
+        let worker = resp.headers()["x-kvroute-worker"].to_str().unwrap().to_owned();
+        let rank = resp.json::<Value>().await.unwrap()["rank"].as_str().unwrap().to_owned();
+        assert_eq!(worker.chars().last().unwrap().to_string(), rank, "{worker} was sent as rank {rank}");
+    }
+    // A sync naming a rank out of bounds is refused, naming the field.
+    let body = json!({"worker_id": "e-dpx", "url": engine, "dp_rank": 5000, "hashes": []});
+    let (status, err) = error_of(r.internal("/internal/sync", body).await).await;
+    assert_eq!((status, err["error"]["param"].as_str()), (400, Some("dp_rank")), "{err}");
+}

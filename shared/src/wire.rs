@@ -37,6 +37,12 @@ pub const SYNC_PATH: &str = "/internal/sync";
 
 /// Longest worker id accepted; ids become metric labels and log fields.
 pub const MAX_WORKER_ID_LEN: usize = 128;
+/// Data-parallel ranks per engine a sidecar follows, and the bound on a
+/// pushed `dp_rank`.
+pub const MAX_DP_RANKS: u32 = 1024;
+/// The request header vLLM's API server (internal load balancing) reads to
+/// pin a request to one data-parallel rank.
+pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 
 /// Engine load as vLLM's metrics report it, carried on every push.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -111,6 +117,14 @@ pub struct SyncSnapshot {
     /// Where routers send this worker's requests.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
+    /// This worker is data-parallel rank `dp_rank` behind `url`, which
+    /// serves every rank (vLLM's internal load balancing): routers name the
+    /// rank in `X-data-parallel-rank` on each request. `None`: `url` is the
+    /// target itself (one engine, or a rank with its own API server under
+    /// external load balancing). Sent only when set, so a sidecar without
+    /// ranks speaks to routers that predate the field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dp_rank: Option<u32>,
     #[serde(default)]
     pub models: Vec<ModelName>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -270,6 +284,9 @@ impl Validate for SyncSnapshot {
             && !(url.starts_with("http://") || url.starts_with("https://"))
         {
             return Err(DecodeError::new("url", "must be an http:// or https:// URL"));
+        }
+        if self.dp_rank.is_some_and(|r| r >= MAX_DP_RANKS) {
+            return Err(DecodeError::new("dp_rank", format!("must be below {MAX_DP_RANKS}")));
         }
         for (i, m) in self.models.iter().enumerate() {
             if m.as_str().is_empty() {
