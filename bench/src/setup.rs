@@ -66,5 +66,6 @@ pub fn spec(shape: &Shape, bin_dir: &Path) -> ClusterSpec {
         router_args: shape.router_args.clone(),
         sidecar_args: Vec::new(),
         bin_dir: bin_dir.into(),
+        data_parallel_size: 1,
     }
 }

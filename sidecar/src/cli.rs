@@ -37,7 +37,8 @@ pub struct Cli {
     /// Base model name [default: the first model of the engine's /v1/models].
     #[arg(long)]
     pub model: Option<String>,
-    /// vLLM's KV-event PUB endpoint, tcp://HOST:PORT.
+    /// vLLM's KV-event PUB endpoint, tcp://HOST:PORT (rank r at port + r), or
+    /// one per data-parallel rank, comma-separated.
     #[arg(long)]
     pub events: Option<String>,
     /// vLLM's replay (ROUTER) endpoint, tcp://HOST:PORT.
@@ -47,9 +48,18 @@ pub struct Cli {
     /// matches vLLM's default topic "" and any topic an operator sets].
     #[arg(long)]
     pub topic: Option<String>,
-    /// Data-parallel ranks: subscribe to base port + rank for each [default: 1].
+    /// The engine's data-parallel ranks, vLLM's --data-parallel-size [default: 1].
+    /// Without --data-parallel-rank (vLLM's internal load balancing: one API
+    /// server for all ranks), every rank r is its own routing target,
+    /// WORKER_ID-dpR, reached at the advertised URL with X-data-parallel-rank.
+    /// Rank r's events, replay and snapshot endpoints are base port + r.
     #[arg(long)]
     pub data_parallel_size: Option<u32>,
+    /// Follow only this rank, reported as WORKER_ID at its own URL: vLLM's
+    /// external load balancing, where each rank has its own API server (run a
+    /// sidecar per rank).
+    #[arg(long)]
+    pub data_parallel_rank: Option<u32>,
     /// Router base URL (repeatable; a DNS name means all its addresses).
     #[arg(long)]
     pub router: Vec<String>,
@@ -95,6 +105,7 @@ impl Cli {
             replay: self.replay,
             topic: self.topic,
             data_parallel_size: self.data_parallel_size,
+            data_parallel_rank: self.data_parallel_rank,
             router: self.router,
             internal_token: self.internal_token,
             fast_interval: self.fast_interval,

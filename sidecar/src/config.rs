@@ -8,6 +8,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use kvroute_shared::wire::{MAX_DP_RANKS, MAX_WORKER_ID_LEN};
 use kvroute_shared::{BlockSize, ModelName, WorkerId};
 use serde::Deserialize;
 
@@ -25,6 +26,7 @@ pub struct RawConfig {
     pub replay: Option<String>,
     pub topic: Option<String>,
     pub data_parallel_size: Option<u32>,
+    pub data_parallel_rank: Option<u32>,
     /// A list in a file; a comma-separated string from the environment.
     #[serde(default, deserialize_with = "list_or_commas")]
     pub router: Vec<String>,
@@ -56,6 +58,7 @@ impl RawConfig {
             replay: self.replay.or(lower.replay),
             topic: self.topic.or(lower.topic),
             data_parallel_size: self.data_parallel_size.or(lower.data_parallel_size),
+            data_parallel_rank: self.data_parallel_rank.or(lower.data_parallel_rank),
             router: if self.router.is_empty() { lower.router } else { self.router },
             internal_token: self.internal_token.or(lower.internal_token),
             fast_interval: self.fast_interval.or(lower.fast_interval),
@@ -74,7 +77,7 @@ impl RawConfig {
     pub fn validate(self, default_worker_id: &str) -> Result<Config, ConfigError> {
         let worker_id = self.worker_id.unwrap_or_else(|| default_worker_id.to_owned());
         if worker_id.is_empty()
-            || worker_id.len() > kvroute_shared::wire::MAX_WORKER_ID_LEN
+            || worker_id.len() > MAX_WORKER_ID_LEN
             || !worker_id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
         {
             return Err(ConfigError::new("worker_id", "1 to 128 ASCII letters, digits or - _ . :"));
@@ -89,8 +92,22 @@ impl RawConfig {
         let replay = self.replay.map(|r| ZmqEndpoint::parse("replay", &r)).transpose()?;
         let engine_snapshot = self.engine_snapshot.map(|r| ZmqEndpoint::parse("engine_snapshot", &r)).transpose()?;
         let data_parallel_size = self.data_parallel_size.unwrap_or(1);
-        if !(1..=1024).contains(&data_parallel_size) {
-            return Err(ConfigError::new("data_parallel_size", "must be 1 to 1024"));
+        if !(1..=MAX_DP_RANKS).contains(&data_parallel_size) {
+            return Err(ConfigError::new("data_parallel_size", format!("must be 1 to {MAX_DP_RANKS}")));
+        }
+        let targets = rank_targets(&worker_id, data_parallel_size, self.data_parallel_rank)?;
+        for (field, ep) in
+            [("events", Some(&events)), ("replay", replay.as_ref()), ("engine_snapshot", engine_snapshot.as_ref())]
+        {
+            if let Some(ep) = ep
+                && ep.listed() > 1
+                && ep.listed() != data_parallel_size as usize
+            {
+                return Err(ConfigError::new(
+                    field,
+                    format!("lists {} endpoints, but data_parallel_size is {data_parallel_size}", ep.listed()),
+                ));
+            }
         }
         let routers = self.router.into_iter().map(|r| http_url("router", r)).collect::<Result<Vec<_>, _>>()?;
         let fast_interval = self.fast_interval.unwrap_or(Duration::from_millis(100));
@@ -121,7 +138,7 @@ impl RawConfig {
             // ZMQ subscriptions are prefixes: "" receives vLLM's default topic
             // (also "") and any other, so defaults on both sides just work.
             topic: self.topic.unwrap_or_default(),
-            data_parallel_size,
+            targets,
             routers,
             internal_token: self.internal_token.map(Secret),
             fast_interval,
@@ -157,34 +174,108 @@ fn http_url(field: &'static str, s: String) -> Result<String, ConfigError> {
     Ok(s.trim_end_matches('/').to_owned())
 }
 
-/// A `tcp://HOST:PORT` ZMQ endpoint; per data-parallel rank vLLM uses port + rank.
+/// A `tcp://HOST:PORT` ZMQ endpoint, where data-parallel rank *r* is at
+/// port + *r* as vLLM binds them; or a comma-separated list, one endpoint per
+/// rank (ranks behind separate addresses, or ports that are not consecutive).
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct ZmqEndpoint {
-    host: String,
-    port: u16,
+    /// `(host, port)`: one base, or one per rank.
+    endpoints: Vec<(String, u16)>,
 }
 
 impl ZmqEndpoint {
     pub fn parse(field: &'static str, s: &str) -> Result<Self, ConfigError> {
-        let bad = || ConfigError::new(field, format!("{s:?} is not tcp://HOST:PORT"));
-        let rest = s.strip_prefix("tcp://").ok_or_else(bad)?;
-        let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
-        let port = port.parse().map_err(|_| bad())?;
-        if host.is_empty() {
-            return Err(bad());
+        let bad =
+            || ConfigError::new(field, format!("{s:?} is not tcp://HOST:PORT (or a comma-separated list of them)"));
+        let mut endpoints = Vec::new();
+        for one in s.split(',') {
+            let rest = one.trim().strip_prefix("tcp://").ok_or_else(bad)?;
+            let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
+            let port = port.parse().map_err(|_| bad())?;
+            if host.is_empty() {
+                return Err(bad());
+            }
+            endpoints.push((host.to_owned(), port));
         }
-        Ok(ZmqEndpoint { host: host.to_owned(), port })
+        Ok(ZmqEndpoint { endpoints })
+    }
+
+    /// How many endpoints were listed (1: a base that ranks offset).
+    pub fn listed(&self) -> usize {
+        self.endpoints.len()
     }
 
     /// The endpoint of data-parallel rank `rank`.
     pub fn for_rank(&self, rank: u32) -> String {
-        format!("tcp://{}:{}", self.host, u32::from(self.port) + rank)
+        match self.endpoints.as_slice() {
+            [(host, port)] => format!("tcp://{host}:{}", u32::from(*port) + rank),
+            many => {
+                let (host, port) = &many[rank as usize];
+                format!("tcp://{host}:{port}")
+            }
+        }
     }
 }
 
 impl fmt::Display for ZmqEndpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "tcp://{}:{}", self.host, self.port)
+        for (i, (host, port)) in self.endpoints.iter().enumerate() {
+            let sep = if i == 0 { "" } else { "," };
+            write!(f, "{sep}tcp://{host}:{port}")?;
+        }
+        Ok(())
+    }
+}
+
+/// One routing target this sidecar reports: a data-parallel rank of the
+/// engine (rank 0 of an engine without data parallelism).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankTarget {
+    /// Which rank's events, replay and snapshot ports (vLLM: base + rank).
+    pub rank: u32,
+    /// The id routers know it by.
+    pub worker_id: WorkerId,
+    /// Sent to routers as the sync's `dp_rank`: the rank behind the
+    /// advertised URL, pinned with `X-data-parallel-rank`. `None` when the
+    /// URL is this target alone.
+    pub dp_rank: Option<u32>,
+}
+
+/// The targets a sidecar reports (DESIGN.md §6):
+/// - no data parallelism: the engine, as `worker_id`;
+/// - `data_parallel_rank` R (vLLM's external load balancing, where each rank
+///   has its own API server, so one sidecar per rank): rank R, as
+///   `worker_id`, reached at its own URL;
+/// - `data_parallel_size` N without a rank (internal load balancing: one API
+///   server for every rank): every rank r as `{worker_id}-dp{r}`, reached at
+///   the one URL with `X-data-parallel-rank: r`.
+fn rank_targets(worker_id: &str, size: u32, rank: Option<u32>) -> Result<Vec<RankTarget>, ConfigError> {
+    let plain = |rank| RankTarget { rank, worker_id: WorkerId::new(worker_id), dp_rank: None };
+    match rank {
+        Some(r) if r >= MAX_DP_RANKS => {
+            Err(ConfigError::new("data_parallel_rank", format!("must be below {MAX_DP_RANKS}")))
+        }
+        Some(r) if size > 1 && r >= size => {
+            Err(ConfigError::new("data_parallel_rank", format!("{r} is not a rank of data_parallel_size {size}")))
+        }
+        Some(r) => Ok(vec![plain(r)]),
+        None if size == 1 => Ok(vec![plain(0)]),
+        None => {
+            let longest = format!("{worker_id}-dp{}", size - 1);
+            if longest.len() > MAX_WORKER_ID_LEN {
+                return Err(ConfigError::new(
+                    "worker_id",
+                    format!("with data_parallel_size {size} the rank ids ({longest}) exceed {MAX_WORKER_ID_LEN} bytes"),
+                ));
+            }
+            Ok((0..size)
+                .map(|r| RankTarget {
+                    rank: r,
+                    worker_id: WorkerId::new(format!("{worker_id}-dp{r}")),
+                    dp_rank: Some(r),
+                })
+                .collect())
+        }
     }
 }
 
@@ -214,7 +305,8 @@ pub struct Config {
     pub replay: Option<ZmqEndpoint>,
     /// ZMQ topic prefix to subscribe to; empty = all.
     pub topic: String,
-    pub data_parallel_size: u32,
+    /// What this sidecar reports to routers: one target per followed rank.
+    pub targets: Vec<RankTarget>,
     /// Router base URLs; a DNS name stands for every address it resolves to.
     pub routers: Vec<String>,
     pub internal_token: Option<Secret>,
@@ -274,6 +366,37 @@ mod tests {
         assert_eq!(raw.validate("h").unwrap_err().field, "router");
         let raw = RawConfig { events: Some("tcp://h:1".into()), block_size: Some(0), ..RawConfig::default() };
         assert_eq!(raw.validate("h").unwrap_err().field, "block_size");
+    }
+
+    #[test]
+    fn data_parallel_ranks_become_targets() {
+        let cfg = |size, rank, events: &str| {
+            RawConfig {
+                worker_id: Some("eng".into()),
+                events: Some(events.into()),
+                data_parallel_size: size,
+                data_parallel_rank: rank,
+                ..RawConfig::default()
+            }
+            .validate("h")
+        };
+        let ids =
+            |c: Config| c.targets.into_iter().map(|t| (t.worker_id.to_string(), t.rank, t.dp_rank)).collect::<Vec<_>>();
+        assert_eq!(ids(cfg(None, None, "tcp://h:1").unwrap()), [("eng".into(), 0, None)]);
+        // Internal load balancing: every rank behind the one URL, pinned by header.
+        let internal = cfg(Some(2), None, "tcp://h:5557").unwrap();
+        assert_eq!(
+            (internal.events.for_rank(0), internal.events.for_rank(1)),
+            ("tcp://h:5557".into(), "tcp://h:5558".into())
+        );
+        assert_eq!(ids(internal), [("eng-dp0".into(), 0, Some(0)), ("eng-dp1".into(), 1, Some(1))]);
+        // External load balancing: this rank alone, at its own URL.
+        assert_eq!(ids(cfg(Some(4), Some(3), "tcp://h:1").unwrap()), [("eng".into(), 3, None)]);
+        assert_eq!(cfg(Some(2), Some(2), "tcp://h:1").unwrap_err().field, "data_parallel_rank");
+        // Ranks at ports that are not consecutive are listed one by one.
+        let listed = cfg(Some(2), None, "tcp://a:9, tcp://b:7").unwrap();
+        assert_eq!((listed.events.for_rank(0), listed.events.for_rank(1)), ("tcp://a:9".into(), "tcp://b:7".into()));
+        assert_eq!(cfg(Some(3), None, "tcp://a:9,tcp://b:7").unwrap_err().field, "events");
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! (`/metrics`), and a background task that keeps the latest load and model
 //! list for the pushers.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::config::Secret;
-use crate::load::{parse_block_size, parse_load, parse_prompt_tokens};
+use crate::load::{parse_block_size, parse_load, parse_load_of, parse_prompt_tokens};
 use crate::metrics::Metrics;
 use crate::silence::{SILENT_AFTER, SilenceWatch, Transition};
 
@@ -99,17 +100,38 @@ impl EngineClient {
 /// The latest engine facts the pushers attach to messages.
 #[derive(Debug)]
 pub struct EngineView {
-    load: RwLock<Option<Load>>,
+    /// The whole engine's load, then each followed data-parallel rank's.
+    load: RwLock<(Option<Load>, BTreeMap<u32, Load>)>,
     models: RwLock<Vec<ModelName>>,
+    /// The ranks whose own load is wanted (targets behind one URL).
+    ranks: Vec<u32>,
 }
 
 impl EngineView {
-    pub fn new(models: Vec<ModelName>) -> Self {
-        EngineView { load: RwLock::new(None), models: RwLock::new(models) }
+    /// `ranks`: the data-parallel ranks reported as targets of their own.
+    pub fn new(models: Vec<ModelName>, ranks: Vec<u32>) -> Self {
+        EngineView { load: RwLock::new((None, BTreeMap::new())), models: RwLock::new(models), ranks }
     }
 
+    /// The whole engine's load.
     pub fn load(&self) -> Option<Load> {
-        *self.load.read()
+        self.load.read().0
+    }
+
+    /// Rank `dp_rank`'s own load (its `engine="R"` series), else the whole
+    /// engine's (an engine that does not label its series by rank).
+    pub fn load_for(&self, dp_rank: Option<u32>) -> Option<Load> {
+        let loads = self.load.read();
+        dp_rank.and_then(|r| loads.1.get(&r).copied()).or(loads.0)
+    }
+
+    /// Takes the loads from a `/metrics` page; false (the last loads stay)
+    /// when it has none.
+    fn set_loads(&self, text: &str) -> bool {
+        let Some(whole) = parse_load(text) else { return false };
+        let ranks = self.ranks.iter().filter_map(|&r| Some((r, parse_load_of(text, Some(r))?))).collect();
+        *self.load.write() = (Some(whole), ranks);
+        true
     }
 
     pub fn models(&self) -> Vec<ModelName> {
@@ -137,11 +159,8 @@ pub async fn watch(
             _ = cancel.cancelled() => return,
             _ = load_tick.tick() => {
                 let text = client.metrics_text().await.ok();
-                match text.as_deref().and_then(parse_load) {
-                    Some(load) => *view.load.write() = Some(load),
-                    None => {
-                        metrics.load_scrape_failures.inc();
-                    }
+                if !text.as_deref().is_some_and(|t| view.set_loads(t)) {
+                    metrics.load_scrape_failures.inc();
                 }
                 let prompt_tokens = text.as_deref().and_then(parse_prompt_tokens);
                 match silence.observe(tokio::time::Instant::now(), prompt_tokens, metrics.event_batches.get()) {

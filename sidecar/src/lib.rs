@@ -80,12 +80,12 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), RunError> {
     let metrics = Arc::new(Metrics::new());
-    let worker_slot = Arc::new(OnceLock::new());
+    let targets_slot = Arc::new(OnceLock::new());
     let cancel = CancellationToken::new();
     let app = http::app(http::AppState {
         worker_id: config.worker_id.clone(),
         metrics: metrics.clone(),
-        worker: worker_slot.clone(),
+        targets: targets_slot.clone(),
     });
     let server_cancel = cancel.clone();
     let server = tokio::spawn(async move {
@@ -102,8 +102,8 @@ pub async fn run(
         }
         r = start(&config, engine, http, metrics, &cancel) => r,
     };
-    let _ = worker_slot.set(running.state.clone());
-    info!(worker.id = %config.worker_id, "sidecar running");
+    let _ = targets_slot.set(running.targets);
+    info!(worker.id = %config.worker_id, targets = config.targets.len(), "sidecar running");
     shutdown.await;
     info!("shutting down");
     cancel.cancel();
@@ -114,7 +114,7 @@ pub async fn run(
 }
 
 struct Running {
-    state: Arc<WorkerState>,
+    targets: Vec<http::Target>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -141,11 +141,16 @@ async fn start(
         }),
     };
     info!(model = %base_model, block_size = block_size.get(), "engine facts");
-    let translator = Translator::new(base_model, block_size, metrics.translate.clone());
-    let state = Arc::new(WorkerState::new(translator, metrics.clone(), config.max_pending_changes));
-    let view = Arc::new(EngineView::new(models));
+    let view = Arc::new(EngineView::new(models, config.targets.iter().filter_map(|t| t.dp_rank).collect()));
+    let client = Arc::new(HttpRouterClient::new(http, config.internal_token.clone()));
     let mut tasks = Vec::new();
-    for rank in 0..config.data_parallel_size {
+    let mut targets = Vec::new();
+    // Each target (a data-parallel rank, or the whole engine) is followed and
+    // pushed on its own: its own key set, epoch, seqs and digests.
+    for target in &config.targets {
+        let rank = target.rank;
+        let translator = Translator::new(base_model.clone(), block_size, metrics.translate.clone());
+        let state = Arc::new(WorkerState::new(translator, metrics.clone(), config.max_pending_changes));
         let source = RankSource {
             rank: Rank(rank),
             events: config.events.for_rank(rank),
@@ -154,32 +159,32 @@ async fn start(
         };
         let span = info_span!("subscribe", rank);
         tasks.push(tokio::spawn(subscribe::run(source, state.clone(), cancel.clone()).instrument(span)));
+        let pusher = Arc::new(Pusher {
+            client: client.clone(),
+            worker_id: target.worker_id.clone(),
+            advertise_url: config.advertise_url.clone(),
+            dp_rank: target.dp_rank,
+            block_size,
+            engine: view.clone(),
+            state: state.clone(),
+            fast_interval: config.fast_interval,
+            full_sync_interval: config.full_sync_interval,
+            v1_sync_interval: config.sync_interval,
+            seq: Default::default(),
+        });
+        let supervisor = Supervisor {
+            router_urls: config.routers.clone(),
+            snapshot_endpoints: config.engine_snapshot.iter().map(|ep| (Rank(rank), ep.for_rank(rank))).collect(),
+            sync_interval: config.sync_interval,
+            pusher,
+            state: state.clone(),
+        };
+        let span = info_span!("supervisor", worker.id = %target.worker_id);
+        tasks.push(tokio::spawn(supervisor.run(cancel.clone()).instrument(span)));
+        targets.push((target.worker_id.clone(), state));
     }
-    tasks.push(tokio::spawn(engine::watch(engine, view.clone(), metrics, config.sync_interval, cancel.clone())));
-    let pusher = Arc::new(Pusher {
-        client: Arc::new(HttpRouterClient::new(http, config.internal_token.clone())),
-        worker_id: config.worker_id.clone(),
-        advertise_url: config.advertise_url.clone(),
-        block_size,
-        engine: view,
-        state: state.clone(),
-        fast_interval: config.fast_interval,
-        full_sync_interval: config.full_sync_interval,
-        v1_sync_interval: config.sync_interval,
-        seq: Default::default(),
-    });
-    let supervisor = Supervisor {
-        router_urls: config.routers.clone(),
-        snapshot_endpoints: match &config.engine_snapshot {
-            Some(ep) => (0..config.data_parallel_size).map(|r| (Rank(r), ep.for_rank(r))).collect(),
-            None => Vec::new(),
-        },
-        sync_interval: config.sync_interval,
-        pusher,
-        state: state.clone(),
-    };
-    tasks.push(tokio::spawn(supervisor.run(cancel.clone()).instrument(info_span!("supervisor"))));
-    Running { state, tasks }
+    tasks.push(tokio::spawn(engine::watch(engine, view, metrics, config.sync_interval, cancel.clone())));
+    Running { targets, tasks }
 }
 
 /// Waits for the engine to list its models (it may still be loading weights).

@@ -43,12 +43,30 @@ fn samples<'a>(text: &'a str, name: &'a str) -> impl Iterator<Item = (&'a str, f
 /// Parses the load from a `/metrics` body; `None` when none of the three
 /// families is present (not a vLLM, or not up yet).
 pub fn parse_load(text: &str) -> Option<Load> {
-    let sum = |name| samples(text, name).map(|(_, v)| v).fold(None, |acc: Option<f64>, v| Some(acc.unwrap_or(0.0) + v));
+    parse_load_of(text, None)
+}
+
+/// The `engine="N"` label of a series (vLLM numbers its data-parallel
+/// engines so), if it has one.
+fn engine_label(labels: &str) -> Option<u32> {
+    let at = labels.split(',').find_map(|l| l.trim_start().strip_prefix("engine=\""))?;
+    at.split('"').next()?.parse().ok()
+}
+
+/// The load of data-parallel engine `engine` alone (`None`: every engine's).
+pub fn parse_load_of(text: &str, engine: Option<u32>) -> Option<Load> {
+    let ours = move |labels: &str| engine.is_none_or(|e| engine_label(labels) == Some(e));
+    let sum = |name| {
+        samples(text, name)
+            .filter(|(l, _)| ours(l))
+            .map(|(_, v)| v)
+            .fold(None, |acc: Option<f64>, v| Some(acc.unwrap_or(0.0) + v))
+    };
     let running = sum(RUNNING);
     let waiting = sum(WAITING);
     // A fraction per engine: the mean (not the sum) stays within 0..=1, which
     // is what it means and what routers accept.
-    let usages: Vec<f64> = samples(text, KV_USAGE).map(|(_, v)| v).collect();
+    let usages: Vec<f64> = samples(text, KV_USAGE).filter(|(l, _)| ours(l)).map(|(_, v)| v).collect();
     if running.is_none() && waiting.is_none() && usages.is_empty() {
         return None;
     }
@@ -96,6 +114,15 @@ vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching=
         assert_eq!((load.running, load.waiting), (5, 1));
         assert!((load.kv_usage - 0.375).abs() < 1e-9);
         assert_eq!(parse_block_size(TEXT), Some(32));
+    }
+
+    #[test]
+    fn one_data_parallel_engines_load() {
+        let one = parse_load_of(TEXT, Some(1)).unwrap();
+        assert_eq!((one.running, one.waiting, one.kv_usage), (2, 0, 0.25));
+        let zero = parse_load_of(TEXT, Some(0)).unwrap();
+        assert_eq!((zero.running, zero.waiting, zero.kv_usage), (3, 1, 0.5));
+        assert_eq!(parse_load_of(TEXT, Some(7)), None);
     }
 
     #[test]

@@ -62,6 +62,9 @@ pub struct Pusher {
     pub client: Arc<dyn RouterClient>,
     pub worker_id: WorkerId,
     pub advertise_url: String,
+    /// The data-parallel rank this target is behind `advertise_url` (sent
+    /// as the sync's `dp_rank`; its load is that rank's), if it is one.
+    pub dp_rank: Option<u32>,
     pub block_size: BlockSize,
     pub engine: Arc<EngineView>,
     pub state: Arc<WorkerState>,
@@ -129,7 +132,7 @@ impl Link {
 
 impl Pusher {
     async fn round(&self, link: &mut Link) -> Result<Round, (MessageKind, PushError)> {
-        let load = self.engine.load();
+        let load = self.engine.load_for(self.dp_rank);
         let every = if link.v2() { self.full_sync_interval } else { self.v1_sync_interval };
         if link.last_sync.is_some_and(|t| t.elapsed() >= every) {
             self.state.require_sync(&link.target);
@@ -148,6 +151,7 @@ impl Pusher {
                 covers: if v2 { link.router_clock } else { None },
                 digest: v2.then_some(content.digest),
                 url: Some(self.advertise_url.clone()),
+                dp_rank: self.dp_rank,
                 models: self.engine.models(),
                 block_size: Some(self.block_size),
                 hashes: content.keys,

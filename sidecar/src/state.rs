@@ -17,6 +17,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use kvroute_shared::{BlockKey, KeyDigest};
@@ -139,6 +140,9 @@ pub struct WorkerState {
     /// push tasks watch it and send at once instead of at their next tick.
     resync: watch::Sender<u64>,
     clock: WallClock,
+    /// What this state last added to the shared block and key gauges (the
+    /// targets of a data-parallel engine share one sidecar's gauges).
+    shown: (AtomicI64, AtomicI64),
 }
 
 impl WorkerState {
@@ -154,6 +158,7 @@ impl WorkerState {
             max_pending,
             resync: watch::Sender::new(0),
             clock,
+            shown: (AtomicI64::new(0), AtomicI64::new(0)),
         }
     }
 
@@ -203,9 +208,11 @@ impl WorkerState {
         inner.routers.values_mut().for_each(Pending::require_sync);
     }
 
+    /// Called with `inner` locked, so the swaps of one state never race.
     fn update_gauges(&self, translator: &Translator) {
-        self.metrics.tracked_blocks.set(translator.block_count() as i64);
-        self.metrics.tracked_keys.set(translator.key_count() as i64);
+        let (blocks, keys) = (translator.block_count() as i64, translator.key_count() as i64);
+        self.metrics.tracked_blocks.inc_by(blocks - self.shown.0.swap(blocks, Ordering::Relaxed));
+        self.metrics.tracked_keys.inc_by(keys - self.shown.1.swap(keys, Ordering::Relaxed));
     }
 
     pub fn epoch(&self) -> Epoch {

@@ -35,6 +35,8 @@ pub enum ClusterError {
     DiedEarly { name: String, log: String },
     #[error("{name} did not become ready within {secs} s; its last lines:\n{log}")]
     NotReady { name: String, secs: u64, log: String },
+    #[error("not supported: {0}")]
+    Unsupported(&'static str),
 }
 
 /// What to start.
@@ -57,6 +59,9 @@ pub struct ClusterSpec {
     pub sidecar_args: Vec<String>,
     /// Where the three binaries are.
     pub bin_dir: PathBuf,
+    /// Data-parallel ranks per engine (vLLM's internal load balancing: one
+    /// API for every rank); each rank is a routing target, `wN-dpR`.
+    pub data_parallel_size: u32,
 }
 
 impl Default for ClusterSpec {
@@ -75,6 +80,7 @@ impl Default for ClusterSpec {
             router_args: Vec::new(),
             sidecar_args: Vec::new(),
             bin_dir: PathBuf::new(),
+            data_parallel_size: 1,
         }
     }
 }
@@ -202,8 +208,34 @@ impl Proc {
 pub struct Engine {
     pub proc: Proc,
     pub url: String,
+    /// Rank 0's event and replay endpoints.
     pub events: String,
     pub replay: String,
+    /// Every data-parallel rank's, rank 0 first (ports bound as 0 are not
+    /// base + rank, so the sidecar is given the list).
+    pub rank_events: Vec<String>,
+    pub rank_replays: Vec<String>,
+}
+
+impl Engine {
+    /// Reads the endpoints a starting `kvroute-sim` announces, rank by rank.
+    async fn announced(mut proc: Proc, ranks: u32) -> Result<Engine, ClusterError> {
+        let url = proc.announced("listening on ").await?;
+        let mut rank_events = vec![proc.announced("kv-events on ").await?];
+        let mut rank_replays = vec![proc.announced("kv-replay on ").await?];
+        for r in 1..ranks {
+            rank_events.push(proc.announced(&format!("kv-events rank {r} on ")).await?);
+            rank_replays.push(proc.announced(&format!("kv-replay rank {r} on ")).await?);
+        }
+        Ok(Engine {
+            proc,
+            url,
+            events: rank_events[0].clone(),
+            replay: rank_replays[0].clone(),
+            rank_events,
+            rank_replays,
+        })
+    }
 }
 
 #[derive(Debug)]
@@ -292,12 +324,12 @@ impl Cluster {
             if let Some(t) = &spec.tokenizer {
                 args.extend(["--tokenizer".into(), t.display().to_string()]);
             }
+            if spec.data_parallel_size > 1 {
+                args.extend(["--data-parallel-size".into(), spec.data_parallel_size.to_string()]);
+            }
             args.extend(spec.sim_args.iter().cloned());
-            let mut proc = Proc::spawn(&format!("engine {}", worker_id(i)), &sim_bin, &args).await?;
-            let url = proc.announced("listening on ").await?;
-            let events = proc.announced("kv-events on ").await?;
-            let replay = proc.announced("kv-replay on ").await?;
-            engines.push(Engine { proc, url, events, replay });
+            let proc = Proc::spawn(&format!("engine {}", worker_id(i)), &sim_bin, &args).await?;
+            engines.push(Engine::announced(proc, spec.data_parallel_size).await?);
         }
 
         let mut routers = Vec::new();
@@ -318,7 +350,13 @@ impl Cluster {
             }
             if !spec.sidecars {
                 for (i, e) in engines.iter().enumerate() {
-                    args.extend(["--worker".into(), format!("{}={}", worker_id(i), e.url)]);
+                    if spec.data_parallel_size > 1 {
+                        for r in 0..spec.data_parallel_size {
+                            args.extend(["--worker".into(), format!("{}-dp{r}={}#dp-rank={r}", worker_id(i), e.url)]);
+                        }
+                    } else {
+                        args.extend(["--worker".into(), format!("{}={}", worker_id(i), e.url)]);
+                    }
                 }
             }
             args.extend(spec.router_args.iter().cloned());
@@ -336,9 +374,11 @@ impl Cluster {
                     "--engine-url".into(),
                     e.url.clone(),
                     "--events".into(),
-                    e.events.clone(),
+                    e.rank_events.join(","),
                     "--replay".into(),
-                    e.replay.clone(),
+                    e.rank_replays.join(","),
+                    "--data-parallel-size".into(),
+                    spec.data_parallel_size.to_string(),
                     "--model".into(),
                     spec.model.clone(),
                     "--block-size".into(),
@@ -372,7 +412,8 @@ impl Cluster {
     /// Waits until router `i` lists every worker as healthy (for sidecar
     /// clusters: every sidecar has registered by sync).
     pub async fn wait_router_ready(&self, i: usize) -> Result<(), ClusterError> {
-        wait_router_ready(&self.routers[i].proc, &self.routers[i].url, self.engines.len()).await
+        let targets = self.engines.len() * self.spec.data_parallel_size as usize;
+        wait_router_ready(&self.routers[i].proc, &self.routers[i].url, targets).await
     }
 
     /// Restarts router `i` (after a kill) on the same port; sidecars notice
@@ -394,6 +435,10 @@ impl Cluster {
     /// Restarts engine `i` (after a kill) on the same HTTP and ZMQ ports, as
     /// a restarted vLLM pod would come back: empty cache, event sequence from 0.
     pub async fn restart_engine(&mut self, i: usize) -> Result<(), ClusterError> {
+        if self.spec.data_parallel_size > 1 {
+            // Its ranks were bound to free ports, not base + rank.
+            return Err(ClusterError::Unsupported("restarting a data-parallel engine on the same ports"));
+        }
         let e = &self.engines[i];
         let port = e.url.rsplit(':').next().unwrap_or("0").to_owned();
         let mut args = e.proc.args.clone();
@@ -407,11 +452,8 @@ impl Cluster {
             }
         }
         let bin = e.proc.bin.clone();
-        let mut proc = Proc::spawn(&e.proc.name, &bin, &args).await?;
-        let url = proc.announced("listening on ").await?;
-        let events = proc.announced("kv-events on ").await?;
-        let replay = proc.announced("kv-replay on ").await?;
-        self.engines[i] = Engine { proc, url, events, replay };
+        let proc = Proc::spawn(&e.proc.name, &bin, &args).await?;
+        self.engines[i] = Engine::announced(proc, 1).await?;
         Ok(())
     }
 
@@ -507,6 +549,10 @@ pub struct ClusterArgs {
     /// Start no sidecars: routers index approximately.
     #[arg(long)]
     pub no_sidecars: bool,
+    /// Data-parallel ranks per engine, each a routing target of its own
+    /// (wN-dpR, pinned with X-data-parallel-rank).
+    #[arg(long, default_value_t = 1)]
+    pub data_parallel_size: u32,
 }
 
 /// Runs the cluster until Ctrl-C / SIGTERM or until a child dies.
@@ -524,6 +570,7 @@ pub async fn run_cluster(args: ClusterArgs) -> Result<(), ClusterError> {
         tokenizer: args.tokenizer.clone(),
         sim_args: vec!["--time-scale".into(), args.time_scale.to_string()],
         bin_dir,
+        data_parallel_size: args.data_parallel_size,
         ..ClusterSpec::default()
     };
     let mut cluster = Cluster::start(spec).await?;
@@ -545,8 +592,8 @@ pub async fn run_cluster(args: ClusterArgs) -> Result<(), ClusterError> {
             worker_id(i),
             e.url,
             e.url,
-            e.events,
-            e.replay
+            e.rank_events.join(","),
+            e.rank_replays.join(",")
         );
     }
     for (i, s) in cluster.sidecars.iter().enumerate() {

@@ -79,6 +79,18 @@ pub struct Args {
     /// No delays at all (overhead benchmarks).
     #[arg(long)]
     pub instant: bool,
+    /// Data-parallel ranks, as vLLM's flag: each rank is an engine with its
+    /// own KV cache and scheduler, publishing its events on the event and
+    /// replay ports + rank (a port of 0 binds each rank anywhere). Without
+    /// --data-parallel-rank this process serves every rank behind one API
+    /// (vLLM's internal load balancing: X-data-parallel-rank picks the rank,
+    /// else the least loaded one serves).
+    #[arg(long, default_value_t = 1)]
+    pub data_parallel_size: u32,
+    /// Serve only this rank (vLLM's external load balancing: one API server
+    /// per rank).
+    #[arg(long)]
+    pub data_parallel_rank: Option<u32>,
     /// ZMQ PUB endpoint for KV events (e.g. tcp://127.0.0.1:5557; port 0 allowed); off if absent.
     #[arg(long)]
     pub kv_events_endpoint: Option<String>,
@@ -167,6 +179,8 @@ pub struct Config {
     pub hash_mode: HashMode,
     pub events: Option<EventsConfig>,
     pub faults: Faults,
+    /// The data-parallel ranks this process serves, each an engine of its own.
+    pub dp_ranks: Vec<u32>,
 }
 
 impl Config {
@@ -191,6 +205,7 @@ impl Config {
             hash_mode: HashMode::Int,
             events: None,
             faults: Faults::default(),
+            dp_ranks: vec![0],
         }
     }
 
@@ -271,6 +286,16 @@ impl Args {
         if model.as_str().is_empty() {
             return Err(invalid("model", "must not be empty"));
         }
+        if !(1..=64).contains(&self.data_parallel_size) {
+            return Err(invalid("data-parallel-size", "must be 1 to 64"));
+        }
+        let dp_ranks = match self.data_parallel_rank {
+            Some(r) if r >= self.data_parallel_size => {
+                return Err(invalid("data-parallel-rank", "must be below --data-parallel-size"));
+            }
+            Some(r) => vec![r],
+            None => (0..self.data_parallel_size).collect(),
+        };
         Ok(Config {
             model,
             loras: self.loras.into_iter().map(ModelName::new).collect(),
@@ -290,6 +315,7 @@ impl Args {
             hash_mode,
             events,
             faults,
+            dp_ranks,
         })
     }
 }

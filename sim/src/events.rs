@@ -91,6 +91,16 @@ pub enum EventFormat {
 
 /// zeromq-rs cannot bind the `tcp://*:PORT` form vLLM configs use; it means
 /// every interface.
+/// `endpoint` for data-parallel rank `rank`: port + rank, as vLLM's
+/// `offset_endpoint_port`; port 0 stays 0 (each rank binds a free port).
+pub fn rank_endpoint(endpoint: &str, rank: u32) -> String {
+    let Some((base, port)) = endpoint.rsplit_once(':') else { return endpoint.to_owned() };
+    match port.parse::<u32>() {
+        Ok(p) if p != 0 && rank != 0 => format!("{base}:{}", p + rank),
+        _ => endpoint.to_owned(),
+    }
+}
+
 pub fn bindable_endpoint(endpoint: &str) -> String {
     match endpoint.strip_prefix("tcp://*:") {
         Some(port) => format!("tcp://0.0.0.0:{port}"),

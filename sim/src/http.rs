@@ -45,14 +45,37 @@ pub struct SimInfo {
     pub kv_events_format: Option<crate::events::EventFormat>,
     /// 0 = u64 hashes, 32 = raw digests.
     pub kv_events_hash_bytes: u8,
+    /// Every data-parallel rank served, with its endpoints as bound (the
+    /// first is `kv_events` / `kv_replay`).
+    pub dp_ranks: Vec<RankInfo>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct RankInfo {
+    pub rank: u32,
+    pub kv_events: Option<String>,
+    pub kv_replay: Option<String>,
+}
+
+/// One data-parallel rank: an engine with its own cache, scheduler, metrics
+/// and event ports.
+#[derive(Debug)]
+pub struct RankEngine {
+    pub rank: u32,
+    pub engine: Engine,
+    pub metrics: Arc<EngineMetrics>,
+    pub kv_events: Option<String>,
+    pub kv_replay: Option<String>,
 }
 
 #[derive(Debug)]
 pub struct Shared {
     pub config: Config,
-    pub engine: Engine,
+    /// One per data-parallel rank served (one without data parallelism).
+    pub ranks: Vec<RankEngine>,
+    /// Breaks load ties between ranks in turn.
+    pub next_rank: std::sync::atomic::AtomicUsize,
     pub tokenizer: PromptTokenizer,
-    pub metrics: Arc<EngineMetrics>,
     pub faults: watch::Sender<Faults>,
     pub info: SimInfo,
     /// Response ids (`cmpl-…`): unique per process is all clients need.

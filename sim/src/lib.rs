@@ -71,30 +71,34 @@ impl Sim {
         };
         let listen = listener.local_addr().map(|a| format!("http://{a}")).map_err(SimError::Serve)?;
         let (faults_tx, faults_rx) = watch::channel(config.faults);
-        let metrics = Arc::new(EngineMetrics::default());
         let cancel = CancellationToken::new();
 
-        let mut kv_events = None;
-        let mut kv_replay = None;
-        let mut events_tx = None;
-        if let Some(ev) = &config.events {
-            let buffer = Arc::new(ReplayBuffer::new(ev.buffer));
-            let topic = Bytes::from(ev.topic.clone().into_bytes());
-            let mut socket = PubSocket::new();
-            let bound = bind(&mut socket, &ev.endpoint).await?;
-            kv_events = Some(bound);
-            if let Some(rep) = &ev.replay_endpoint {
-                let mut router = RouterSocket::new();
-                kv_replay = Some(bind(&mut router, rep).await?);
-                let task = events::replay::serve(router, buffer.clone(), topic.clone(), ev.format, cancel.clone());
-                tokio::spawn(task);
+        let mut ranks = Vec::with_capacity(config.dp_ranks.len());
+        for &rank in &config.dp_ranks {
+            let metrics = Arc::new(EngineMetrics::default());
+            let mut kv_events = None;
+            let mut kv_replay = None;
+            let mut events_tx = None;
+            if let Some(ev) = &config.events {
+                let buffer = Arc::new(ReplayBuffer::new(ev.buffer));
+                let topic = Bytes::from(ev.topic.clone().into_bytes());
+                let mut socket = PubSocket::new();
+                kv_events = Some(bind(&mut socket, &events::rank_endpoint(&ev.endpoint, rank)).await?);
+                if let Some(rep) = &ev.replay_endpoint {
+                    let mut router = RouterSocket::new();
+                    kv_replay = Some(bind(&mut router, &events::rank_endpoint(rep, rank)).await?);
+                    let task = events::replay::serve(router, buffer.clone(), topic.clone(), ev.format, cancel.clone());
+                    tokio::spawn(task);
+                }
+                let (tx, rx) = mpsc::unbounded_channel();
+                events_tx = Some(tx);
+                let parts = PublisherParts { topic, format: ev.format, buffer, faults: faults_rx.clone(), rank };
+                tokio::spawn(events::publisher::run(socket, parts, rx, cancel.clone()));
             }
-            let (tx, rx) = mpsc::unbounded_channel();
-            events_tx = Some(tx);
-            let parts = PublisherParts { topic, format: ev.format, buffer, faults: faults_rx.clone() };
-            tokio::spawn(events::publisher::run(socket, parts, rx, cancel.clone()));
+            let engine = Engine::start(&config, metrics.clone(), faults_rx.clone(), events_tx)
+                .map_err(SimError::EngineThread)?;
+            ranks.push(http::RankEngine { rank, engine, metrics, kv_events, kv_replay });
         }
-        let engine = Engine::start(&config, metrics.clone(), faults_rx, events_tx).map_err(SimError::EngineThread)?;
         let info = SimInfo {
             model: config.model.to_string(),
             loras: config.loras.iter().map(ToString::to_string).collect(),
@@ -102,8 +106,16 @@ impl Sim {
             block_size: config.block_size.get(),
             num_blocks: config.num_blocks,
             max_model_len: config.max_model_len,
-            kv_events,
-            kv_replay,
+            kv_events: ranks[0].kv_events.clone(),
+            kv_replay: ranks[0].kv_replay.clone(),
+            dp_ranks: ranks
+                .iter()
+                .map(|r| http::RankInfo {
+                    rank: r.rank,
+                    kv_events: r.kv_events.clone(),
+                    kv_replay: r.kv_replay.clone(),
+                })
+                .collect(),
             kv_events_topic: config.events.as_ref().map(|e| e.topic.clone()),
             kv_events_format: config.events.as_ref().map(|e| e.format),
             kv_events_hash_bytes: match config.hash_mode {
@@ -115,9 +127,9 @@ impl Sim {
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         let state = Arc::new(http::Shared {
             config,
-            engine,
+            ranks,
+            next_rank: std::sync::atomic::AtomicUsize::new(0),
             tokenizer,
-            metrics,
             faults: faults_tx,
             info,
             next_id: AtomicU64::new(0),
@@ -140,6 +152,16 @@ impl Sim {
         }
         if let Some(r) = &info.kv_replay {
             lines.push(format!("kv-replay on {r}"));
+        }
+        // Further data-parallel ranks (their ports are not base + rank when
+        // bound to port 0).
+        for r in info.dp_ranks.iter().skip(1) {
+            if let Some(e) = &r.kv_events {
+                lines.push(format!("kv-events rank {} on {e}", r.rank));
+            }
+            if let Some(e) = &r.kv_replay {
+                lines.push(format!("kv-replay rank {} on {e}", r.rank));
+            }
         }
         lines
     }

@@ -249,8 +249,19 @@ async fn metrics_use_vllm_names() {
     ] {
         assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
     }
-    assert!(text.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m\",le=\"+Inf\"} 2\n"));
-    assert!(text.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m\",le=\"0.001\"} "));
+    // Label order is free in the exposition format (here `le` comes first).
+    let bucket = |le: &str| {
+        text.lines()
+            .find(|l| {
+                l.starts_with("vllm:time_to_first_token_seconds_bucket{")
+                    && l.contains(&format!("le=\"{le}\""))
+                    && l.contains("engine=\"0\"")
+                    && l.contains("model_name=\"m\"")
+            })
+            .unwrap_or_else(|| panic!("no le={le} bucket in\n{text}"))
+    };
+    assert!(bucket("+Inf").ends_with("} 2"), "{}", bucket("+Inf"));
+    bucket("0.001");
     // Each family once (the collector is not registered twice).
     assert_eq!(text.matches("# TYPE vllm:prefix_cache_hits counter").count(), 1);
     assert!(!text.contains("# EOF"), "vLLM's 0.0.4 text format has no EOF marker");
@@ -344,4 +355,50 @@ async fn generated_blocks_are_cached_too() {
     let (_, v) = sim.get("/sim/cache").await;
     let v: Value = serde_json::from_str(&v).unwrap();
     assert_eq!(v["count"], 3);
+}
+
+/// `rank`'s sample of a counter family, from `/metrics`.
+fn rank_sample(text: &str, family: &str, rank: u32) -> f64 {
+    let prefix = format!("{family}{{engine=\"{rank}\",");
+    let line = text.lines().find(|l| l.starts_with(&prefix)).unwrap_or_else(|| panic!("no {prefix} in\n{text}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+#[tokio::test]
+async fn data_parallel_ranks_have_their_own_caches_and_obey_the_rank_header() {
+    let sim = start(Config { dp_ranks: vec![0, 1], ..Config::for_model("m") }).await;
+    let prompt: Vec<u32> = (0..64).collect();
+    let send = |rank: Option<&'static str>| {
+        let mut rb =
+            sim.client.post(format!("{}/v1/completions", sim.base)).json(&json!({"model": "m", "prompt": prompt}));
+        if let Some(r) = rank {
+            rb = rb.header("x-data-parallel-rank", r);
+        }
+        rb.send()
+    };
+    for _ in 0..2 {
+        assert_eq!(send(Some("1")).await.unwrap().status(), 200);
+    }
+    let (_, text) = sim.get("/metrics").await;
+    assert_eq!(rank_sample(&text, "vllm:request_success_total", 1), 2.0);
+    assert_eq!(rank_sample(&text, "vllm:request_success_total", 0), 0.0);
+    // The second request hit rank 1's cache; rank 0 never saw the prompt.
+    assert_eq!(rank_sample(&text, "vllm:prefix_cache_hits_total", 1), 48.0);
+    assert_eq!(rank_sample(&text, "vllm:prefix_cache_queries_total", 0), 0.0);
+    assert_eq!(text.matches("# TYPE vllm:request_success counter").count(), 1, "one family, a series per rank");
+    let (_, zero) = sim.get("/sim/cache?rank=0").await;
+    let (_, one) = sim.get("/sim/cache?rank=1").await;
+    let count = |t: &str| serde_json::from_str::<Value>(t).unwrap()["count"].as_u64().unwrap();
+    assert_eq!((count(&zero), count(&one)), (0, 4));
+    // A rank this server does not serve is refused; vLLM ignores one that is
+    // not an integer.
+    for (rank, status) in [("2", 400), ("-1", 400), ("x", 200)] {
+        assert_eq!(send(Some(rank)).await.unwrap().status(), status, "rank {rank}");
+    }
+    // Without the header the least loaded rank serves: idle ranks take turns.
+    for _ in 0..4 {
+        assert_eq!(send(None).await.unwrap().status(), 200);
+    }
+    let (_, text) = sim.get("/metrics").await;
+    assert!(rank_sample(&text, "vllm:request_success_total", 0) >= 1.0, "{text}");
 }

@@ -144,12 +144,19 @@ pub async fn confirmed(c: &Client, router: &str, worker: &str) -> Vec<Value> {
 /// Waits until every worker's entries on `router` are exactly its engine's
 /// cached blocks: all confirmed, none speculative left over.
 pub async fn converge(c: &Client, router: &str, engines: &[String], within: Duration, what: &str) {
+    let targets: Vec<(String, String)> =
+        engines.iter().enumerate().map(|(i, e)| (format!("w{}", i + 1), format!("{e}/sim/cache"))).collect();
+    converge_targets(c, router, &targets, within, what).await;
+}
+
+/// [`converge`] for explicit `(worker id, GET /sim/cache URL)` pairs (e.g.
+/// one per data-parallel rank: `/sim/cache?rank=R`).
+pub async fn converge_targets(c: &Client, router: &str, targets: &[(String, String)], within: Duration, what: &str) {
     let started = Instant::now();
     loop {
         let mut diffs = Vec::new();
-        for (i, e) in engines.iter().enumerate() {
-            let worker = format!("w{}", i + 1);
-            let want = truth(c, e).await;
+        for (worker, cache) in targets {
+            let want = c.get(cache).await["block_keys"].as_array().cloned().unwrap_or_default();
             let index = c.get(&format!("{router}/debug/index?worker={worker}")).await;
             let got = index["confirmed"].as_array().cloned().unwrap_or_default();
             let speculative = index["speculative"].as_array().map_or(0, Vec::len);

@@ -189,6 +189,7 @@ mod tests {
             covers: None,
             digest: None,
             url: None,
+            dp_rank: None,
             models: Vec::new(),
             block_size: None,
             hashes: Vec::new(),

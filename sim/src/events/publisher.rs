@@ -26,6 +26,8 @@ pub struct PublisherParts {
     pub format: EventFormat,
     pub buffer: Arc<ReplayBuffer>,
     pub faults: watch::Receiver<Faults>,
+    /// The data-parallel rank the batches name.
+    pub rank: u32,
 }
 
 /// Publishes batches from the engine until the engine stops or `cancel` fires.
@@ -45,7 +47,7 @@ pub async fn run(
             },
         };
         let ts = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
-        let batch = EventBatch { ts, events, data_parallel_rank: 0 };
+        let batch = EventBatch { ts, events, data_parallel_rank: parts.rank };
         let payload = match encode_batch(&batch, parts.format) {
             Ok(p) => Bytes::from(p),
             Err(e) => {

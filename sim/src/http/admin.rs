@@ -3,7 +3,7 @@
 //! `/sim/faults` (fault knobs at runtime).
 
 use axum::Json;
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -44,22 +44,39 @@ pub async fn models(State(s): State<AppState>) -> Json<serde_json::Value> {
 /// vLLM's answer: 200 with `{"success": false}` while running requests hold
 /// blocks (nothing is reset then), `{"success": true}` otherwise.
 pub async fn reset_prefix_cache(State(s): State<AppState>) -> Response {
-    match s.engine.reset_prefix_cache().await {
-        Ok(success) => Json(json!({"success": success})).into_response(),
-        Err(_) => ApiError::EngineGone.into_response(),
+    // Every rank, as vLLM resets every engine core; success only if all did.
+    let mut all = true;
+    for r in &s.ranks {
+        match r.engine.reset_prefix_cache().await {
+            Ok(success) => all &= success,
+            Err(_) => return ApiError::EngineGone.into_response(),
+        }
     }
+    Json(json!({"success": all})).into_response()
 }
 
 /// `GET /sim/cache`: the kvroute router keys of every cached block — what a
 /// router's map for this worker must equal once the sidecar caught up.
-pub async fn cache(State(s): State<AppState>) -> Response {
-    match s.engine.router_keys().await {
+/// `?rank=R`: that data-parallel rank's alone (default: the first served).
+pub async fn cache(State(s): State<AppState>, Query(q): Query<RankQuery>) -> Response {
+    let Some(rank) = (match q.rank {
+        Some(r) => s.ranks.iter().find(|e| e.rank == r),
+        None => s.ranks.first(),
+    }) else {
+        return ApiError::bad(format!("rank {:?} is not served here", q.rank)).into_response();
+    };
+    match rank.engine.router_keys().await {
         Ok(mut keys) => {
             keys.sort();
             Json(serde_json::json!({"count": keys.len(), "block_keys": keys})).into_response()
         }
         Err(_) => ApiError::EngineGone.into_response(),
     }
+}
+
+#[derive(Debug, serde::Deserialize)]
+pub struct RankQuery {
+    rank: Option<u32>,
 }
 
 pub async fn info(State(s): State<AppState>) -> Json<super::SimInfo> {

@@ -13,16 +13,17 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Json;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use kvroute_shared::openai::{CompletionRequest, Endpoint, Prompt, PromptRequest};
+use kvroute_shared::wire::DP_RANK_HEADER;
 use rand::Rng;
 use serde::Deserialize;
 use tokio::sync::{mpsc, oneshot};
 
 use super::bodies::{self, Head, Kind};
-use super::{ApiError, AppState, Shared, sse};
+use super::{ApiError, AppState, RankEngine, Shared, sse};
 use crate::engine::hashing::BlockExtras;
 use crate::engine::{Outcome, Sink, Submission};
 
@@ -131,15 +132,33 @@ fn check_length(s: &Shared, prompt_len: usize, max_tokens: u32) -> Result<(), Ap
     Ok(())
 }
 
-pub async fn completions(State(s): State<AppState>, body: Bytes) -> Response {
-    generate(&s, Endpoint::Completions, &body).await.unwrap_or_else(IntoResponse::into_response)
+pub async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    generate(&s, Endpoint::Completions, &headers, &body).await.unwrap_or_else(IntoResponse::into_response)
 }
 
-pub async fn chat(State(s): State<AppState>, body: Bytes) -> Response {
-    generate(&s, Endpoint::ChatCompletions, &body).await.unwrap_or_else(IntoResponse::into_response)
+pub async fn chat(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    generate(&s, Endpoint::ChatCompletions, &headers, &body).await.unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn generate(s: &Shared, endpoint: Endpoint, body: &[u8]) -> Result<Response, ApiError> {
+/// The rank a request runs on, as vLLM's API server picks it: the one
+/// `X-data-parallel-rank` names (out of range: 400, as vLLM's "is out of
+/// range"; not an integer: ignored, as vLLM does), else the least loaded by
+/// vLLM's score, 4 × waiting + running, ties taken in turn.
+fn pick_rank<'a>(s: &'a Shared, headers: &HeaderMap) -> Result<&'a RankEngine, ApiError> {
+    let named = headers.get(DP_RANK_HEADER).and_then(|v| v.to_str().ok()).and_then(|t| t.trim().parse::<i64>().ok());
+    if let Some(r) = named {
+        return s.ranks.iter().find(|e| i64::from(e.rank) == r).ok_or_else(|| {
+            let served: Vec<u32> = s.ranks.iter().map(|e| e.rank).collect();
+            ApiError::bad(format!("data_parallel_rank {r} is out of range (this server serves {served:?})."))
+        });
+    }
+    let turn = s.next_rank.fetch_add(1, Relaxed);
+    let n = s.ranks.len();
+    let score = |e: &RankEngine| 4 * e.metrics.waiting.load(Relaxed) + e.metrics.running.load(Relaxed);
+    Ok((0..n).map(|i| &s.ranks[(turn + i) % n]).min_by_key(|e| score(e)).expect("at least one rank"))
+}
+
+async fn generate(s: &Shared, endpoint: Endpoint, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
     let arrival = Instant::now();
     let faults = *s.faults.borrow();
     if faults.reject > 0.0 && rand::thread_rng().r#gen::<f64>() < faults.reject {
@@ -147,6 +166,7 @@ async fn generate(s: &Shared, endpoint: Endpoint, body: &[u8]) -> Result<Respons
         return Err(ApiError::Injected(status));
     }
     let p = prepare(s, endpoint, body)?;
+    let rank = pick_rank(s, headers)?;
     let kind = match endpoint {
         Endpoint::Completions => Kind::Completion,
         Endpoint::ChatCompletions => Kind::Chat,
@@ -171,7 +191,7 @@ async fn generate(s: &Shared, endpoint: Endpoint, body: &[u8]) -> Result<Respons
         };
         let sub =
             Submission { prompt, max_tokens: p.max_tokens, extras: extras.clone(), lora_id: p.lora_id, arrival, sink };
-        s.engine.submit(sub).map_err(|_| ApiError::EngineGone)?;
+        rank.engine.submit(sub).map_err(|_| ApiError::EngineGone)?;
     }
     if stream {
         return Ok(sse::response(head, p.max_tokens, p.include_usage, streams));

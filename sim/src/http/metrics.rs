@@ -5,7 +5,6 @@
 //! sample with it; gauges and counters are floats (`3.0`). Histogram counts
 //! are integers here (`2`, vLLM prints `2.0`): the same value to any parser.
 
-use std::borrow::Cow;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -35,51 +34,76 @@ struct CacheConfigInfo {
     prefix_caching_hash_algo: &'static str,
 }
 
-/// The engine's gauges and counters, read from its atomics at each scrape.
+/// Every rank's gauges, counters and TTFT histogram, read from its atomics
+/// at each scrape: one family per name, one series per data-parallel rank
+/// (`engine="R"`, as vLLM labels its engine cores), `model_name` after it
+/// (a histogram bucket's `le` comes first: any order is the same series).
 /// (`Registry::register` appends the period vLLM's help texts end with; a
 /// collector's descriptors are written as given.)
 #[derive(Debug)]
-struct EngineCollector(Arc<EngineMetrics>);
+struct EngineCollector {
+    /// `(labels, metrics)` per rank.
+    ranks: Vec<(Labels, Arc<EngineMetrics>)>,
+}
+
+/// A rank's series labels, `[("engine", R), ("model_name", M)]`.
+type Labels = Vec<(String, String)>;
 
 impl Collector for EngineCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let m = &self.0;
-        for (name, help, v) in [
-            (
-                "vllm:num_requests_running",
-                "Number of requests in model execution batches.",
-                m.running.load(Relaxed) as f64,
-            ),
-            (
-                "vllm:num_requests_waiting",
-                "Number of requests waiting to be processed.",
-                m.waiting.load(Relaxed) as f64,
-            ),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m.kv_usage()),
-        ] {
-            ConstGauge::new(v).encode(encoder.encode_descriptor(name, help, None, MetricType::Gauge)?)?;
+        type Read = fn(&EngineMetrics) -> f64;
+        let gauges: [(&str, &str, Read); 3] = [
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", |m| {
+                m.running.load(Relaxed) as f64
+            }),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", |m| {
+                m.waiting.load(Relaxed) as f64
+            }),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", EngineMetrics::kv_usage),
+        ];
+        for (name, help, read) in gauges {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (labels, m) in &self.ranks {
+                ConstGauge::new(read(m)).encode(family.encode_family(labels)?)?;
+            }
         }
-        for (name, help, v) in [
-            (
-                "vllm:prefix_cache_queries",
-                "Prefix cache queries, in terms of number of queried tokens.",
-                &m.prefix_queries,
-            ),
-            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", &m.prefix_hits),
-            ("vllm:prompt_tokens", "Number of prefill tokens processed.", &m.prompt_tokens),
-            ("vllm:generation_tokens", "Number of generation tokens processed.", &m.generation_tokens),
-            ("vllm:request_success", "Count of successfully processed requests.", &m.finished),
-            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", &m.preemptions),
-        ] {
-            let v = v.load(Relaxed) as f64;
-            ConstCounter::new(v).encode(encoder.encode_descriptor(name, help, None, MetricType::Counter)?)?;
+        let counters: [(&str, &str, Read); 6] = [
+            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", |m| {
+                m.prefix_queries.load(Relaxed) as f64
+            }),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", |m| {
+                m.prefix_hits.load(Relaxed) as f64
+            }),
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", |m| m.prompt_tokens.load(Relaxed) as f64),
+            ("vllm:generation_tokens", "Number of generation tokens processed.", |m| {
+                m.generation_tokens.load(Relaxed) as f64
+            }),
+            ("vllm:request_success", "Count of successfully processed requests.", |m| m.finished.load(Relaxed) as f64),
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", |m| {
+                m.preemptions.load(Relaxed) as f64
+            }),
+        ];
+        for (name, help, read) in counters {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for (labels, m) in &self.ranks {
+                ConstCounter::new(read(m)).encode(family.encode_family(labels)?)?;
+            }
+        }
+        let mut family = encoder.encode_descriptor(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            None,
+            MetricType::Histogram,
+        )?;
+        for (labels, m) in &self.ranks {
+            m.ttft.encode(family.encode_family(labels)?)?;
         }
         Ok(())
     }
 }
 
-/// The exposition: `vllm:cache_config_info` with its own labels; every other
-/// series carries `engine="0"` and `model_name` first (then a bucket's `le`).
+/// The exposition: `vllm:cache_config_info` with its own labels, then every
+/// rank's series (see [`EngineCollector`]).
 pub fn encode(s: &AppState) -> String {
     let mut registry = Registry::default();
     let info = Family::<CacheConfigInfo, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
@@ -94,19 +118,18 @@ pub fn encode(s: &AppState) -> String {
         prefix_caching_hash_algo: "sha256",
     })
     .set(1.0);
-    let engine = registry.sub_registry_with_labels(
-        [
-            (Cow::Borrowed("engine"), Cow::Borrowed("0")),
-            (Cow::Borrowed("model_name"), Cow::Owned(s.config.model.to_string())),
-        ]
-        .into_iter(),
-    );
-    engine.register_collector(Box::new(EngineCollector(s.metrics.clone())));
-    engine.register(
-        "vllm:time_to_first_token_seconds",
-        "Histogram of time to first token in seconds",
-        s.metrics.ttft.clone(),
-    );
+    let model = s.config.model.to_string();
+    let ranks = s
+        .ranks
+        .iter()
+        .map(|r| {
+            (
+                vec![("engine".to_owned(), r.rank.to_string()), ("model_name".to_owned(), model.clone())],
+                r.metrics.clone(),
+            )
+        })
+        .collect();
+    registry.register_collector(Box::new(EngineCollector { ranks }));
     let mut out = String::with_capacity(4096);
     // Writing to a String cannot fail. No `# EOF`: this is the 0.0.4 text
     // format vLLM serves, which has none.
