@@ -266,10 +266,11 @@ def engine_hash_to_router_key(batches: List[list], model: str = MODEL) -> dict:
 
 
 class Sidecar:
-    def __init__(self, worker_id: str, engine: Engine, routers: List[str]):
+    def __init__(self, worker_id: str, engine: Engine, routers: List[str], extra: Optional[List[str]] = None):
         self.worker_id = worker_id
         self.engine = engine
         self.routers = routers
+        self.extra = extra or []
         self.proc = Proc(f"sidecar-{worker_id}", self._cmd(), env={**os.environ, "RUST_LOG": "info"})
         self.url = self.proc.announced_url()
 
@@ -287,7 +288,7 @@ class Sidecar:
         ]
         for r in self.routers:
             cmd += ["--router", r]
-        return cmd
+        return cmd + self.extra
 
     def restart(self) -> None:
         self.proc.stop()
@@ -340,11 +341,12 @@ class Router:
         return json.loads(out.stdout)["token_ids"]
 
 
-def truth(engine: Engine) -> set:
-    """The engine's cached blocks as router keys (hex): the plugin's snapshot,
-    each hash translated through the engine's own event history."""
-    table = engine_hash_to_router_key(engine.replay_all())
-    held = engine.snapshot_hashes()
+def truth(engine: Engine, rank: int = 0) -> set:
+    """The engine's (data-parallel rank's) cached blocks as router keys (hex):
+    the plugin's snapshot, each hash translated through the rank's own event
+    history."""
+    table = engine_hash_to_router_key(engine.replay_all(rank))
+    held = engine.snapshot_hashes(rank)
     missing = [h for h in held if _u64(h) not in table]
     assert not missing, f"{len(missing)} cached blocks of {engine.name} never appeared in its events"
     return {table[_u64(h)].hex() for h in held}
