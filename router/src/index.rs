@@ -25,7 +25,7 @@ use approx::ApproxLru;
 pub use compaction::Compaction;
 pub use hasher::KeyMap;
 pub use sync::{Covers, SyncPlan};
-pub use workerset::{MAX_WORKERS, Slot, SlotSet};
+pub use workerset::{MAX_WORKERS, Slot, SlotSet, WORDS};
 
 /// What the index knows about one (key, worker) pair, packed in 8 bytes:
 /// the top two bits are the [`Kind`], the rest a stamp: for a speculative
@@ -138,24 +138,24 @@ pub struct SyncOutcome {
     pub kept_speculative: usize,
 }
 
-/// The forward map: key → bitset of holders. Slots 0..64 live inline (8
-/// bytes a key); slots 64..128 in a side map that exists only in clusters
-/// that large, so most deployments pay 8 bytes, not 16, per key.
+/// The forward map: key → bitset of holders, one map per word of 64 slots.
+/// A key is in word `w`'s map only while some slot of that word holds it, so
+/// a cluster of up to 64 workers pays 8 bytes of bits per key, and larger
+/// ones 8 bytes per key and word that holds it (the bits of 256 workers, 32
+/// bytes, only for keys that all four words hold).
 #[derive(Debug, Default)]
 struct Forward {
-    low: KeyMap<u64>,
-    high: KeyMap<u64>,
+    words: [KeyMap<u64>; WORDS],
 }
 
 impl Forward {
     fn part(&mut self, slot: Slot) -> (&mut KeyMap<u64>, u64) {
-        let bit = 1u64 << (slot.0 % 64);
-        if slot.0 < 64 { (&mut self.low, bit) } else { (&mut self.high, bit) }
+        (&mut self.words[slot.0 as usize / 64], 1u64 << (slot.0 % 64))
     }
 
     fn holds(&self, slot: Slot, key: &BlockKey) -> bool {
-        let (map, bit) = if slot.0 < 64 { (&self.low, 1u64 << slot.0) } else { (&self.high, 1u64 << (slot.0 - 64)) };
-        map.get(key).is_some_and(|b| b & bit != 0)
+        let bit = 1u64 << (slot.0 % 64);
+        self.words[slot.0 as usize / 64].get(key).is_some_and(|b| b & bit != 0)
     }
 
     /// Sets the bit; false if it was set already.
@@ -180,16 +180,18 @@ impl Forward {
     }
 
     fn holders(&self, key: &BlockKey) -> SlotSet {
-        let low = self.low.get(key).copied().unwrap_or(0);
-        let high = if self.high.is_empty() { 0 } else { self.high.get(key).copied().unwrap_or(0) };
-        SlotSet::from_words(low, high)
+        // Words no worker uses are empty maps: skipped without hashing.
+        SlotSet::from_words(std::array::from_fn(|w| {
+            let map = &self.words[w];
+            if map.is_empty() { 0 } else { map.get(key).copied().unwrap_or(0) }
+        }))
     }
 
+    /// Distinct keys: each counted in the first word whose map holds it.
     fn key_count(&self) -> usize {
-        if self.high.is_empty() {
-            return self.low.len();
-        }
-        self.low.len() + self.high.keys().filter(|k| !self.low.contains_key(k)).count()
+        (0..WORDS)
+            .map(|w| self.words[w].keys().filter(|k| !self.words[..w].iter().any(|m| m.contains_key(k))).count())
+            .sum()
     }
 }
 
@@ -517,7 +519,8 @@ impl Index {
     /// Checks that forward and reverse agree (tests and debug builds).
     pub fn check_consistency(&self) -> Result<(), String> {
         let mut from_forward: HashMap<Slot, usize> = HashMap::new();
-        for (map, base) in [(&self.forward.low, 0u16), (&self.forward.high, 64)] {
+        for (w, map) in self.forward.words.iter().enumerate() {
+            let base = w as u16 * 64;
             for (key, bits) in map {
                 if *bits == 0 {
                     return Err(format!("{key} has an empty worker set"));

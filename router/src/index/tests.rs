@@ -251,18 +251,24 @@ proptest! {
 }
 
 #[test]
-fn workers_beyond_slot_64_use_the_side_map() {
+fn workers_beyond_slot_64_use_the_other_words_maps() {
     let mut ix = Index::new();
     let chain: Vec<_> = (1..=6).map(k).collect();
     ix.apply_events(Slot(100), false, &[], &chain);
     ix.apply_events(Slot(3), false, &[], &chain[..2]);
     ix.record_routed(Slot(127), &chain[..4], 5);
-    assert_eq!(depths(&ix, &chain), vec![(Slot(3), 2), (Slot(100), 6), (Slot(127), 4)]);
+    ix.apply_events(Slot(200), false, &[], &chain[..3]);
+    let last = Slot(MAX_WORKERS as u16 - 1);
+    ix.apply_events(last, false, &[], &chain[..5]);
+    let all = |d| vec![(Slot(3), 2), (Slot(100), d), (Slot(127), 4), (Slot(200), 3), (last, 5)];
+    assert_eq!(depths(&ix, &chain), all(6));
     assert_eq!(ix.key_count(), 6);
-    assert_eq!(ix.entry_count(), 12);
+    assert_eq!(ix.entry_count(), 20);
     ix.sync(Slot(100), &chain[..1], 0);
-    assert_eq!(depths(&ix, &chain), vec![(Slot(3), 2), (Slot(100), 1), (Slot(127), 4)]);
-    ix.remove_worker(Slot(127));
+    assert_eq!(depths(&ix, &chain), all(1));
+    for s in [Slot(127), Slot(200), last] {
+        ix.remove_worker(s);
+    }
     assert_eq!(ix.key_count(), 2);
     ix.check_consistency().unwrap();
 }

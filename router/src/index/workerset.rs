@@ -1,25 +1,27 @@
-//! A fixed-size bitset of worker slots: the forward map's value.
-//!
-//! 16 bytes for up to [`MAX_WORKERS`] workers keeps a forward entry at 24
-//! bytes of payload, where a `Vec<WorkerId>` would cost 24 bytes before its
-//! heap allocation.
+//! A fixed-size bitset of worker slots: who holds a key, as the forward map
+//! answers it (the map itself stores one 64-slot word per key and word, see
+//! `Forward`, so a set of [`MAX_WORKERS`] bits exists only transiently).
 
-/// Workers one router can index at once. Raise the array length to go beyond.
-pub const MAX_WORKERS: usize = 128;
+/// Words of 64 slots.
+pub const WORDS: usize = 4;
+
+/// Workers (routing targets: engines or their data-parallel ranks) one
+/// router can index at once.
+pub const MAX_WORKERS: usize = WORDS * 64;
 
 /// A dense worker number inside one router, assigned at registration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Slot(pub u16);
 
 #[derive(Clone, Copy, Default, PartialEq, Eq, Debug)]
-pub struct SlotSet([u64; 2]);
+pub struct SlotSet([u64; WORDS]);
 
 impl SlotSet {
-    pub const EMPTY: SlotSet = SlotSet([0; 2]);
+    pub const EMPTY: SlotSet = SlotSet([0; WORDS]);
 
-    /// Slots 0..64 from `low`, 64..128 from `high`.
-    pub fn from_words(low: u64, high: u64) -> SlotSet {
-        SlotSet([low, high])
+    /// Slots `64 w .. 64 w + 64` from `words[w]`.
+    pub fn from_words(words: [u64; WORDS]) -> SlotSet {
+        SlotSet(words)
     }
 
     pub fn insert(&mut self, s: Slot) {
@@ -35,7 +37,7 @@ impl SlotSet {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.0 == [0; 2]
+        self.0 == [0; WORDS]
     }
 
     pub fn len(&self) -> usize {
@@ -43,15 +45,15 @@ impl SlotSet {
     }
 
     pub fn and(self, other: SlotSet) -> SlotSet {
-        SlotSet([self.0[0] & other.0[0], self.0[1] & other.0[1]])
+        SlotSet(std::array::from_fn(|w| self.0[w] & other.0[w]))
     }
 
     pub fn union(self, other: SlotSet) -> SlotSet {
-        SlotSet([self.0[0] | other.0[0], self.0[1] | other.0[1]])
+        SlotSet(std::array::from_fn(|w| self.0[w] | other.0[w]))
     }
 
     pub fn minus(self, other: SlotSet) -> SlotSet {
-        SlotSet([self.0[0] & !other.0[0], self.0[1] & !other.0[1]])
+        SlotSet(std::array::from_fn(|w| self.0[w] & !other.0[w]))
     }
 
     pub fn iter(self) -> impl Iterator<Item = Slot> {
@@ -79,13 +81,14 @@ mod tests {
         a.insert(Slot(0));
         a.insert(Slot(70));
         a.insert(Slot(127));
-        assert_eq!(a.len(), 3);
+        a.insert(Slot(MAX_WORKERS as u16 - 1));
+        assert_eq!(a.len(), 4);
         assert!(a.contains(Slot(70)) && !a.contains(Slot(69)));
-        assert_eq!(a.iter().collect::<Vec<_>>(), vec![Slot(0), Slot(70), Slot(127)]);
+        assert_eq!(a.iter().collect::<Vec<_>>(), vec![Slot(0), Slot(70), Slot(127), Slot(255)]);
         let mut b = SlotSet::EMPTY;
         b.insert(Slot(70));
         assert_eq!(a.and(b).iter().collect::<Vec<_>>(), vec![Slot(70)]);
-        assert_eq!(a.minus(b).len(), 2);
+        assert_eq!(a.minus(b).len(), 3);
         a.remove(Slot(0));
         assert!(!a.contains(Slot(0)));
     }
