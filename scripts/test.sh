@@ -21,20 +21,23 @@ cd "$(dirname "$0")/.."
 
 out=$(mktemp -d)
 broken=()
+# Each phase says when it started (minutes:seconds since the start): where a
+# newcomer's time goes.
+phase() { printf '== %s (at %d:%02d)\n' "$1" $((SECONDS / 60)) $((SECONDS % 60)); }
 
-echo "== build"
+phase "build"
 if ! cargo build --workspace --bins; then
   broken+=(--broken "cargo build")
 fi
 
-echo "== Python test environment (real vLLM)"
+phase "Python test environment (real vLLM)"
 if scripts/install-vllm.sh; then
   export KVROUTE_PYTHON=$PWD/target/vllm-venv/bin/python
 else
   broken+=(--broken "scripts/install-vllm.sh (real vLLM and the Python test clients)")
 fi
 
-echo "== container engine (the compose bring-up test)"
+phase "container engine (the compose bring-up test)"
 # Installs Debian's docker.io, docker-compose and debootstrap when run as root
 # and starts dockerd; otherwise says what to install (tests/python/test_compose.py
 # then fails too).
@@ -42,17 +45,17 @@ if ! scripts/docker-engine.sh; then
   broken+=(--broken "scripts/docker-engine.sh (a Docker engine, docker-compose and debootstrap)")
 fi
 
-echo "== Rust tests"
+phase "Rust tests"
 cargo test --workspace --no-fail-fast 2>&1 | tee "$out/cargo.txt"
 
-echo "== Python tests"
+phase "Python tests"
 junit=()
 if [ -n "${KVROUTE_PYTHON:-}" ]; then
   # The venv's bin first: tools installed there (hadolint) are found.
-  PATH="$(dirname "$KVROUTE_PYTHON"):$PATH" "$KVROUTE_PYTHON" -m pytest -q -rs -p no:cacheprovider \
+  PATH="$(dirname "$KVROUTE_PYTHON"):$PATH" "$KVROUTE_PYTHON" -m pytest -q -rs -p no:cacheprovider --durations=10 \
     --junitxml="$out/python.xml" python-hooks/tests tests/python tests/vllm
   junit=(--junit "$out/python.xml")
 fi
 
-echo "== summary"
+phase "summary"
 python3 scripts/test_summary.py --cargo "$out/cargo.txt" "${junit[@]}" "${broken[@]}"
