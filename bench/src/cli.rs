@@ -72,7 +72,10 @@ pub struct CompareArgs {
     /// Divide trace timestamps by this.
     #[arg(long)]
     pub speedup: Option<f64>,
-    /// Replay only the first N trace requests.
+    /// Start the trace replay after its first N requests.
+    #[arg(long, default_value_t = 0)]
+    pub skip: usize,
+    /// Replay only the first N trace requests (after --skip).
     #[arg(long)]
     pub limit: Option<usize>,
     /// Override the engines' --time-scale for every workload.
@@ -86,6 +89,11 @@ pub struct CompareArgs {
     /// (for resuming an interrupted run of the same command).
     #[arg(long)]
     pub resume: bool,
+    /// Run every policy N times, interleaved round by round (A B C, then
+    /// C B A, …), and report each figure's median and range over rounds:
+    /// on a shared machine, whether policies differ by more than the noise.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub rounds: u32,
     /// Skip the extra runs of the default policy (2 replicas, no sidecars).
     #[arg(long)]
     pub no_variants: bool,

@@ -5,8 +5,12 @@
 //! emptied and routers and sidecars started afresh before every run. Per
 //! run: token-level prefix hit rate from the engines' counters, the
 //! workload's infinite-cache ceiling, client TTFT percentiles, throughput and
-//! the load spread across workers.
+//! the load spread across workers. With `--rounds N` the policies run
+//! interleaved, round after round ([`plan`]), and the report gives each
+//! figure's median and range over rounds ([`spread`]).
 
+pub mod plan;
+pub mod spread;
 pub mod summary;
 
 use kvroute_router::policy::DEFAULT_POLICY;
@@ -66,6 +70,14 @@ pub struct Record {
     pub wall_s: f64,
     /// The `--router-config` file every router ran with, if any.
     pub router_config: Option<String>,
+    /// Which round of `--rounds` this run belongs to, from 1 (records older
+    /// than `--rounds` are round 1).
+    #[serde(default = "first_round")]
+    pub round: usize,
+}
+
+fn first_round() -> usize {
+    1
 }
 
 /// A workload with what the cluster must be sized for.
@@ -96,6 +108,7 @@ fn workloads(args: &CompareArgs) -> Result<Vec<Workload>, BenchError> {
         if args.limit.is_some() {
             p.limit = args.limit;
         }
+        p.skip = args.skip;
         p
     };
     let named = |name: &str| -> Result<Option<Workload>, BenchError> {
@@ -238,15 +251,7 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
     for &n in &workers {
         engine.check_workers(n)?;
     }
-    let runs = shapes(&args);
-    // Worker count outermost, then workload: real engines are started once
-    // per (worker count, workload) and shared by that pair's runs.
-    let mut plan: Vec<(usize, usize, (String, usize, bool))> = Vec::new();
-    for &n in &workers {
-        for wi in 0..prepared.len() {
-            plan.extend(runs.iter().cloned().map(|s| (wi, n, s)));
-        }
-    }
+    let plan = plan::interleaved(&workers, prepared.len(), &shapes(&args), args.rounds as usize);
     let mp = MultiProgress::new();
     let overall = mp.add(ProgressBar::new(plan.len() as u64));
     overall.set_style(
@@ -256,23 +261,19 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
     let mut records: Vec<Record> = if args.resume { previous(&args.out.join("results.json")) } else { Vec::new() };
     let router_config = args.router_config.as_ref().map(|c| c.display().to_string());
     let mut pool: Option<Pool> = None;
-    for (wi, n, (policy, routers, sidecars)) in plan {
-        let p = &prepared[wi];
-        let done = records.iter().any(|r| {
-            r.engine == engine
-                && r.workload == p.workload.name
-                && r.policy == policy
-                && r.workers == n
-                && r.routers == routers
-                && r.sidecars == sidecars
-                && r.router_config == router_config
-        });
-        if done {
+    for run in plan {
+        let p = &prepared[run.workload];
+        if run.recorded_in(&records, engine, &p.workload.name, router_config.as_deref()) {
             overall.inc(1);
             continue;
         }
-        let what =
-            format!("{} {policy} w{n} r{routers}{}", p.workload.name, if sidecars { "" } else { " no-sidecars" });
+        let plan::Planned { workload: wi, workers: n, policy, routers, sidecars, round } = run;
+        let rounds = if args.rounds > 1 { format!(" round {round}/{}", args.rounds) } else { String::new() };
+        let what = format!(
+            "{} {policy} w{n} r{routers}{}{rounds}",
+            p.workload.name,
+            if sidecars { "" } else { " no-sidecars" }
+        );
         // Bars draw nothing when stderr is a file or a pipe (CI, nohup, tee):
         // there, each run says when it starts (its figures follow when it ends).
         if !std::io::stderr().is_terminal() {
@@ -303,15 +304,17 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
             pool = Some(Pool { key: (wi, n), engines, tokenizer: tokenizer.clone() });
         }
         let log = args.out.join("requests").join(format!(
-            "{}_{policy}_w{n}_r{routers}{}.jsonl",
+            "{}_{policy}_w{n}_r{routers}{}{}.jsonl",
             p.workload.name,
-            if sidecars { "" } else { "_nosidecars" }
+            if sidecars { "" } else { "_nosidecars" },
+            if args.rounds > 1 { format!("_round{round}") } else { String::new() }
         ));
-        let rec = run_one(&http, &dir, p, &shape, pool.as_ref(), args.concurrency, &mp, &log).await?;
+        let mut rec = run_one(&http, &dir, p, &shape, pool.as_ref(), args.concurrency, &mp, &log).await?;
+        rec.round = round;
         overall.suspend(|| eprintln!(
             "{}",
             format_args!(
-            "{:<14} {:<20} w{} r{} {:<11} hit {:.3} (ceiling {:.3})  TTFT p50 {} ms p99 {} ms  {:.1} req/s  max/mean {:.2}  errors {}",
+            "{:<14} {:<20} w{} r{} {:<11}{rounds} hit {:.3} (ceiling {:.3})  TTFT p50 {} ms p99 {} ms  {:.1} req/s  max/mean {:.2}  errors {}",
             rec.workload,
             rec.policy,
             rec.workers,
@@ -473,6 +476,7 @@ async fn measure(
         time_scale: p.workload.time_scale,
         wall_s: wall,
         router_config: shape.router_args.get(1).cloned(),
+        round: 1,
     })
 }
 

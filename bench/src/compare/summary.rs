@@ -1,5 +1,6 @@
-//! compare's Markdown report: one table per workload and worker count, then
-//! the project's expectations checked against the figures (PASS/FAIL), so a
+//! compare's Markdown report: one table per workload and worker count (with
+//! `--rounds N`, the median over rounds and each figure's range), then the
+//! project's expectations checked against the figures (PASS/FAIL), so a
 //! reader sees at once where the default policy falls short and by how much.
 
 use crate::ceiling::Ceiling;
@@ -9,6 +10,7 @@ use crate::report::{self, ms};
 use kvroute_router::policy::DEFAULT_POLICY;
 
 use super::Record;
+use super::spread::{Aggregate, aggregate};
 
 fn label(r: &Record) -> String {
     let mut s = r.policy.clone();
@@ -99,6 +101,66 @@ pub fn checks(workload: &str, rs: &[&Record]) -> Vec<Vec<String>> {
     rows
 }
 
+/// A figure's median over rounds with its range: `12.0 (10.0–30.0)`.
+fn spread_cell(s: &super::spread::Spread, fmt: fn(f64) -> String) -> String {
+    format!("{} ({}–{})", fmt(s.median), fmt(s.min), fmt(s.max))
+}
+
+/// The table of a workload and worker count run over several rounds: per
+/// shape the median and range of hit rate and TTFT, the TTFT p50 range
+/// relative to its median, and whether its p50 range clears the default
+/// policy's (if not, the two are not told apart by this run).
+fn rounds_table(agg: &[Aggregate]) -> String {
+    let default = agg.iter().find(|a| a.median.policy == DEFAULT_POLICY && a.median.routers == 1 && a.median.sidecars);
+    let hit = |x: f64| format!("{x:.3}");
+    let rows: Vec<Vec<String>> = agg
+        .iter()
+        .map(|a| {
+            let versus = match default {
+                Some(d) if !std::ptr::eq(d, a) => format!(
+                    "×{:.2}, {}",
+                    if d.ttft_p50.median > 0.0 { a.ttft_p50.median / d.ttft_p50.median } else { f64::INFINITY },
+                    if a.ttft_p50.overlaps(&d.ttft_p50) { "ranges overlap" } else { "apart" }
+                ),
+                _ => "—".into(),
+            };
+            vec![
+                label(&a.median),
+                a.rounds.to_string(),
+                spread_cell(&a.hit, hit),
+                spread_cell(&a.ttft_p50, ms),
+                format!("{:.0} %", a.ttft_p50.relative_range() * 100.0),
+                spread_cell(&a.ttft_p99, ms),
+                versus,
+                format!("{:.1}", a.median.throughput_rps),
+                format!("{:.2}", a.median.max_mean_load),
+                format!("{}/{}", a.median.errors, a.median.requests),
+            ]
+        })
+        .collect();
+    let mut md = String::from(
+        "Median over rounds (min–max). Rounds interleave the policies (odd rounds in the listed order, even \
+         rounds reversed). p50 range = (max − min) / median; vs default: median TTFT p50 over the default's, \
+         and whether the two p50 ranges are apart (a difference beyond this run's round-to-round noise).\n\n",
+    );
+    md.push_str(&report::table(
+        &[
+            "policy",
+            "rounds",
+            "hit rate",
+            "TTFT p50 ms",
+            "p50 range",
+            "TTFT p99 ms",
+            "p50 vs default",
+            "req/s",
+            "max/mean load",
+            "errors",
+        ],
+        &rows,
+    ));
+    md
+}
+
 pub fn markdown(records: &[Record], workloads: &[(String, String, Ceiling)], args: &CompareArgs) -> String {
     let mut md = String::from("# kvroute-bench compare\n\n");
     let (engines, fresh) = match args.engine.engine {
@@ -152,6 +214,14 @@ pub fn markdown(records: &[Record], workloads: &[(String, String, Ceiling)], arg
                 }
                 EngineKind::Vllm => format!("{n} real vLLM workers, {} KV blocks each:\n\n", first.num_blocks),
             });
+            if rs.iter().any(|r| r.round > 1) {
+                let agg = aggregate(&rs);
+                md.push_str(&rounds_table(&agg));
+                md.push('\n');
+                let medians: Vec<&Record> = agg.iter().map(|a| &a.median).collect();
+                checks_rows.extend(checks(&format!("{name} ({n} workers, median of rounds)"), &medians));
+                continue;
+            }
             let rows: Vec<Vec<String>> = rs
                 .iter()
                 .map(|r| {
@@ -196,11 +266,12 @@ pub fn markdown(records: &[Record], workloads: &[(String, String, Ceiling)], arg
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn rec(policy: &str, hit: f64, p50: f64) -> Record {
+    pub(crate) fn rec(policy: &str, hit: f64, p50: f64) -> Record {
         Record {
+            round: 1,
             engine: EngineKind::Sim,
             workload: "w".into(),
             policy: policy.into(),
@@ -237,5 +308,35 @@ mod tests {
         let slow = rec(DEFAULT_POLICY, 0.75, 20.0);
         let rows = checks("w", &[&slow, &b]);
         assert!(rows.iter().any(|r| r[1] == "TTFT p50 ≤ 0.4 × round_robin" && r[3] == "FAIL"));
+    }
+
+    #[test]
+    fn rounds_are_reported_as_median_and_range() {
+        #[derive(Debug, clap::Parser)]
+        struct Cmd {
+            #[command(flatten)]
+            args: CompareArgs,
+        }
+        let args = <Cmd as clap::Parser>::parse_from(["compare", "--quick", "--rounds", "3"]).args;
+        let mut records = Vec::new();
+        for (round, (hit, p50)) in [(0.70, 12.0), (0.74, 10.0), (0.72, 30.0)].into_iter().enumerate() {
+            for mut r in [rec(DEFAULT_POLICY, hit, p50), rec("round_robin", 0.2, 40.0 + round as f64)] {
+                r.round = round + 1;
+                records.push(r);
+            }
+        }
+        let ceiling = Ceiling { hit_tokens: 8, query_tokens: 10, unique_blocks: 1, max_prompt_blocks: 1 };
+        let md = markdown(&records, &[("w".into(), "d".into(), ceiling)], &args);
+        let row = |policy: &str| md.lines().find(|l| l.starts_with(&format!("| {policy} |"))).unwrap_or_default();
+        assert_eq!(
+            row(DEFAULT_POLICY),
+            format!(
+                "| {DEFAULT_POLICY} | 3 | 0.720 (0.700–0.740) | 12.0 (10.0–30.0) | 167 % | 12.0 (10.0–30.0) | — | 1.0 | 1.10 | 0/30 |"
+            )
+        );
+        assert!(row("round_robin").contains("| 41.0 (40.0–42.0) | 5 % |"), "{md}");
+        assert!(row("round_robin").contains("×3.42, apart"), "{md}");
+        assert_eq!(md.matches(&format!("| {DEFAULT_POLICY} |")).count(), 1, "one row per policy, not per round");
+        assert!(md.contains("w (4 workers, median of rounds) | hit rate ≥ 0.9 × ceiling | 0.720 / 0.800"), "{md}");
     }
 }

@@ -167,6 +167,8 @@ fn compare(dir: &Path, results: &Value) -> Result<Vec<String>, String> {
     }
     let mut written = Vec::new();
     for ((workload, workers), rs) in groups {
+        // `--rounds N`: one row per run, labelled with its round.
+        let rounds = rs.iter().any(|r| r["round"].as_u64().unwrap_or(1) > 1);
         let labels: Vec<String> = rs
             .iter()
             .map(|r| {
@@ -176,6 +178,9 @@ fn compare(dir: &Path, results: &Value) -> Result<Vec<String>, String> {
                 }
                 if r["sidecars"] == Value::Bool(false) {
                     s += " (no sc)";
+                }
+                if rounds {
+                    s += &format!(" #{}", r["round"].as_u64().unwrap_or(1));
                 }
                 s
             })

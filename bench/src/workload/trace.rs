@@ -31,7 +31,10 @@ pub struct TraceLine {
 pub struct Params {
     /// Divides the trace's timestamps.
     pub speedup: f64,
-    /// Replay only the first `limit` requests.
+    /// Start after the first `skip` requests (a later stretch of the trace,
+    /// where more prompts share blocks with earlier ones in the stretch).
+    pub skip: usize,
+    /// Replay only the first `limit` requests (after `skip`).
     pub limit: Option<usize>,
     /// Cap on generated tokens per request (the trace's output lengths reach
     /// hundreds; decode is not what routing changes).
@@ -41,7 +44,7 @@ pub struct Params {
 
 impl Params {
     pub fn full() -> Self {
-        Params { speedup: 20.0, limit: None, max_output: 16, time_scale: 20.0 }
+        Params { speedup: 20.0, skip: 0, limit: None, max_output: 16, time_scale: 20.0 }
     }
 
     pub fn quick() -> Self {
@@ -78,6 +81,7 @@ pub fn parse(text: &str) -> Result<Vec<TraceLine>, BenchError> {
 }
 
 pub fn from_lines(name: &str, lines: &[TraceLine], p: &Params) -> Workload {
+    let lines = &lines[p.skip.min(lines.len())..];
     let lines = &lines[..p.limit.map_or(lines.len(), |n| n.min(lines.len()))];
     let t0 = lines.iter().map(|l| l.timestamp).fold(f64::INFINITY, f64::min);
     let requests = lines
@@ -98,8 +102,9 @@ pub fn from_lines(name: &str, lines: &[TraceLine], p: &Params) -> Workload {
     Workload {
         name: name.into(),
         description: format!(
-            "Mooncake trace replay, {} requests, {}× speedup, outputs capped at {} tokens",
+            "Mooncake trace replay, {} requests{}, {}× speedup, outputs capped at {} tokens",
             lines.len(),
+            if p.skip > 0 { format!(" after the first {}", p.skip) } else { String::new() },
             p.speedup,
             p.max_output
         ),
@@ -141,11 +146,16 @@ mod tests {
         let text = "{\"timestamp\": 1000, \"input_length\": 600, \"output_length\": 3, \"hash_ids\": [0, 1]}\n\
                     {\"timestamp\": 3000, \"input_length\": 10, \"output_length\": 900, \"hash_ids\": [0]}\n";
         let lines = parse(text).unwrap();
-        let w = from_lines("t", &lines, &Params { speedup: 2.0, limit: None, max_output: 16, time_scale: 1.0 });
+        let w =
+            from_lines("t", &lines, &Params { speedup: 2.0, skip: 0, limit: None, max_output: 16, time_scale: 1.0 });
         assert_eq!(w.requests[0].arrival, Duration::ZERO);
         assert_eq!(w.requests[1].arrival, Duration::from_secs(1));
         assert_eq!(w.requests[0].prompt.len(), 600);
         assert_eq!(w.requests[1].max_tokens, 16);
         assert_eq!(w.requests[1].prompt.tokens()[..], w.requests[0].prompt.tokens()[..10]);
+        // Skipping the first line: the second starts the replay, at time 0.
+        let w =
+            from_lines("t", &lines, &Params { speedup: 2.0, skip: 1, limit: None, max_output: 16, time_scale: 1.0 });
+        assert_eq!((w.requests.len(), w.requests[0].arrival, w.requests[0].prompt.len()), (1, Duration::ZERO, 10));
     }
 }
