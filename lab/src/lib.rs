@@ -8,12 +8,15 @@
 //!   full syncs every 5 s, a loss rate ([`sidecar`]);
 //! - arrivals: the [`workload`] library;
 //! - [`cluster::run`] ties them together; [`measure`] and [`goodput`] say how
-//!   it went; [`matrix`] runs many and writes the report.
+//!   it went; [`matrix`] runs many and writes the report;
+//! - [`crosscheck`] replays a `kvroute-bench compare --trace` run, to check
+//!   the lab against the real processes.
 //!
 //! Nothing reads a wall clock or an unseeded random source: the same seed
 //! gives the same result, bit for bit.
 
 pub mod cluster;
+pub mod crosscheck;
 pub mod engine;
 pub mod gate;
 pub mod goodput;

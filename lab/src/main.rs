@@ -82,6 +82,38 @@ enum Cmd {
         #[arg(long, default_value_t = 1_000.0)]
         slo_ms: f64,
     },
+    /// The lab against a `kvroute-bench compare --trace` run: the same
+    /// requests, arrival times, engine timing and KV size, per policy and
+    /// worker count; prints the comparison table (Markdown).
+    Crosscheck {
+        /// The bench run's output folder (its --out, holding results.json).
+        bench: PathBuf,
+        /// The bench's --speedup (trace timestamps divided by it).
+        #[arg(long, default_value_t = 20.0)]
+        speedup: f64,
+        /// The bench's --skip (trace lines before the replayed stretch).
+        #[arg(long, default_value_t = 0)]
+        skip: usize,
+        /// The bench's cap on output tokens per request.
+        #[arg(long, default_value_t = 16)]
+        max_output: u32,
+        /// The trace the bench replayed.
+        #[arg(long, default_value_os_t = default_trace_path())]
+        trace: PathBuf,
+        /// Also write the rows as JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Request-path latency per request ahead of the engine, µs (the
+        /// bench's HTTP and JSON path; the lab leaves it out by default).
+        #[arg(long, default_value_t = 0)]
+        path_us: u64,
+        /// Request-path latency per prompt token, ns.
+        #[arg(long, default_value_t = 0)]
+        path_ns_per_token: u64,
+        /// Write the lab's request logs (the bench's format) into this folder.
+        #[arg(long)]
+        requests_out: Option<PathBuf>,
+    },
     /// The CI gate's check, per workload, with its figures.
     Gate {
         #[arg(long, value_enum, value_delimiter = ',', default_values_t = WorkloadKind::ALL)]
@@ -164,6 +196,21 @@ fn main() -> anyhow::Result<()> {
             }
             if pngs.is_empty() {
                 anyhow::bail!("{}: no case with two or more loads to draw a curve through", dir.display());
+            }
+        }
+        Cmd::Crosscheck { bench, speedup, skip, max_output, trace, json, path_us, path_ns_per_token, requests_out } => {
+            let path = kvroute_lab::cluster::PathModel { fixed_us: path_us, ns_per_token: path_ns_per_token };
+            let replay = kvroute_lab::crosscheck::Replay { trace, speedup, skip, max_output, seed: 1, path };
+            let rows = kvroute_lab::crosscheck::check(&bench, &replay, requests_out.as_deref(), |r| {
+                eprintln!(
+                    "{:<20} w{} bench hit {:.3} p50 {:.1} ms | lab hit {:.3} p50 {:.1} ms",
+                    r.policy, r.workers, r.bench_hit, r.bench_p50_ms, r.lab_hit, r.lab_p50_ms
+                );
+            })?;
+            print!("{}", kvroute_lab::crosscheck::markdown(&rows, &replay));
+            if let Some(path) = json {
+                std::fs::write(&path, serde_json::to_string_pretty(&rows)?)
+                    .with_context(|| format!("writing {}", path.display()))?;
             }
         }
         Cmd::Gate { workloads } => {

@@ -47,6 +47,9 @@ impl std::ops::Add for Micros {
 pub enum Event {
     /// Request `n` of the workload reaches a router.
     Arrival(u32),
+    /// Request `n` reaches the engine it was routed to, after the request
+    /// path's delay (only when the scenario models one).
+    Submit(u32),
     /// Engine `n`'s running step ends (its output is applied, its KV events leave).
     StepEnd(u32),
     /// Engine `n`'s sidecar samples the engine's load (vLLM metrics scrape).
