@@ -382,5 +382,25 @@ def wait_for_sentinel(log: EventLog, key: bytes, timeout: float = 60) -> List[li
     return eventually(f"{log.name} to publish the sentinel's block", timeout, probe, every=0.2)
 
 
+def wait_for_prefill(log: EventLog, first_block: List[int], timeout: float = 60) -> None:
+    """Until the engine has published a BlockStored starting a chain with
+    `first_block` (a prompt's first block): that prompt is admitted and its
+    prefill has run."""
+
+    def probe():
+        for batch in log.snapshot(tail=True):
+            for ev in batch:
+                if (
+                    isinstance(ev, dict)
+                    and ev.get("type") == "BlockStored"
+                    and ev["parent_block_hash"] is None
+                    and ev["token_ids"][:BLOCK_SIZE] == first_block
+                ):
+                    return True
+        return None
+
+    eventually(f"{log.name} to publish the prompt's first block", timeout, probe, every=0.02)
+
+
 def now() -> float:
     return time.monotonic()
