@@ -104,6 +104,12 @@ pub struct CompareArgs {
     /// own small presets).
     #[arg(long)]
     pub quick: bool,
+    /// Send text prompts: each token id becomes a word that is one token of
+    /// this HF tokenizer (DIR/tokenizer.json), and engines and routers
+    /// tokenize with it, so the router's own tokenizing and queueing are
+    /// measured (simulated engines only).
+    #[arg(long, value_name = "DIR")]
+    pub text_tokenizer: Option<PathBuf>,
     #[arg(long, default_value = "bench-out/compare")]
     pub out: PathBuf,
 }

@@ -42,6 +42,12 @@ pub fn completion_body(model: &str, prompt: &[u32], max_tokens: u32, stream: boo
     serde_json::to_vec(&body).unwrap_or_default()
 }
 
+/// A text completion request (the simulator: no `ignore_eos` needed).
+pub fn text_completion_body(model: &str, prompt: &str, max_tokens: u32, stream: bool) -> Vec<u8> {
+    let body = json!({"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": stream});
+    serde_json::to_vec(&body).unwrap_or_default()
+}
+
 /// Sends a completion and reads the whole answer. With a streaming body the
 /// TTFT is the arrival of the first non-empty body chunk; without, it equals
 /// the latency.

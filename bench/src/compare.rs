@@ -17,6 +17,7 @@ use kvroute_router::policy::DEFAULT_POLICY;
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
@@ -33,6 +34,7 @@ use crate::rig::Rig;
 use crate::setup::{self, Shape};
 use crate::stats::{max_mean_load, mean_ms, percentile_ms};
 use crate::vllm::{self, ServeSpec, VllmEngines};
+use crate::words::Words;
 use crate::workload::{self, Workload, chat, rag, shared_prefix, trace};
 use crate::{probe, report};
 
@@ -74,16 +76,23 @@ pub struct Record {
     /// than `--rounds` are round 1).
     #[serde(default = "first_round")]
     pub round: usize,
+    /// The routers' own queueing (`kvroute_dispatch_delay_seconds`: arrival
+    /// to first dispatch), p50 and p99 as bucket upper bounds, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router_queue_ms: Option<(f64, f64)>,
 }
 
 fn first_round() -> usize {
     1
 }
 
-/// A workload with what the cluster must be sized for.
+/// A workload with what the cluster must be sized for, and how its prompts
+/// are sent.
 struct Prepared {
     workload: Workload,
     ceiling: Ceiling,
+    /// `--text-tokenizer`: prompts go as text in these words.
+    words: Option<Arc<Words>>,
 }
 
 /// Where the public Mooncake trace lives relative to the repo root or this
@@ -233,11 +242,18 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
     };
     let block_size = engine.block_size();
     let http = crate::client::http_client();
+    let words = match (&args.text_tokenizer, engine) {
+        (Some(_), EngineKind::Vllm) => {
+            return Err(BenchError::Usage("--text-tokenizer is for simulated engines".into()));
+        }
+        (Some(dir), EngineKind::Sim) => Some(Arc::new(Words::load(dir)?)),
+        (None, _) => None,
+    };
     let prepared: Vec<Prepared> = workloads(&args)?
         .into_iter()
         .map(|workload| {
             let ceiling = ceiling::compute(workload.requests.iter().map(|r| r.prompt.tokens()), block_size as usize);
-            Prepared { workload, ceiling }
+            Prepared { workload, ceiling, words: words.clone() }
         })
         .collect();
     let workers: Vec<usize> = if args.workers.is_empty() {
@@ -293,6 +309,7 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
             num_blocks: blocks_per_worker(&p.ceiling, n, p.workload.max_output(), block_size),
             sim_args: sim_args(&p.workload),
             router_args: args.router_config.iter().flat_map(|c| ["--config".into(), c.display().to_string()]).collect(),
+            tokenizer: args.text_tokenizer.clone(),
         };
         if let Some(tokenizer) = &tokenizer
             && pool.as_ref().is_none_or(|pl| pl.key != (wi, n))
@@ -314,7 +331,7 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
         overall.suspend(|| eprintln!(
             "{}",
             format_args!(
-            "{:<14} {:<20} w{} r{} {:<11}{rounds} hit {:.3} (ceiling {:.3})  TTFT p50 {} ms p99 {} ms  {:.1} req/s  max/mean {:.2}  errors {}",
+            "{:<14} {:<20} w{} r{} {:<11}{rounds} hit {:.3} (ceiling {:.3})  TTFT p50 {} ms p99 {} ms  {:.1} req/s  max/mean {:.2}  errors {}{}",
             rec.workload,
             rec.policy,
             rec.workers,
@@ -326,7 +343,8 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
             report::ms(rec.ttft_p99_ms),
             rec.throughput_rps,
             rec.max_mean_load,
-            rec.errors
+            rec.errors,
+            rec.router_queue_ms.map_or(String::new(), |(p50, p99)| format!("  router queueing p50 ≤ {p50} ms p99 ≤ {p99} ms"))
         )));
         records.push(rec);
         overall.inc(1);
@@ -420,11 +438,13 @@ async fn measure(
         ignore_eos: engine.ignore_eos(),
         concurrency,
         request_timeout: Duration::from_secs(120),
+        words: p.words.clone(),
     };
     let out = drive(http, &p.workload, &targets, &opts, &pb).await;
     pb.finish_and_clear();
     mp.remove(&pb);
     let after = probe::cache_counters(http, &engines).await?;
+    let router_queue_ms = probe::dispatch_delay_ms(http, &targets).await;
 
     let mut ttfts = Vec::new();
     let mut lats = Vec::new();
@@ -477,6 +497,7 @@ async fn measure(
         wall_s: wall,
         router_config: shape.router_args.get(1).cloned(),
         round: 1,
+        router_queue_ms,
     })
 }
 

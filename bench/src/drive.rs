@@ -10,6 +10,7 @@ use indicatif::ProgressBar;
 use tokio::sync::{Semaphore, watch};
 
 use crate::client::{self, Outcome};
+use crate::words::Words;
 use crate::workload::Workload;
 
 #[derive(Debug, Clone)]
@@ -20,6 +21,8 @@ pub struct DriveOptions {
     pub concurrency: usize,
     /// Per-request bound: a stuck request fails instead of hanging the run.
     pub request_timeout: Duration,
+    /// Send prompts as text in these words (`None`: token ids).
+    pub words: Option<Arc<Words>>,
 }
 
 #[derive(Debug)]
@@ -60,8 +63,11 @@ pub async fn drive(
                 tokio::time::sleep(think).await;
             }
             let permit = gate.acquire_owned().await;
-            let body =
-                client::completion_body(&opts.model, &req.prompt.tokens(), req.max_tokens, true, opts.ignore_eos);
+            let tokens = req.prompt.tokens();
+            let body = match &opts.words {
+                Some(words) => client::text_completion_body(&opts.model, &words.text(&tokens), req.max_tokens, true),
+                None => client::completion_body(&opts.model, &tokens, req.max_tokens, true, opts.ignore_eos),
+            };
             let sent_at = Instant::now();
             let result = client::complete(&http, &target, body, opts.request_timeout).await.map_err(|e| e.to_string());
             drop(permit);

@@ -33,6 +33,7 @@ pub mod soak;
 pub mod stats;
 pub mod tokens;
 pub mod vllm;
+pub mod words;
 pub mod workload;
 
 use cli::Command;

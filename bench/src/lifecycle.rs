@@ -136,6 +136,7 @@ pub async fn run(args: LifecycleArgs) -> Result<Vec<Step>, BenchError> {
         num_blocks,
         sim_args: vec!["--time-scale".into(), args.time_scale.to_string()],
         router_args: args.router_config.iter().flat_map(|c| ["--config".into(), c.display().to_string()]).collect(),
+        tokenizer: None,
     };
     // The prompts: a prefix and a 32-token suffix.
     let prompt_len = args.prefix_len + 32;

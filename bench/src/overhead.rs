@@ -184,6 +184,7 @@ pub async fn run(args: OverheadArgs) -> Result<Results, BenchError> {
         // Room for 32k-token prompts (the default model length is 32,768).
         sim_args: vec!["--instant".into(), "--max-model-len".into(), "131072".into()],
         router_args: Vec::new(),
+        tokenizer: None,
     };
     let mut spec = setup::spec(&shape, &dir);
     spec.tokenizer = args.text_tokenizer.clone();

@@ -2,6 +2,7 @@
 //! the router's debug endpoints. compare takes hit rates from the engines
 //! (the source of truth), lifecycle watches the router's map through these.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -86,6 +87,40 @@ pub async fn cache_counters(client: &reqwest::Client, engines: &[String]) -> Res
     Ok(total)
 }
 
+/// The routers' `kvroute_dispatch_delay_seconds` histogram, summed over
+/// `routers`: (p50, p99) in ms, each the upper bound of the bucket it falls
+/// in. `None` when no router answers or none has dispatched anything.
+pub async fn dispatch_delay_ms(client: &reqwest::Client, routers: &[String]) -> Option<(f64, f64)> {
+    let mut buckets: BTreeMap<u64, f64> = BTreeMap::new();
+    for r in routers {
+        let text = get_text(client, &format!("{r}/metrics")).await.ok()?;
+        for (le, count) in histogram_buckets(&text, "kvroute_dispatch_delay_seconds") {
+            *buckets.entry(le.to_bits()).or_default() += count;
+        }
+    }
+    let mut cumulative: Vec<(f64, f64)> = buckets.into_iter().map(|(le, n)| (f64::from_bits(le), n)).collect();
+    cumulative.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let total = cumulative.last()?.1;
+    let quantile = |q: f64| cumulative.iter().find(|(_, n)| *n >= q * total).map(|(le, _)| le * 1e3);
+    (total > 0.0).then(|| Some((quantile(0.5)?, quantile(0.99)?))).flatten()
+}
+
+/// `(le, cumulative count)` of a Prometheus histogram's `_bucket` series
+/// (`+Inf` as infinity).
+pub fn histogram_buckets(text: &str, name: &str) -> Vec<(f64, f64)> {
+    let prefix = format!("{name}_bucket{{");
+    text.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(&prefix)?;
+            let at = rest.find("le=\"")? + 4;
+            let le = &rest[at..at + rest[at..].find('"')?];
+            let le = if le == "+Inf" { f64::INFINITY } else { le.parse().ok()? };
+            let count = rest[rest.find('}')? + 1..].split_whitespace().next()?.parse().ok()?;
+            Some((le, count))
+        })
+        .collect()
+}
+
 /// `POST /debug/route` for a token-id prompt: the router's would-be decision
 /// and each worker's matched blocks.
 #[derive(Debug, Clone)]
@@ -145,5 +180,15 @@ mod tests {
                     vllm:prefix_cache_hits_total{model_name=\"n\"} 3.0\n\
                     vllm:prefix_cache_hits_total_created 99\nvllm:prefix_cache_hits 5\n";
         assert_eq!(sum_metric(text, "vllm:prefix_cache_hits_total"), 15.0);
+    }
+
+    #[test]
+    fn reads_histogram_buckets() {
+        let text = "kvroute_dispatch_delay_seconds_bucket{le=\"0.001\"} 90\n\
+                    kvroute_dispatch_delay_seconds_bucket{le=\"0.002\"} 99\n\
+                    kvroute_dispatch_delay_seconds_bucket{le=\"+Inf\"} 100\n\
+                    kvroute_dispatch_delay_seconds_count 100\n";
+        let b = histogram_buckets(text, "kvroute_dispatch_delay_seconds");
+        assert_eq!(b, [(0.001, 90.0), (0.002, 99.0), (f64::INFINITY, 100.0)]);
     }
 }

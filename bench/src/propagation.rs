@@ -61,6 +61,7 @@ pub async fn run(args: PropagationArgs) -> Result<PropagationResult, BenchError>
         num_blocks: 65_536,
         sim_args: vec!["--instant".into()],
         router_args: vec![],
+        tokenizer: None,
     };
     let mut progress = Progress::new("propagation", samples, Duration::from_secs(5));
     progress.note("starting a simulated engine, its sidecar and a router");

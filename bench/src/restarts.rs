@@ -335,6 +335,7 @@ pub async fn run(args: RestartsArgs) -> Result<RestartsResult, BenchError> {
         num_blocks: 8192,
         sim_args: vec!["--instant".into()],
         router_args: args.router_config.iter().flat_map(|c| ["--config".into(), c.display().to_string()]).collect(),
+        tokenizer: None,
     };
     let mut spec = setup::spec(&shape, &dir);
     spec.tokenizer = args.tokenizer.clone();

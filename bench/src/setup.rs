@@ -46,6 +46,8 @@ pub struct Shape {
     pub num_blocks: u32,
     pub sim_args: Vec<String>,
     pub router_args: Vec<String>,
+    /// HF tokenizer for engines and routers (text prompts); `None`: token ids.
+    pub tokenizer: Option<PathBuf>,
 }
 
 pub const MODEL: &str = "sim-model";
@@ -61,7 +63,7 @@ pub fn spec(shape: &Shape, bin_dir: &Path) -> ClusterSpec {
         model: MODEL.into(),
         block_size: BLOCK_SIZE,
         num_blocks: shape.num_blocks,
-        tokenizer: None,
+        tokenizer: shape.tokenizer.clone(),
         sim_args: shape.sim_args.clone(),
         router_args: shape.router_args.clone(),
         sidecar_args: Vec::new(),

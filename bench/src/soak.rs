@@ -98,6 +98,7 @@ pub async fn run(args: SoakArgs) -> Result<SoakResult, BenchError> {
         num_blocks: 2048,
         sim_args: vec!["--time-scale".into(), "20".into()],
         router_args: vec![],
+        tokenizer: None,
     };
     let cluster = Cluster::start(setup::spec(&shape, &dir)).await?;
     let http = client::http_client();

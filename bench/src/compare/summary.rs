@@ -294,6 +294,7 @@ pub(crate) mod tests {
             time_scale: 1.0,
             wall_s: 1.0,
             router_config: None,
+            router_queue_ms: None,
         }
     }
 
