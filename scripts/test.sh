@@ -4,9 +4,10 @@
 # 1. builds the binaries once (the end-to-end tests start them);
 # 2. installs the Python test environment: real vLLM (CPU build) and the test
 #    clients in target/vllm-venv (scripts/install-vllm.sh; idempotent, a few
-#    minutes and ~6 GB the first time);
+#    minutes and ~6 GB the first time), and
 # 3. makes sure a Docker engine runs (scripts/docker-engine.sh: as root it
-#    installs Debian's docker.io + docker-compose + debootstrap and starts dockerd);
+#    installs Debian's docker.io + docker-compose + debootstrap and starts
+#    dockerd), both in the background while the Rust tests compile;
 # 4. Rust unit, property, golden and end-to-end tests;
 # 5. Python tests in that venv: the vLLM plugin, the openai client through a
 #    simulated cluster, the deployment files, compose.yaml brought up for real
@@ -30,18 +31,36 @@ if ! cargo build --workspace --bins; then
   broken+=(--broken "cargo build")
 fi
 
-phase "Python test environment (real vLLM)"
-if scripts/install-vllm.sh; then
+# The two installs are mostly downloads (several GB from PyPI; Debian's
+# packages): they run in the background while the Rust tests compile, and
+# their output follows once they are done.
+phase "Python test environment (real vLLM) and container engine, in the background"
+scripts/install-vllm.sh > "$out/install-vllm.log" 2>&1 &
+vllm_pid=$!
+# Installs Debian's docker.io, docker-compose and debootstrap when run as root
+# and starts dockerd; otherwise says what to install (tests/python/test_compose.py
+# then fails too).
+scripts/docker-engine.sh > "$out/docker-engine.log" 2>&1 &
+docker_pid=$!
+
+phase "Rust tests: compiling"
+cargo test --workspace --no-run
+
+phase "Python test environment (real vLLM): waiting for it"
+wait "$vllm_pid"
+vllm_status=$?
+cat "$out/install-vllm.log"
+if [ "$vllm_status" -eq 0 ]; then
   export KVROUTE_PYTHON=$PWD/target/vllm-venv/bin/python
 else
   broken+=(--broken "scripts/install-vllm.sh (real vLLM and the Python test clients)")
 fi
 
-phase "container engine (the compose bring-up test)"
-# Installs Debian's docker.io, docker-compose and debootstrap when run as root
-# and starts dockerd; otherwise says what to install (tests/python/test_compose.py
-# then fails too).
-if ! scripts/docker-engine.sh; then
+phase "container engine (the compose bring-up test): waiting for it"
+wait "$docker_pid"
+docker_status=$?
+cat "$out/docker-engine.log"
+if [ "$docker_status" -ne 0 ]; then
   broken+=(--broken "scripts/docker-engine.sh (a Docker engine, docker-compose and debootstrap)")
 fi
 
