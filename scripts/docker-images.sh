@@ -4,14 +4,15 @@
 # air-gapped clusters). With registry access, `docker build .` (the root
 # Dockerfile, a multi-stage build from rust:bookworm) is the ordinary path.
 #
-#   scripts/docker-images.sh [--binaries DIR] [--tag IMAGE] [--base-tag IMAGE]
+#   scripts/docker-images.sh [--binaries DIR] [--tag IMAGE] [--base-tag IMAGE] [--base-only]
 #
 # 1. The base image (default kvroute-base:bookworm): a Debian bookworm root
 #    file system made by `debootstrap --variant=minbase` with curl (the compose
 #    healthchecks) and ca-certificates, from $DEBIAN_MIRROR (default
 #    http://deb.debian.org/debian, the mirror apt uses), imported with
 #    `docker import`. Made once; an existing image of that tag is reused
-#    (`--rebuild-base` makes it again).
+#    (`--rebuild-base` makes it again). `--base-only` stops here
+#    (scripts/test.sh makes it in the background while tests compile).
 # 2. The kvroute image (default kvroute:local, what compose.yaml runs): the
 #    base plus kvroute-router, kvroute-sidecar and kvroute-sim from --binaries
 #    (default target/release, built with `cargo build --release` when absent),
@@ -27,6 +28,7 @@ binaries=target/release
 tag=${KVROUTE_IMAGE:-kvroute:local}
 base=kvroute-base:bookworm
 rebuild_base=0
+base_only=0
 mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -34,7 +36,8 @@ while [ $# -gt 0 ]; do
     --tag) tag=$2; shift 2 ;;
     --base-tag) base=$2; shift 2 ;;
     --rebuild-base) rebuild_base=1; shift ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    --base-only) base_only=1; shift ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "docker-images.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -60,6 +63,7 @@ if [ "$rebuild_base" = 1 ] || ! docker image inspect "$base" >/dev/null 2>&1; th
   trap - EXIT
   echo "docker-images.sh: base image $base"
 fi
+[ "$base_only" = 1 ] && exit 0
 
 missing=0
 for b in "${bins[@]}"; do [ -x "$binaries/$b" ] || missing=1; done

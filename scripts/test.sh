@@ -38,9 +38,10 @@ phase "Python test environment (real vLLM) and container engine, in the backgrou
 scripts/install-vllm.sh > "$out/install-vllm.log" 2>&1 &
 vllm_pid=$!
 # Installs Debian's docker.io, docker-compose and debootstrap when run as root
-# and starts dockerd; otherwise says what to install (tests/python/test_compose.py
-# then fails too).
-scripts/docker-engine.sh > "$out/docker-engine.log" 2>&1 &
+# and starts dockerd (otherwise says what to install, and
+# tests/python/test_compose.py then fails too), then makes the compose test's
+# Debian base image (debootstrap, about a minute the first time).
+{ scripts/docker-engine.sh && scripts/docker-images.sh --base-only; } > "$out/docker-engine.log" 2>&1 &
 docker_pid=$!
 
 phase "Rust tests: compiling"
@@ -61,7 +62,7 @@ wait "$docker_pid"
 docker_status=$?
 cat "$out/docker-engine.log"
 if [ "$docker_status" -ne 0 ]; then
-  broken+=(--broken "scripts/docker-engine.sh (a Docker engine, docker-compose and debootstrap)")
+  broken+=(--broken "scripts/docker-engine.sh and docker-images.sh --base-only (a Docker engine, docker-compose, debootstrap and the base image)")
 fi
 
 phase "Rust tests"
