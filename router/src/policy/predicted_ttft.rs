@@ -24,7 +24,10 @@
 //!
 //! - stickiness (Preble's exploit rule, on queued tokens): a worker holding
 //!   more than `stick_ratio` of the prompt keeps it unless the prefill queued
-//!   there exceeds `stick_factor` × the shortest queue + `stick_slack_tokens`;
+//!   there exceeds `stick_factor` × the shortest queue + a slack: at least
+//!   `stick_slack_tokens`, and `stick_recompute_weight` × the tokens moving
+//!   to the shortest queue would recompute (a RAG document, a long
+//!   conversation: leaving costs more than a short wait);
 //! - otherwise, a token another worker holds costs `1 + miss_weight` where it
 //!   would be recomputed: recomputing delays whoever queues behind it and
 //!   spends cache on a second copy;
@@ -76,6 +79,11 @@ pub struct PredictedTtftParams {
     pub stick_ratio: f64,
     pub stick_factor: f64,
     pub stick_slack_tokens: f64,
+    /// The stick slack grows to this × the tokens the holder would save
+    /// over the worker with the shortest queue (what moving would
+    /// recompute): a long document or conversation stays while the queue
+    /// ahead of it there is shorter than recomputing it elsewhere.
+    pub stick_recompute_weight: f64,
 }
 
 impl Default for PredictedTtftParams {
@@ -94,6 +102,7 @@ impl Default for PredictedTtftParams {
             stick_ratio: 0.5,
             stick_factor: 2.0,
             stick_slack_tokens: 4_096.0,
+            stick_recompute_weight: 1.0,
         }
     }
 }
@@ -160,10 +169,13 @@ impl Policy for PredictedTtft {
             });
             if let Some(h) = holder {
                 let held = (view.candidates[h].matched_blocks * view.block_size) as f64;
-                let shortest = eligible.iter().map(|&i| queued[i]).fold(f64::INFINITY, f64::min);
-                if held > p.stick_ratio * view.prompt_tokens as f64
-                    && queued[h] <= p.stick_factor * shortest + p.stick_slack_tokens
-                {
+                let shortest_at = eligible.iter().copied().min_by(|&a, &b| queued[a].total_cmp(&queued[b]));
+                let shortest = shortest_at.map_or(f64::INFINITY, |i| queued[i]);
+                let saved = shortest_at.map_or(0, |i| {
+                    view.uncached_tokens(&view.candidates[i]).saturating_sub(view.uncached_tokens(&view.candidates[h]))
+                });
+                let slack = p.stick_slack_tokens.max(p.stick_recompute_weight * saved as f64);
+                if held > p.stick_ratio * view.prompt_tokens as f64 && queued[h] <= p.stick_factor * shortest + slack {
                     let mut d = Decision::with_fallbacks(view, h, Reason::BestCost);
                     d.costs = predicted.iter().map(|t| Some(t / 1e3)).collect();
                     return d;
@@ -276,6 +288,24 @@ mod tests {
         other.load.pending_prefill_tokens = 1_000;
         // 20,000 > 2 × 1,000 + 4,096: the request goes where it starts sooner.
         assert_eq!(PredictedTtft::default().choose(&view(&k, &[holder, other])).chosen(), Some(1));
+    }
+
+    #[test]
+    fn a_long_held_prefix_stays_while_its_queue_is_shorter_than_recomputing_it() {
+        // 16,005 tokens, 14,400 held by the holder and none elsewhere.
+        let k = keys(1000);
+        let mut holder = cand(0, 900, 3);
+        holder.load.pending_prefill_tokens = 24_000;
+        let mut other = cand(1, 0, 3);
+        other.load.pending_prefill_tokens = 5_000;
+        let c = [holder, other];
+        // Without a tie band, so the predicted TTFT alone would move it.
+        let no_band = PredictedTtftParams { near_best: 0.0, near_best_us: 0.0, ..Default::default() };
+        // 24,000 ≤ 2 × 5,000 + 14,400 (what a move would recompute): it stays.
+        assert_eq!(PredictedTtft { params: no_band }.choose(&view(&k, &c)).chosen(), Some(0));
+        // With only the fixed 4,096-token slack, it moves.
+        let fixed = PredictedTtftParams { stick_recompute_weight: 0.0, ..no_band };
+        assert_eq!(PredictedTtft { params: fixed }.choose(&view(&k, &c)).chosen(), Some(1));
     }
 
     #[test]
