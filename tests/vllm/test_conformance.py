@@ -14,7 +14,7 @@ shared prefixes, with exact repeats and block-aligned lengths.
   answer shape.
 - A scripted preemption (requests queued behind a big one, admitted in one
   step, outgrowing the pool): equal event for event, one preemption each.
-- Eight in flight (at least 400 requests): total cached tokens within 1 %,
+- Eight in flight (at least 400 requests): total cached tokens within 2 %,
   prefix-cache queries equal.
 
     target/vllm-venv/bin/python -m pytest tests/vllm/test_conformance.py -s
@@ -63,6 +63,8 @@ from conformance_support import (  # noqa: E402
 # run-to-run spread on this workload is about 1 % at 240 requests.
 REQUESTS = int(os.environ.get("KVROUTE_CONFORMANCE_REQUESTS", "150"))
 CONCURRENT_MIN = 400
+# How far the concurrent phase's totals may differ (see its test).
+TOTALS_BOUND = 0.02
 # 127 usable blocks of 32 tokens (4064): the workload sends many times that,
 # so both engines evict all along, yet its hot prefixes mostly fit, so the
 # concurrent totals depend little on how arrivals interleave with steps.
@@ -304,5 +306,9 @@ def test_eight_in_flight_totals_agree(pair):
           f"vLLM {hits_a} / sim {hits_b} ({(hits_b - hits_a) / max(hits_a, 1):+.2%}), {same} requests equal, "
           f"queries {queries}, /metrics hits {metric_hits}, preemptions so far {preempted}")
     assert queries[0] == queries[1]
-    assert abs(hits_b - hits_a) <= 0.01 * hits_a, f"cached tokens: vLLM {hits_a}, sim {hits_b}"
-    assert abs(metric_hits[1] - metric_hits[0]) <= 0.01 * metric_hits[0]
+    # 2 %: vLLM against itself differs by up to 1.0 % here (batching follows
+    # timing), so two engines may differ by about twice that. At 1 % a
+    # clean-clone CI run failed on 2026-11-23 at -1.08 % (earlier runs:
+    # -0.15, +0.51, +0.30 %).
+    assert abs(hits_b - hits_a) <= TOTALS_BOUND * hits_a, f"cached tokens: vLLM {hits_a}, sim {hits_b}"
+    assert abs(metric_hits[1] - metric_hits[0]) <= TOTALS_BOUND * metric_hits[0]
