@@ -98,11 +98,15 @@ pub async fn dispatch_delay_ms(client: &reqwest::Client, routers: &[String]) -> 
             *buckets.entry(le.to_bits()).or_default() += count;
         }
     }
-    let mut cumulative: Vec<(f64, f64)> = buckets.into_iter().map(|(le, n)| (f64::from_bits(le), n)).collect();
-    cumulative.sort_by(|a, b| a.0.total_cmp(&b.0));
+    // Bucket bounds are positive, whose bit patterns order as their values:
+    // the map is already in `le` order.
+    let cumulative: Vec<(f64, f64)> = buckets.into_iter().map(|(le, n)| (f64::from_bits(le), n)).collect();
     let total = cumulative.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
     let quantile = |q: f64| cumulative.iter().find(|(_, n)| *n >= q * total).map(|(le, _)| le * 1e3);
-    (total > 0.0).then(|| Some((quantile(0.5)?, quantile(0.99)?))).flatten()
+    Some((quantile(0.5)?, quantile(0.99)?))
 }
 
 /// `(le, cumulative count)` of a Prometheus histogram's `_bucket` series

@@ -219,13 +219,14 @@ class Engine:
         return metric_sum(self.url, name)
 
 
-def metric_sum(base_url: str, name: str) -> float:
-    """A Prometheus metric from `base_url/metrics`, summed over its label sets."""
+def metric_sum(base_url: str, name: str, label: str = "") -> float:
+    """A Prometheus metric from `base_url/metrics`, summed over its label sets
+    (those containing `label`, e.g. `engine="1"`, when given)."""
     text = requests.get(f"{base_url}/metrics", timeout=5).text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " ")
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " ") and label in line
     )
 
 

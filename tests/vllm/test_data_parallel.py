@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 import requests
 
-from harness import MODEL, Engine, Router, Sidecar, eventually, engine_hash_to_router_key, tiny_model, truth
+from harness import MODEL, Engine, Router, Sidecar, engine_hash_to_router_key, eventually, metric_sum, tiny_model, truth
 
 RANKS = 2
 
@@ -33,12 +33,7 @@ def engine():
 def engine_counter(engine: Engine, name: str, rank: int) -> float:
     """A counter of one data-parallel engine core (`engine="R"`), summed over
     its other labels."""
-    text = requests.get(f"{engine.url}/metrics", timeout=5).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") and f'engine="{rank}"' in line
-    )
+    return metric_sum(engine.url, name, f'engine="{rank}"')
 
 
 def test_each_rank_serves_its_own_snapshot_on_port_plus_rank(engine):
