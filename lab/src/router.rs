@@ -9,7 +9,7 @@
 //! depths, which is what raising the bitset's width would do.
 
 use kvroute_router::index::{Index, MAX_WORKERS, Slot};
-use kvroute_router::policy::{Candidate, LoadView, Policy, Reason, RouteView};
+use kvroute_router::policy::{ArrivalRate, Candidate, LoadView, Policy, Reason, RouteView};
 use kvroute_router::workers::id_hash;
 use kvroute_shared::{BlockKey, WorkerId};
 
@@ -33,6 +33,7 @@ pub struct LabRouter {
     id_hashes: Vec<u64>,
     inflight: Vec<u32>,
     pending: Vec<u64>,
+    rates: Vec<ArrivalRate>,
     reported: Vec<EngineLoad>,
     mean_prompt_tokens: f64,
     mean_uncached_tokens: f64,
@@ -50,6 +51,7 @@ impl LabRouter {
             id_hashes: (0..workers).map(|w| id_hash(&WorkerId::new(format!("w{w}")))).collect(),
             inflight: vec![0; workers],
             pending: vec![0; workers],
+            rates: vec![ArrivalRate::default(); workers],
             reported: vec![EngineLoad::default(); workers],
             // `AppState`'s starting estimate.
             mean_prompt_tokens: 512.0,
@@ -89,6 +91,7 @@ impl LabRouter {
                         running: r.running,
                         waiting: r.waiting,
                         kv_usage: r.kv_usage,
+                        arrival_rate: self.rates[w].at(now_ms),
                     },
                     id_hash: self.id_hashes[w],
                 }
@@ -115,6 +118,7 @@ impl LabRouter {
         }
         self.inflight[worker] += 1;
         self.pending[worker] += uncached;
+        self.rates[worker].record(now_ms);
         self.mean_prompt_tokens = self.mean_prompt_tokens * 0.95 + prompt_tokens as f64 * 0.05;
         self.mean_uncached_tokens = self.mean_uncached_tokens * 0.95 + uncached as f64 * 0.05;
         Routed { worker, reason: decision.reason, uncached, matched_blocks: candidates[worker].matched_blocks }

@@ -158,7 +158,7 @@ pub async fn workers(State(state): State<Arc<AppState>>) -> Json<Value> {
                 // Exact: a sidecar reports the engine's cache. Approximate:
                 // the router's own routing decisions stand in for it.
                 "index_mode": if w.live.has_sidecar.load(Ordering::Relaxed) { "exact" } else { "approximate" },
-                "load": w.live.load(),
+                "load": w.live.load(now_ms()),
                 "index": map.index.counts(w.slot),
                 "last_sync_ms_ago": (last_sync > 0).then(|| now.saturating_sub(last_sync)),
             })

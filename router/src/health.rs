@@ -219,7 +219,7 @@ pub fn housekeeping_gauges(state: &AppState) {
         for (kind, n) in INDEX_KINDS.into_iter().zip([c.confirmed, c.speculative, c.approximate]) {
             m.index_worker_entries.get_or_create(&WorkerKind { worker: id.clone(), kind }).set(n as i64);
         }
-        let load = w.live.load();
+        let load = w.live.load(now_ms());
         let label = WorkerLabel { worker: id.clone() };
         m.init_worker_series(&id);
         m.worker_inflight.get_or_create(&label).set(i64::from(load.inflight));

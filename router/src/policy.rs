@@ -47,6 +47,31 @@ pub struct LoadView {
     pub running: u32,
     pub waiting: u32,
     pub kv_usage: f64,
+    /// Requests per second this router sent there lately ([`ArrivalRate`]).
+    pub arrival_rate: f64,
+}
+
+/// A worker's recent request rate: a count that decays exponentially with a
+/// time constant of [`ArrivalRate::TAU_MS`], read and updated at times the
+/// caller gives (wall-clock ms in the router, virtual ms in the lab).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ArrivalRate {
+    per_s: f64,
+    at_ms: u64,
+}
+
+impl ArrivalRate {
+    pub const TAU_MS: f64 = 2_000.0;
+
+    /// Requests per second as of `now_ms`.
+    pub fn at(self, now_ms: u64) -> f64 {
+        self.per_s * (-(now_ms.saturating_sub(self.at_ms) as f64) / Self::TAU_MS).exp()
+    }
+
+    /// One more request sent at `now_ms`.
+    pub fn record(&mut self, now_ms: u64) {
+        *self = ArrivalRate { per_s: self.at(now_ms) + 1e3 / Self::TAU_MS, at_ms: now_ms.max(self.at_ms) };
+    }
 }
 
 impl LoadView {
@@ -134,11 +159,13 @@ pub enum Reason {
     BelowThreshold,
     /// A session pinned the request to this worker.
     Session,
+    /// An idle worker took the request from a busy holder (`predicted_ttft`).
+    IdlePull,
 }
 
 impl Reason {
     /// Every reason, for metric series that exist before the first decision.
-    pub const ALL: [Reason; 13] = [
+    pub const ALL: [Reason; 14] = [
         Reason::BestCost,
         Reason::ColdPlacement,
         Reason::Imbalanced,
@@ -152,6 +179,7 @@ impl Reason {
         Reason::ThresholdMatch,
         Reason::BelowThreshold,
         Reason::Session,
+        Reason::IdlePull,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -169,6 +197,7 @@ impl Reason {
             Reason::ThresholdMatch => "threshold_match",
             Reason::BelowThreshold => "below_threshold",
             Reason::Session => "session",
+            Reason::IdlePull => "idle_pull",
         }
     }
 }
@@ -295,5 +324,24 @@ pub(crate) mod testkit {
 
     pub fn keys(n: u64) -> Vec<BlockKey> {
         (1..=n).map(BlockKey).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ArrivalRate;
+
+    #[test]
+    fn the_arrival_rate_counts_requests_over_its_time_constant_and_decays() {
+        let mut r = ArrivalRate::default();
+        assert_eq!(r.at(0), 0.0);
+        for _ in 0..4 {
+            r.record(1_000);
+        }
+        // 4 requests over a 2 s time constant: 2 per second, then e^-1 of it.
+        assert!((r.at(1_000) - 2.0).abs() < 1e-9);
+        assert!((r.at(3_000) - 2.0 / std::f64::consts::E).abs() < 1e-9);
+        // A clock that steps back reads the latest value, never more.
+        assert!((r.at(500) - 2.0).abs() < 1e-9);
     }
 }

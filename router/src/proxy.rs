@@ -23,7 +23,7 @@ use crate::error::RouterError;
 use crate::metrics::{NO_WORKER, WorkerStatus};
 use crate::routing::{self, Plan};
 use crate::sessions::valid_session_id;
-use crate::state::AppState;
+use crate::state::{AppState, now_ms};
 use crate::workers::Worker;
 
 pub const WORKER_HEADER: &str = "x-kvroute-worker";
@@ -480,6 +480,7 @@ impl InflightGuard {
     fn new(state: Arc<AppState>, worker: Arc<Worker>, pending: u64, arrived: Instant) -> Self {
         worker.live.inflight.fetch_add(1, Ordering::Relaxed);
         worker.live.pending_prefill_tokens.fetch_add(pending, Ordering::Relaxed);
+        worker.live.record_arrival(now_ms());
         InflightGuard {
             state,
             worker,

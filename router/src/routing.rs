@@ -170,6 +170,7 @@ fn plan_against(
     }
     let block_size = state.config.block_size.get();
     let pinned_at = pinned.and_then(|id| workers.iter().position(|w| &w.id == id));
+    let now = now_ms();
     let decide = |index: &Index| {
         let depths = index.match_depths(&keys);
         let depth_of = |slot: Slot| depths.iter().find(|(s, _)| *s == slot).map_or(0, |(_, d)| *d);
@@ -178,7 +179,7 @@ fn plan_against(
             .map(|w| Candidate {
                 slot: w.slot,
                 matched_blocks: depth_of(w.slot),
-                load: w.live.load(),
+                load: w.live.load(now),
                 id_hash: w.id_hash,
             })
             .collect();

@@ -18,7 +18,7 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 use crate::index::{MAX_WORKERS, Slot};
-use crate::policy::LoadView;
+use crate::policy::{ArrivalRate, LoadView};
 
 /// Where a worker came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -78,6 +78,8 @@ pub struct WorkerLive {
     pub last_probe_ok_ms: AtomicU64,
     /// Is a sidecar reporting for this worker (exact index)?
     pub has_sidecar: AtomicBool,
+    /// Requests this router sent there lately.
+    arrivals: Mutex<ArrivalRate>,
 }
 
 impl Default for WorkerLive {
@@ -94,6 +96,7 @@ impl Default for WorkerLive {
             last_sync_ms: AtomicU64::new(0),
             last_probe_ok_ms: AtomicU64::new(0),
             has_sidecar: AtomicBool::new(false),
+            arrivals: Mutex::new(ArrivalRate::default()),
         }
     }
 }
@@ -105,13 +108,20 @@ impl WorkerLive {
         self.kv_usage_bits.store(load.kv_usage.to_bits(), Ordering::Relaxed);
     }
 
-    pub fn load(&self) -> LoadView {
+    /// A request was sent there at `now_ms`.
+    pub fn record_arrival(&self, now_ms: u64) {
+        self.arrivals.lock().record(now_ms);
+    }
+
+    /// The worker's load as of `now_ms` (unix ms).
+    pub fn load(&self, now_ms: u64) -> LoadView {
         LoadView {
             inflight: self.inflight.load(Ordering::Relaxed),
             pending_prefill_tokens: self.pending_prefill_tokens.load(Ordering::Relaxed),
             running: self.running.load(Ordering::Relaxed),
             waiting: self.waiting.load(Ordering::Relaxed),
             kv_usage: f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed)),
+            arrival_rate: self.arrivals.lock().at(now_ms),
         }
     }
 

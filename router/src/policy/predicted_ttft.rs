@@ -33,17 +33,34 @@
 //!   spends cache on a second copy;
 //! - a spill gate drops candidates carrying far more requests than the mean
 //!   (stale reports and other replicas' bursts can make a holder look idle);
+//! - the delay a placement imposes on others counts too: requests reach a
+//!   worker at its recent arrival rate, and each that arrives before this
+//!   request's prefill is done waits for it, so a long cold prefill goes
+//!   where fewer requests will queue behind it (`imposed_weight`). It only
+//!   chooses among candidates whose own cost is within `imposed_band` of
+//!   the best: a request gives up at most that much to spare the others;
 //! - candidates within `near_best` (+ `near_best_us`) of the best are equal,
 //!   broken by rendezvous hashing of the block where the prompt leaves the
 //!   cache, so independent replicas agree and a new conversation's later
-//!   turns follow its first one.
+//!   turns follow its first one (the arrival rates are each replica's own,
+//!   so they only part replicas where the imposed delays differ by more
+//!   than that band);
+//! - idle pull: a per-request TTFT minimum never spends one request's
+//!   prefill to make a new replica of a hot prefix, so a worker that holds
+//!   none of a shared tool prompt can sit idle while the holders queue (the
+//!   lab's agent loops: one of 4 workers unused, p50 230 ms against
+//!   Preble's 86). A worker with no request at all takes the request when
+//!   the chosen worker's queue exceeds what the idle one would prefill,
+//!   counting `pull_ratio` per token two or more workers already hold and
+//!   `pull_unique_ratio` per token only one does (a conversation or a
+//!   document: a copy serves only this request's successors).
 //!
 //! Every default was chosen in the virtual-time lab over 7 workloads × 3
 //! loads × 4 and 16 workers × 1 and 3 routers (`kvroute-lab matrix`).
 
 use serde::Deserialize;
 
-use super::{Decision, Policy, Reason, RouteView, rendezvous};
+use super::{Candidate, Decision, Policy, Reason, RouteView, rendezvous};
 
 #[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -84,6 +101,22 @@ pub struct PredictedTtftParams {
     /// recompute): a long document or conversation stays while the queue
     /// ahead of it there is shorter than recomputing it elsewhere.
     pub stick_recompute_weight: f64,
+    /// Idle pull: a worker with no request at all takes the request when
+    /// the chosen worker's queued prefill exceeds what the idle worker would
+    /// prefill, its tokens counted `pull_ratio` where two or more workers
+    /// already hold them (a hot prefix: one more replica serves many later
+    /// requests) and `pull_unique_ratio` elsewhere (a conversation or
+    /// document only this request's successors reuse). 0 turns it off.
+    pub pull_ratio: f64,
+    pub pull_unique_ratio: f64,
+    /// Weight of the delay a placement imposes on others: the requests that
+    /// reach that worker (at its recent arrival rate) before this one's
+    /// prefill is done each wait for that prefill. 0 turns it off.
+    pub imposed_weight: f64,
+    /// The imposed delay only chooses among candidates whose own cost is
+    /// within this fraction of the best: a request gives up at most that
+    /// much of its own time to first token to spare the others.
+    pub imposed_band: f64,
 }
 
 impl Default for PredictedTtftParams {
@@ -103,6 +136,10 @@ impl Default for PredictedTtftParams {
             stick_factor: 2.0,
             stick_slack_tokens: 4_096.0,
             stick_recompute_weight: 1.0,
+            pull_ratio: 0.5,
+            pull_unique_ratio: 2.0,
+            imposed_weight: 0.5,
+            imposed_band: 0.5,
         }
     }
 }
@@ -137,6 +174,36 @@ impl PredictedTtft {
     }
 }
 
+impl PredictedTtft {
+    /// Idle pull ([`PredictedTtftParams::pull_ratio`]): an idle eligible
+    /// worker that should take the request instead of `chosen`, if any.
+    fn idle_pull(&self, view: &RouteView<'_>, eligible: &[usize], queued: &[f64], chosen: usize) -> Option<usize> {
+        let p = &self.params;
+        if p.pull_ratio <= 0.0 || queued[chosen] <= 0.0 {
+            return None;
+        }
+        // The depth at least two workers hold: the prompt's hot prefix.
+        let mut depths: Vec<usize> = view.candidates.iter().map(|c| c.matched_blocks).collect();
+        depths.sort_unstable_by(|a, b| b.cmp(a));
+        let hot_depth = depths.get(1).copied().unwrap_or(0);
+        let weighted_miss = |c: &Candidate| {
+            let uncached = view.uncached_tokens(c);
+            let hot = ((hot_depth.saturating_sub(c.matched_blocks)) * view.block_size).min(uncached as usize) as u64;
+            p.pull_ratio * hot as f64 + p.pull_unique_ratio * (uncached - hot) as f64
+        };
+        let anchor = view.keys.first().map_or(view.head_hash, |k| k.0);
+        eligible
+            .iter()
+            .copied()
+            .filter(|&i| view.candidates[i].load.requests() == 0 && queued[i] <= 0.0)
+            .filter(|&i| queued[chosen] >= weighted_miss(&view.candidates[i]))
+            .min_by_key(|&i| {
+                let c = &view.candidates[i];
+                (view.uncached_tokens(c), std::cmp::Reverse(rendezvous(anchor, c.id_hash)))
+            })
+    }
+}
+
 impl Policy for PredictedTtft {
     fn name(&self) -> &'static str {
         "predicted_ttft"
@@ -148,10 +215,21 @@ impl Policy for PredictedTtft {
         let queued: Vec<f64> = (0..n).map(|i| self.queued(view, i)).collect();
         let predicted: Vec<f64> = (0..n).map(|i| self.predict_after(view, i, queued[i])).collect();
         let least_uncached = view.candidates.iter().map(|c| view.uncached_tokens(c)).min().unwrap_or(0);
-        let score: Vec<f64> = (0..n)
+        // Own cost: the predicted TTFT, a recomputed token that another
+        // worker holds counted 1 + miss_weight times.
+        let own: Vec<f64> = (0..n)
             .map(|i| {
                 let extra = view.uncached_tokens(&view.candidates[i]) - least_uncached;
                 predicted[i] + p.miss_weight * extra as f64 * p.prefill_us_per_token
+            })
+            .collect();
+        // Imposed delay: arrivals there until this request's prefill is
+        // done (rate × predicted TTFT), each waiting for that prefill.
+        let imposed: Vec<f64> = (0..n)
+            .map(|i| {
+                let c = &view.candidates[i];
+                let prefill = view.uncached_tokens(c) as f64 * p.prefill_us_per_token;
+                p.imposed_weight * c.load.arrival_rate * 1e-6 * predicted[i] * prefill
             })
             .collect();
         let loads: Vec<u64> = view.candidates.iter().map(|c| c.load.requests()).collect();
@@ -176,12 +254,20 @@ impl Policy for PredictedTtft {
                 });
                 let slack = p.stick_slack_tokens.max(p.stick_recompute_weight * saved as f64);
                 if held > p.stick_ratio * view.prompt_tokens as f64 && queued[h] <= p.stick_factor * shortest + slack {
-                    let mut d = Decision::with_fallbacks(view, h, Reason::BestCost);
+                    let (h, reason) = match self.idle_pull(view, &eligible, &queued, h) {
+                        Some(i) => (i, Reason::IdlePull),
+                        None => (h, Reason::BestCost),
+                    };
+                    let mut d = Decision::with_fallbacks(view, h, reason);
                     d.costs = predicted.iter().map(|t| Some(t / 1e3)).collect();
                     return d;
                 }
             }
         }
+        let own_best = eligible.iter().map(|&i| own[i]).fold(f64::INFINITY, f64::min);
+        let own_bound = own_best * (1.0 + p.imposed_band) + p.near_best_us;
+        let score: Vec<f64> =
+            (0..n).map(|i| if own[i] <= own_bound { own[i] + imposed[i] } else { f64::INFINITY }).collect();
         let best = eligible.iter().map(|&i| score[i]).fold(f64::INFINITY, f64::min);
         let bound = best * (1.0 + p.near_best) + p.near_best_us;
         let deepest = view.candidates.iter().map(|c| c.matched_blocks).max().unwrap_or(0);
@@ -194,7 +280,11 @@ impl Policy for PredictedTtft {
             .filter(|&i| score[i] <= bound)
             .max_by_key(|&i| rendezvous(anchor, view.candidates[i].id_hash))
             .unwrap_or(0);
-        let reason = if view.keys.is_empty() {
+        let pulled = self.idle_pull(view, &eligible, &queued, chosen);
+        let chosen = pulled.unwrap_or(chosen);
+        let reason = if pulled.is_some() {
+            Reason::IdlePull
+        } else if view.keys.is_empty() {
             Reason::NoFullBlock
         } else if deepest == 0 {
             Reason::ColdPlacement
@@ -345,5 +435,55 @@ mod tests {
         let c = [holder, cand(1, 0, 1), cand(2, 0, 1)];
         let d = PredictedTtft::default().choose(&view(&k, &c));
         assert_ne!(d.chosen(), Some(0));
+    }
+
+    #[test]
+    fn an_idle_worker_takes_a_hot_prefix_from_busy_holders() {
+        // A 6,000-token tool prompt (375 blocks) that two busy workers hold,
+        // and a short task; worker 2 is idle and holds nothing.
+        let k = keys(390);
+        let mut a = cand(0, 375, 6);
+        a.load.pending_prefill_tokens = 4_000;
+        let mut b = cand(1, 375, 6);
+        b.load.pending_prefill_tokens = 4_500;
+        let c = [a, b, cand(2, 0, 0)];
+        // 4,000 queued ≥ 0.5 × 6,000 hot + 2 × 245 other tokens: pulled.
+        let d = PredictedTtft::default().choose(&view(&k, &c));
+        assert_eq!((d.chosen(), d.reason), (Some(2), Reason::IdlePull));
+        // Without the pull, the TTFT alone keeps it on a holder.
+        let off = PredictedTtftParams { pull_ratio: 0.0, ..Default::default() };
+        assert_eq!(PredictedTtft { params: off }.choose(&view(&k, &c)).chosen(), Some(0));
+    }
+
+    #[test]
+    fn an_idle_worker_does_not_take_a_conversation_only_its_holder_has() {
+        // The same sizes, but only worker 0 holds the 6,000 tokens (one
+        // conversation): moving would recompute it for this request alone.
+        let k = keys(390);
+        let mut a = cand(0, 375, 6);
+        a.load.pending_prefill_tokens = 4_000;
+        let c = [a, cand(1, 0, 1), cand(2, 0, 0)];
+        let d = PredictedTtft::default().choose(&view(&k, &c));
+        assert_eq!((d.chosen(), d.reason), (Some(0), Reason::BestCost));
+    }
+
+    #[test]
+    fn a_cold_prefill_goes_where_fewer_requests_will_queue_behind_it() {
+        // Two idle workers that hold nothing of a 4,000-token prompt; worker 0
+        // receives 20 requests a second, worker 1 none. Whatever the hash
+        // prefers, the prefill goes to worker 1.
+        let mut busy = cand(0, 0, 0);
+        busy.load.arrival_rate = 20.0;
+        let c = [busy, cand(1, 0, 0)];
+        for s in 0..32u64 {
+            let k: Vec<_> = (0..250).map(|i| kvroute_shared::BlockKey(s * 1_000 + i)).collect();
+            assert_eq!(PredictedTtft::default().choose(&view(&k, &c)).chosen(), Some(1), "prompt {s}");
+        }
+        // A hit is not moved for it: the holder's prefill is short.
+        let k = keys(250);
+        let mut holder = cand(0, 248, 0);
+        holder.load.arrival_rate = 20.0;
+        let c = [holder, cand(1, 0, 0)];
+        assert_eq!(PredictedTtft::default().choose(&view(&k, &c)).chosen(), Some(0));
     }
 }
