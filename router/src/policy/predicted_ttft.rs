@@ -172,9 +172,7 @@ impl PredictedTtft {
         let t = tokens * p.prefill_us_per_token + steps * (p.step_overhead_us + decoders * p.decode_us_per_seq);
         t * (1.0 + 10.0 * (c.load.kv_usage - p.kv_knee).max(0.0))
     }
-}
 
-impl PredictedTtft {
     /// Idle pull ([`PredictedTtftParams::pull_ratio`]): an idle eligible
     /// worker that should take the request instead of `chosen`, if any.
     fn idle_pull(&self, view: &RouteView<'_>, eligible: &[usize], queued: &[f64], chosen: usize) -> Option<usize> {
@@ -214,24 +212,6 @@ impl Policy for PredictedTtft {
         let n = view.candidates.len();
         let queued: Vec<f64> = (0..n).map(|i| self.queued(view, i)).collect();
         let predicted: Vec<f64> = (0..n).map(|i| self.predict_after(view, i, queued[i])).collect();
-        let least_uncached = view.candidates.iter().map(|c| view.uncached_tokens(c)).min().unwrap_or(0);
-        // Own cost: the predicted TTFT, a recomputed token that another
-        // worker holds counted 1 + miss_weight times.
-        let own: Vec<f64> = (0..n)
-            .map(|i| {
-                let extra = view.uncached_tokens(&view.candidates[i]) - least_uncached;
-                predicted[i] + p.miss_weight * extra as f64 * p.prefill_us_per_token
-            })
-            .collect();
-        // Imposed delay: arrivals there until this request's prefill is
-        // done (rate × predicted TTFT), each waiting for that prefill.
-        let imposed: Vec<f64> = (0..n)
-            .map(|i| {
-                let c = &view.candidates[i];
-                let prefill = view.uncached_tokens(c) as f64 * p.prefill_us_per_token;
-                p.imposed_weight * c.load.arrival_rate * 1e-6 * predicted[i] * prefill
-            })
-            .collect();
         let loads: Vec<u64> = view.candidates.iter().map(|c| c.load.requests()).collect();
         let mean = loads.iter().sum::<u64>() as f64 / n.max(1) as f64;
         let limit = p.spill_factor * mean + p.spill_slack;
@@ -264,6 +244,24 @@ impl Policy for PredictedTtft {
                 }
             }
         }
+        let least_uncached = view.candidates.iter().map(|c| view.uncached_tokens(c)).min().unwrap_or(0);
+        // Own cost: the predicted TTFT, a recomputed token that another
+        // worker holds counted 1 + miss_weight times.
+        let own: Vec<f64> = (0..n)
+            .map(|i| {
+                let extra = view.uncached_tokens(&view.candidates[i]) - least_uncached;
+                predicted[i] + p.miss_weight * extra as f64 * p.prefill_us_per_token
+            })
+            .collect();
+        // Imposed delay: arrivals there until this request's prefill is
+        // done (rate × predicted TTFT), each waiting for that prefill.
+        let imposed: Vec<f64> = (0..n)
+            .map(|i| {
+                let c = &view.candidates[i];
+                let prefill = view.uncached_tokens(c) as f64 * p.prefill_us_per_token;
+                p.imposed_weight * c.load.arrival_rate * 1e-6 * predicted[i] * prefill
+            })
+            .collect();
         let own_best = eligible.iter().map(|&i| own[i]).fold(f64::INFINITY, f64::min);
         let own_bound = own_best * (1.0 + p.imposed_band) + p.near_best_us;
         let score: Vec<f64> =
