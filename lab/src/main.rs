@@ -45,6 +45,10 @@ enum Cmd {
         /// Load level (1 = saturation for a perfect router).
         #[arg(long, default_value_t = 0.6)]
         load: f64,
+        /// Also write one CSV row per request here (arrival, TTFT, tokens,
+        /// worker), to read a policy's decisions one request at a time.
+        #[arg(long)]
+        records: Option<PathBuf>,
         #[command(flatten)]
         common: Common,
     },
@@ -127,11 +131,15 @@ fn sidecar(loss: f64) -> SidecarModel {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().cmd {
-        Cmd::Run { workload, workers, routers, policy, load, common } => {
+        Cmd::Run { workload, workers, routers, policy, load, records, common } => {
             let s = scenario_for(workload, workers, routers, common.seed, sidecar(common.loss));
             let (w, unit) = workload_for(workload, &s, common.requests, &common.trace)?;
             let r = run(&s, &w.at_rate(load * unit), &factory(&policy)?);
             eprintln!("{} requests in {:.2} s wall", w.requests.len(), r.wall_s);
+            if let Some(path) = records {
+                std::fs::write(&path, records_csv(&r.records))
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
             println!("{}", serde_json::to_string_pretty(&r)?);
         }
         Cmd::Matrix {
@@ -223,4 +231,22 @@ fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// One row per request, in arrival order; times in ms, TTFT empty when the
+/// request was rejected.
+fn records_csv(records: &[kvroute_lab::measure::RequestRecord]) -> String {
+    let mut out = String::from("arrival_ms,ttft_ms,prompt_tokens,cached_tokens,ceiling_tokens,worker\n");
+    for r in records {
+        let ttft = r.first_token.map_or(String::new(), |t| format!("{:.3}", (t.0 - r.arrival.0) as f64 / 1e3));
+        out += &format!(
+            "{:.3},{ttft},{},{},{},{}\n",
+            r.arrival.0 as f64 / 1e3,
+            r.prompt_tokens,
+            r.cached_tokens,
+            r.ceiling_tokens,
+            r.worker
+        );
+    }
+    out
 }
