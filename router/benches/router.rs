@@ -144,6 +144,7 @@ fn report(_: &mut Criterion) {
                 .map(|w| Candidate {
                     slot: Slot(w),
                     matched_blocks: depths.iter().find(|(s, _)| *s == Slot(w)).map_or(0, |d| d.1),
+                    matched_kind: Default::default(),
                     load: LoadView { inflight: u32::from(w % 3), ..Default::default() },
                     id_hash: u64::from(w) * 0x9e37_79b9,
                 })

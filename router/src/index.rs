@@ -28,9 +28,10 @@ pub use sync::{Covers, SyncPlan};
 pub use workerset::{MAX_WORKERS, Slot, SlotSet, WORDS};
 
 /// What the index knows about one (key, worker) pair, packed in 8 bytes:
-/// the top two bits are the [`Kind`], the rest a stamp: for a speculative
-/// entry the index's causal clock when it was recorded (see
-/// [`Index::clock`]), for an approximate one its last use in milliseconds.
+/// the top two bits are the [`Kind`], the next one [`Entry::wanted_again`],
+/// the rest a stamp: for a speculative entry the index's causal clock when
+/// it was recorded (see [`Index::clock`]), for an approximate one its last
+/// use in milliseconds.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 struct Entry(u64);
 
@@ -41,7 +42,24 @@ pub enum Kind {
     Approximate,
 }
 
-const STAMP_MASK: u64 = (1 << 62) - 1;
+/// What a router knows of a worker's deepest matched block
+/// ([`Index::match_kind`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MatchKind {
+    /// Confirmed by its sidecar, or approximate (the router's own history).
+    #[default]
+    Held,
+    /// Speculative: this router sent it there and no sidecar confirmed it
+    /// yet; the worker may still be prefilling it.
+    Sent,
+    /// Speculative, and sent there more than once: several requests want
+    /// this new prefix at once (a burst).
+    SentAgain,
+}
+
+const STAMP_MASK: u64 = (1 << 61) - 1;
+const WANTED_AGAIN: u64 = 1 << 61;
 
 impl Entry {
     fn new(kind: Kind, stamp_ms: u64) -> Self {
@@ -61,6 +79,14 @@ impl Entry {
     }
     fn stamp(self) -> u64 {
         self.0 & STAMP_MASK
+    }
+    /// A speculative entry this router sent there again before any sidecar
+    /// confirmed it: several requests want the block at once (a burst).
+    fn wanted_again(self) -> bool {
+        self.0 & WANTED_AGAIN != 0
+    }
+    fn and_wanted_again(self) -> Self {
+        Entry(self.0 | WANTED_AGAIN)
     }
 }
 
@@ -401,8 +427,10 @@ impl Index {
                     });
                     self.put(slot, k, Entry::new(Kind::Approximate, stamp));
                 }
-                (false, _) => {
-                    self.put(slot, k, Entry::new(Kind::Speculative, tick));
+                (false, existing) => {
+                    let entry = Entry::new(Kind::Speculative, tick);
+                    let entry = if existing == Some(Kind::Speculative) { entry.and_wanted_again() } else { entry };
+                    self.put(slot, k, entry);
                     if let Some(w) = self.workers.get_mut(&slot) {
                         w.speculative.push_back((now_ms, tick, k));
                     }
@@ -476,6 +504,15 @@ impl Index {
         out.extend(set_last.iter().map(|s| (s, keys.len())));
         self.bisect(keys, 0, set_first, last, set_last, &mut out);
         out
+    }
+
+    /// What this router knows of `slot`'s entry for `key` (a key it holds).
+    pub fn match_kind(&self, slot: Slot, key: &BlockKey) -> MatchKind {
+        match self.workers.get(&slot).and_then(|w| w.marks.get(key)) {
+            Some(e) if e.kind() == Kind::Speculative && e.wanted_again() => MatchKind::SentAgain,
+            Some(e) if e.kind() == Kind::Speculative => MatchKind::Sent,
+            _ => MatchKind::Held,
+        }
     }
 
     fn holders(&self, key: BlockKey) -> SlotSet {

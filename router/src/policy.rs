@@ -29,7 +29,7 @@ pub use predicted_ttft::{PredictedTtft, PredictedTtftParams};
 pub use prefix_threshold::{PrefixThreshold, PrefixThresholdParams};
 pub use sticky::StickyLeastLoaded;
 
-use crate::index::Slot;
+use crate::index::{MatchKind, Slot};
 
 /// The policy a router runs unless configured otherwise (chosen in the
 /// virtual-time lab, BENCHMARKS.md).
@@ -89,6 +89,8 @@ pub struct Candidate {
     pub slot: Slot,
     /// Leading blocks of the request the worker holds (index match depth).
     pub matched_blocks: usize,
+    /// What this router knows of the deepest matched block there.
+    pub matched_kind: MatchKind,
     pub load: LoadView,
     /// Stable per-worker hash, for rendezvous placement; equal on every router.
     #[serde(skip)]
@@ -161,11 +163,14 @@ pub enum Reason {
     Session,
     /// An idle worker took the request from a busy holder (`predicted_ttft`).
     IdlePull,
+    /// A worker with no prefill queued took a follower of a new prefix
+    /// from the worker still prefilling it (`predicted_ttft`).
+    BurstSpread,
 }
 
 impl Reason {
     /// Every reason, for metric series that exist before the first decision.
-    pub const ALL: [Reason; 14] = [
+    pub const ALL: [Reason; 15] = [
         Reason::BestCost,
         Reason::ColdPlacement,
         Reason::Imbalanced,
@@ -180,6 +185,7 @@ impl Reason {
         Reason::BelowThreshold,
         Reason::Session,
         Reason::IdlePull,
+        Reason::BurstSpread,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -198,6 +204,7 @@ impl Reason {
             Reason::BelowThreshold => "below_threshold",
             Reason::Session => "session",
             Reason::IdlePull => "idle_pull",
+            Reason::BurstSpread => "burst_spread",
         }
     }
 }
@@ -303,6 +310,7 @@ pub(crate) mod testkit {
         Candidate {
             slot: Slot(slot),
             matched_blocks: matched,
+            matched_kind: Default::default(),
             load: LoadView { inflight, pending_prefill_tokens: u64::from(inflight) * 100, ..Default::default() },
             id_hash: splitmix64(u64::from(slot) + 1),
         }

@@ -10,7 +10,7 @@ use kvroute_shared::tokenize::TokenizeError;
 use kvroute_shared::{BlockKey, KeyRoot, WorkerId, block_keys};
 
 use crate::error::RouterError;
-use crate::index::{Index, Slot};
+use crate::index::{Index, MatchKind, Slot};
 use crate::metrics::PolicyReason;
 use crate::policy::{Candidate, Decision, Reason, RouteView};
 use crate::state::{AppState, MapState, now_ms};
@@ -176,11 +176,19 @@ fn plan_against(
         let depth_of = |slot: Slot| depths.iter().find(|(s, _)| *s == slot).map_or(0, |(_, d)| *d);
         let candidates: Vec<Candidate> = workers
             .iter()
-            .map(|w| Candidate {
-                slot: w.slot,
-                matched_blocks: depth_of(w.slot),
-                load: w.live.load(now),
-                id_hash: w.id_hash,
+            .map(|w| {
+                let matched_blocks = depth_of(w.slot);
+                Candidate {
+                    slot: w.slot,
+                    matched_blocks,
+                    matched_kind: if matched_blocks > 0 {
+                        index.match_kind(w.slot, &keys[matched_blocks - 1])
+                    } else {
+                        MatchKind::Held
+                    },
+                    load: w.live.load(now),
+                    id_hash: w.id_hash,
+                }
             })
             .collect();
         let view = RouteView {
