@@ -8,7 +8,7 @@
 //! gives each 128 workers an index of their own and concatenates their match
 //! depths, which is what raising the bitset's width would do.
 
-use kvroute_router::index::{Index, MAX_WORKERS, MatchKind, Slot};
+use kvroute_router::index::{Index, MAX_WORKERS, Slot};
 use kvroute_router::policy::{ArrivalRate, Candidate, LoadView, Policy, Reason, RouteView};
 use kvroute_router::workers::id_hash;
 use kvroute_shared::{BlockKey, WorkerId};
@@ -82,11 +82,8 @@ impl LabRouter {
         let candidates: Vec<Candidate> = (0..self.id_hashes.len())
             .map(|w| {
                 let r = self.reported[w];
-                let matched_kind = if depth[w] > 0 {
-                    self.shards[w / MAX_WORKERS].match_kind(Slot((w % MAX_WORKERS) as u16), &keys[depth[w] - 1])
-                } else {
-                    MatchKind::Held
-                };
+                let matched_kind =
+                    self.shards[w / MAX_WORKERS].match_kind(Slot((w % MAX_WORKERS) as u16), &keys[..depth[w]]);
                 Candidate {
                     slot: Slot(w as u16),
                     matched_blocks: depth[w],

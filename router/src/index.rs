@@ -506,9 +506,11 @@ impl Index {
         out
     }
 
-    /// What this router knows of `slot`'s entry for `key` (a key it holds).
-    pub fn match_kind(&self, slot: Slot, key: &BlockKey) -> MatchKind {
-        match self.workers.get(&slot).and_then(|w| w.marks.get(key)) {
+    /// What this router knows of the deepest of `matched`, the leading keys
+    /// of a request `slot` holds ([`Self::match_depths`]); `Held` when none.
+    pub fn match_kind(&self, slot: Slot, matched: &[BlockKey]) -> MatchKind {
+        let Some(deepest) = matched.last() else { return MatchKind::Held };
+        match self.workers.get(&slot).and_then(|w| w.marks.get(deepest)) {
             Some(e) if e.kind() == Kind::Speculative && e.wanted_again() => MatchKind::SentAgain,
             Some(e) if e.kind() == Kind::Speculative => MatchKind::Sent,
             _ => MatchKind::Held,

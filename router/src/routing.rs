@@ -10,7 +10,7 @@ use kvroute_shared::tokenize::TokenizeError;
 use kvroute_shared::{BlockKey, KeyRoot, WorkerId, block_keys};
 
 use crate::error::RouterError;
-use crate::index::{Index, MatchKind, Slot};
+use crate::index::{Index, Slot};
 use crate::metrics::PolicyReason;
 use crate::policy::{Candidate, Decision, Reason, RouteView};
 use crate::state::{AppState, MapState, now_ms};
@@ -181,11 +181,7 @@ fn plan_against(
                 Candidate {
                     slot: w.slot,
                     matched_blocks,
-                    matched_kind: if matched_blocks > 0 {
-                        index.match_kind(w.slot, &keys[matched_blocks - 1])
-                    } else {
-                        MatchKind::Held
-                    },
+                    matched_kind: index.match_kind(w.slot, &keys[..matched_blocks]),
                     load: w.live.load(now),
                     id_hash: w.id_hash,
                 }

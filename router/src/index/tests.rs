@@ -74,11 +74,11 @@ fn sync_replaces_confirmed_and_keeps_newer_speculative() {
 fn a_prefix_sent_again_before_its_confirmation_is_a_burst() {
     let mut ix = Index::new();
     ix.record_routed(Slot(0), &[k(1), k(2)], 1_000);
-    assert_eq!(ix.match_kind(Slot(0), &k(1)), MatchKind::Sent);
+    assert_eq!(ix.match_kind(Slot(0), &[k(1)]), MatchKind::Sent);
     // A second request sharing k1 only, before any sidecar confirmed it.
     ix.record_routed(Slot(0), &[k(1), k(3)], 1_010);
-    assert_eq!(ix.match_kind(Slot(0), &k(1)), MatchKind::SentAgain);
-    assert_eq!(ix.match_kind(Slot(0), &k(2)), MatchKind::Sent);
+    assert_eq!(ix.match_kind(Slot(0), &[k(1)]), MatchKind::SentAgain);
+    assert_eq!(ix.match_kind(Slot(0), &[k(1), k(2)]), MatchKind::Sent);
     // The sent-again entry still expires on time, from its refreshed stamp.
     assert_eq!(ix.expire_speculative(11_005, 10_000), 1); // k2
     assert_eq!(ix.expire_speculative(11_015, 10_000), 2); // k1, k3
@@ -86,7 +86,8 @@ fn a_prefix_sent_again_before_its_confirmation_is_a_burst() {
     ix.apply_events(Slot(1), false, &[], &[k(1)]);
     ix.record_routed(Slot(1), &[k(1)], 12_000);
     ix.record_routed(Slot(1), &[k(1)], 12_001);
-    assert_eq!(ix.match_kind(Slot(1), &k(1)), MatchKind::Held);
+    assert_eq!(ix.match_kind(Slot(1), &[k(1)]), MatchKind::Held);
+    assert_eq!(ix.match_kind(Slot(1), &[]), MatchKind::Held);
     ix.check_consistency().unwrap();
 }
 
