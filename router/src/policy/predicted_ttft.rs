@@ -155,7 +155,7 @@ impl Default for PredictedTtftParams {
             stick_factor: 2.0,
             stick_slack_tokens: 4_096.0,
             stick_recompute_weight: 1.0,
-            pull_ratio: 0.5,
+            pull_ratio: 0.25,
             pull_unique_ratio: 2.0,
             burst_idle_share: 0.5,
             imposed_weight: 0.5,
@@ -483,13 +483,16 @@ mod tests {
         // and a short task; worker 2 is idle and holds nothing.
         let k = keys(390);
         let mut a = cand(0, 375, 6);
-        a.load.pending_prefill_tokens = 4_000;
+        a.load.pending_prefill_tokens = 2_500;
         let mut b = cand(1, 375, 6);
-        b.load.pending_prefill_tokens = 4_500;
+        b.load.pending_prefill_tokens = 3_000;
         let c = [a, b, cand(2, 0, 0)];
-        // 4,000 queued ≥ 0.5 × 6,000 hot + 2 × 245 other tokens: pulled.
+        // 2,500 queued ≥ 0.25 × 6,000 hot + 2 × 245 other tokens: pulled.
         let d = PredictedTtft::default().choose(&view(&k, &c));
         assert_eq!((d.chosen(), d.reason), (Some(2), Reason::IdlePull));
+        // At the earlier `pull_ratio` 0.5 (3,490 tokens) the holder kept it.
+        let half = PredictedTtftParams { pull_ratio: 0.5, ..Default::default() };
+        assert_eq!(PredictedTtft { params: half }.choose(&view(&k, &c)).chosen(), Some(0));
         // Without the pull, the TTFT alone keeps it on a holder.
         let off = PredictedTtftParams { pull_ratio: 0.0, ..Default::default() };
         assert_eq!(PredictedTtft { params: off }.choose(&view(&k, &c)).chosen(), Some(0));
@@ -541,7 +544,7 @@ mod tests {
             c
         };
         let c = [holder, decoding(1), decoding(2), decoding(3)];
-        // 4,100 queued ≥ 0.5 × 4,000 + 2 × 133 tokens: spread.
+        // 4,100 queued ≥ 0.25 × 4,000 + 2 × 133 tokens: spread.
         let d = PredictedTtft::default().choose(&view(&k, &c));
         assert_eq!(d.reason, Reason::BurstSpread);
         assert_ne!(d.chosen(), Some(0));
