@@ -185,6 +185,9 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
                     prompt_tokens: tokens.len() as u32,
                     ceiling_tokens: (ceiling * bs.get()) as u32,
                     worker: decision.worker as u32,
+                    router: r as u32,
+                    reason: Some(decision.reason),
+                    matched_tokens: (decision.matched_blocks * bs.get()) as u32,
                     ..Default::default()
                 };
                 routed[i] = Some((r, decision));

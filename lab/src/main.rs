@@ -46,7 +46,9 @@ enum Cmd {
         #[arg(long, default_value_t = 0.6)]
         load: f64,
         /// Also write one CSV row per request here (arrival, TTFT, tokens,
-        /// worker), to read a policy's decisions one request at a time.
+        /// worker, router replica, the decision's reason, the tokens the
+        /// router believed that worker held), to read a policy's decisions
+        /// one request at a time.
         #[arg(long)]
         records: Option<PathBuf>,
         #[command(flatten)]
@@ -236,16 +238,21 @@ fn main() -> anyhow::Result<()> {
 /// One row per request, in arrival order; times in ms, TTFT empty when the
 /// request was rejected.
 fn records_csv(records: &[kvroute_lab::measure::RequestRecord]) -> String {
-    let mut out = String::from("arrival_ms,ttft_ms,prompt_tokens,cached_tokens,ceiling_tokens,worker\n");
+    let mut out = String::from(
+        "arrival_ms,ttft_ms,prompt_tokens,cached_tokens,ceiling_tokens,worker,router,reason,matched_tokens\n",
+    );
     for r in records {
         let ttft = r.first_token.map_or(String::new(), |t| format!("{:.3}", (t.0 - r.arrival.0) as f64 / 1e3));
         out += &format!(
-            "{:.3},{ttft},{},{},{},{}\n",
+            "{:.3},{ttft},{},{},{},{},{},{},{}\n",
             r.arrival.0 as f64 / 1e3,
             r.prompt_tokens,
             r.cached_tokens,
             r.ceiling_tokens,
-            r.worker
+            r.worker,
+            r.router,
+            r.reason.map_or("", |x| x.as_str()),
+            r.matched_tokens
         );
     }
     out

@@ -4,6 +4,8 @@
 
 use serde::Serialize;
 
+use kvroute_router::policy::Reason;
+
 use crate::time::Micros;
 
 /// One request's life in the lab.
@@ -19,6 +21,11 @@ pub struct RequestRecord {
     /// What an infinite cache holding every earlier prompt would have served.
     pub ceiling_tokens: u32,
     pub worker: u32,
+    /// The router replica that placed it, why, and how many of its tokens
+    /// that router believed the worker held.
+    pub router: u32,
+    pub reason: Option<Reason>,
+    pub matched_tokens: u32,
 }
 
 /// The engine's step-time model, to split TTFT into own work and queueing.
