@@ -42,7 +42,8 @@
 //! - candidates within `near_best` (+ `near_best_us`) of the best are equal,
 //!   broken by rendezvous hashing of the block where the prompt leaves the
 //!   cache, so independent replicas agree and a new conversation's later
-//!   turns follow its first one (the arrival rates are each replica's own,
+//!   turns follow its first one (the idle pull and the burst spread break
+//!   their ties by the same hash) (the arrival rates are each replica's own,
 //!   so they only part replicas where the imposed delays differ by more
 //!   than that band);
 //! - idle pull: a per-request TTFT minimum never spends one request's
@@ -196,13 +197,18 @@ impl PredictedTtft {
     /// Idle pull ([`PredictedTtftParams::pull_ratio`]) and burst spread
     /// ([`PredictedTtftParams::burst_idle_share`]): an eligible worker with
     /// no prefill queued that should take the request instead of `chosen`,
-    /// if any, and why.
+    /// if any, and why. Equal takers are broken by the same hash as the
+    /// main choice (`anchor`): a conversation's next turn, arriving at a
+    /// replica that has not yet heard where this one went, then lands
+    /// where this one did if that replica's choice falls among the same
+    /// workers.
     fn idle_pull(
         &self,
         view: &RouteView<'_>,
         eligible: &[usize],
         queued: &[f64],
         chosen: usize,
+        anchor: u64,
     ) -> Option<(usize, Reason)> {
         let p = &self.params;
         if p.pull_ratio <= 0.0 || queued[chosen] <= 0.0 {
@@ -222,7 +228,6 @@ impl PredictedTtft {
                 .iter()
                 .any(|o| o.matched_blocks >= c.matched_blocks && o.matched_kind == MatchKind::Held)
             && prefill_idle as f64 >= p.burst_idle_share * eligible.len() as f64;
-        let anchor = view.keys.first().map_or(view.head_hash, |k| k.0);
         eligible
             .iter()
             .copied()
@@ -255,6 +260,12 @@ impl Policy for PredictedTtft {
     fn choose(&self, view: &RouteView<'_>) -> Decision {
         let p = &self.params;
         let n = view.candidates.len();
+        let deepest = view.candidates.iter().map(|c| c.matched_blocks).max().unwrap_or(0);
+        // Where the prompt leaves the cache (the head hash for a prompt
+        // shorter than a block): equal on every replica, and equal for a
+        // conversation's next turn on a replica that has not yet heard
+        // where the last one went.
+        let anchor = view.keys.get(deepest).or(view.keys.last()).map_or(view.head_hash, |k| k.0);
         let queued: Vec<f64> = (0..n).map(|i| self.queued(view, i)).collect();
         let predicted: Vec<f64> = (0..n).map(|i| self.predict_after(view, i, queued[i])).collect();
         let loads: Vec<u64> = view.candidates.iter().map(|c| c.load.requests()).collect();
@@ -279,7 +290,8 @@ impl Policy for PredictedTtft {
                 });
                 let slack = p.stick_slack_tokens.max(p.stick_recompute_weight * saved as f64);
                 if held > p.stick_ratio * view.prompt_tokens as f64 && queued[h] <= p.stick_factor * shortest + slack {
-                    let (h, reason) = self.idle_pull(view, &eligible, &queued, h).unwrap_or((h, Reason::BestCost));
+                    let (h, reason) =
+                        self.idle_pull(view, &eligible, &queued, h, anchor).unwrap_or((h, Reason::BestCost));
                     let mut d = Decision::with_fallbacks(view, h, reason);
                     d.costs = predicted.iter().map(|t| Some(t / 1e3)).collect();
                     return d;
@@ -310,17 +322,13 @@ impl Policy for PredictedTtft {
             (0..n).map(|i| if own[i] <= own_bound { own[i] + imposed[i] } else { f64::INFINITY }).collect();
         let best = eligible.iter().map(|&i| score[i]).fold(f64::INFINITY, f64::min);
         let bound = best * (1.0 + p.near_best) + p.near_best_us;
-        let deepest = view.candidates.iter().map(|c| c.matched_blocks).max().unwrap_or(0);
-        // Where the prompt leaves the cache (the head hash for a prompt
-        // shorter than a block): equal on every replica.
-        let anchor = view.keys.get(deepest).or(view.keys.last()).map_or(view.head_hash, |k| k.0);
         let chosen = eligible
             .iter()
             .copied()
             .filter(|&i| score[i] <= bound)
             .max_by_key(|&i| rendezvous(anchor, view.candidates[i].id_hash))
             .unwrap_or(0);
-        let pulled = self.idle_pull(view, &eligible, &queued, chosen);
+        let pulled = self.idle_pull(view, &eligible, &queued, chosen, anchor);
         let chosen = pulled.map_or(chosen, |(i, _)| i);
         let reason = if let Some((_, reason)) = pulled {
             reason
@@ -496,6 +504,35 @@ mod tests {
         // Without the pull, the TTFT alone keeps it on a holder.
         let off = PredictedTtftParams { pull_ratio: 0.0, ..Default::default() };
         assert_eq!(PredictedTtft { params: off }.choose(&view(&k, &c)).chosen(), Some(0));
+    }
+
+    #[test]
+    fn pulled_conversations_spread_over_idle_workers_and_their_next_turns_follow() {
+        // A 6,000-token tool prompt (375 blocks) that two busy workers hold;
+        // workers 2-7 are idle. Each conversation is pulled to the idle
+        // worker its own first block after the tool prompt hashes to, so a
+        // replica that has not heard of turn 1 sends turn 2 there too, and
+        // conversations do not all pile onto one idle worker.
+        let turn = |conversation: u64, blocks: u64| -> Vec<kvroute_shared::BlockKey> {
+            let mut k = keys(375);
+            k.extend((0..blocks).map(|i| kvroute_shared::BlockKey(1_000_000 * (conversation + 1) + i)));
+            k
+        };
+        let mut a = cand(0, 375, 6);
+        a.load.pending_prefill_tokens = 2_500;
+        let mut b = cand(1, 375, 6);
+        b.load.pending_prefill_tokens = 3_000;
+        let c = [a, b, cand(2, 0, 0), cand(3, 0, 0), cand(4, 0, 0), cand(5, 0, 0), cand(6, 0, 0), cand(7, 0, 0)];
+        let mut used = std::collections::BTreeSet::new();
+        for conversation in 0..32 {
+            let (first, next) = (turn(conversation, 15), turn(conversation, 25));
+            let d1 = PredictedTtft::default().choose(&view(&first, &c));
+            let d2 = PredictedTtft::default().choose(&view(&next, &c));
+            assert_eq!(d1.reason, Reason::IdlePull, "conversation {conversation}");
+            assert_eq!(d1.chosen(), d2.chosen(), "conversation {conversation}");
+            used.insert(d1.chosen());
+        }
+        assert!(used.len() >= 4, "32 conversations went to {used:?}");
     }
 
     #[test]
