@@ -42,10 +42,10 @@
 //! - candidates within `near_best` (+ `near_best_us`) of the best are equal,
 //!   broken by rendezvous hashing of the block where the prompt leaves the
 //!   cache, so independent replicas agree and a new conversation's later
-//!   turns follow its first one (the idle pull breaks its ties by the
-//!   same hash; the arrival rates are each replica's own,
+//!   turns follow its first one (the arrival rates are each replica's own,
 //!   so they only part replicas where the imposed delays differ by more
-//!   than that band);
+//!   than that band). The idle pull below breaks its ties by the same
+//!   hash, the burst spread by the new prefix's first block;
 //! - idle pull: a per-request TTFT minimum never spends one request's
 //!   prefill to make a new replica of a hot prefix, so a worker that holds
 //!   none of a shared tool prompt can sit idle while the holders queue (the
@@ -204,7 +204,7 @@ impl PredictedTtft {
     /// workers. Burst takers are broken by the prefix's first block, so
     /// every follower, on every replica, copies the new prefix onto the
     /// same next worker (hashing each follower's own question spread the
-    /// copies: lab, 64 workers, 3 routers, burst p99 × 1.12–1.21).
+    /// copies: lab, 64 workers, 3 routers, burst p99 × 1.07–1.21).
     fn idle_pull(
         &self,
         view: &RouteView<'_>,
