@@ -27,7 +27,10 @@
 //!   there exceeds `stick_factor` × the shortest queue + a slack: at least
 //!   `stick_slack_tokens`, and `stick_recompute_weight` × the tokens moving
 //!   to the shortest queue would recompute (a RAG document, a long
-//!   conversation: leaving costs more than a short wait);
+//!   conversation: leaving costs more than a short wait), those of them no
+//!   other worker holds counted `1 + stick_unique_weight` times (the only
+//!   copy of a document or a conversation: leaving spends cache on a second
+//!   one, and under eviction pressure evicts something else for it);
 //! - otherwise, a token another worker holds costs `1 + miss_weight` where it
 //!   would be recomputed: recomputing delays whoever queues behind it and
 //!   spends cache on a second copy;
@@ -110,6 +113,12 @@ pub struct PredictedTtftParams {
     /// recompute): a long document or conversation stays while the queue
     /// ahead of it there is shorter than recomputing it elsewhere.
     pub stick_recompute_weight: f64,
+    /// Added to `stick_recompute_weight` for the saved tokens no other
+    /// worker holds, confirmed by the holder's sidecar (a document or a
+    /// conversation with one copy in the cluster): leaving recomputes them
+    /// and spends cache on a second copy; a hot prefix held twice or a
+    /// speculative one is not counted.
+    pub stick_unique_weight: f64,
     /// Idle pull: a worker with no request at all takes the request when
     /// the chosen worker's queued prefill exceeds what the idle worker would
     /// prefill, its tokens counted `pull_ratio` where two or more workers
@@ -156,6 +165,7 @@ impl Default for PredictedTtftParams {
             stick_factor: 2.0,
             stick_slack_tokens: 4_096.0,
             stick_recompute_weight: 1.0,
+            stick_unique_weight: 3.0,
             pull_ratio: 0.25,
             pull_unique_ratio: 2.0,
             burst_idle_share: 0.5,
@@ -267,7 +277,9 @@ impl Policy for PredictedTtft {
     fn choose(&self, view: &RouteView<'_>) -> Decision {
         let p = &self.params;
         let n = view.candidates.len();
-        let deepest = view.candidates.iter().map(|c| c.matched_blocks).max().unwrap_or(0);
+        let mut depths: Vec<usize> = view.candidates.iter().map(|c| c.matched_blocks).collect();
+        depths.sort_unstable_by(|a, b| b.cmp(a));
+        let deepest = depths.first().copied().unwrap_or(0);
         // Where the prompt leaves the cache (the head hash for a prompt
         // shorter than a block): equal on every replica, and equal for a
         // conversation's next turn on a replica that has not yet heard
@@ -295,7 +307,15 @@ impl Policy for PredictedTtft {
                 let saved = shortest_at.map_or(0, |i| {
                     view.uncached_tokens(&view.candidates[i]).saturating_sub(view.uncached_tokens(&view.candidates[h]))
                 });
-                let slack = p.stick_slack_tokens.max(p.stick_recompute_weight * saved as f64);
+                let second = depths.get(1).copied().unwrap_or(0);
+                let hc = &view.candidates[h];
+                let unique = if hc.matched_kind == MatchKind::Held {
+                    ((hc.matched_blocks.saturating_sub(second)) * view.block_size).min(saved as usize) as f64
+                } else {
+                    0.0
+                };
+                let slack =
+                    p.stick_slack_tokens.max(p.stick_recompute_weight * saved as f64 + p.stick_unique_weight * unique);
                 if held > p.stick_ratio * view.prompt_tokens as f64 && queued[h] <= p.stick_factor * shortest + slack {
                     let (h, reason) =
                         self.idle_pull(view, &eligible, &queued, h, anchor).unwrap_or((h, Reason::BestCost));
@@ -358,6 +378,7 @@ impl Policy for PredictedTtft {
 
 #[cfg(test)]
 mod tests {
+    use super::super::Candidate;
     use super::super::testkit::{cand, keys, view};
     use super::*;
 
@@ -449,8 +470,36 @@ mod tests {
         // 24,000 ≤ 2 × 5,000 + 14,400 (what a move would recompute): it stays.
         assert_eq!(PredictedTtft { params: no_band }.choose(&view(&k, &c)).chosen(), Some(0));
         // With only the fixed 4,096-token slack, it moves.
-        let fixed = PredictedTtftParams { stick_recompute_weight: 0.0, ..no_band };
+        let fixed = PredictedTtftParams { stick_recompute_weight: 0.0, stick_unique_weight: 0.0, ..no_band };
         assert_eq!(PredictedTtft { params: fixed }.choose(&view(&k, &c)).chosen(), Some(1));
+    }
+
+    #[test]
+    fn the_only_copy_of_a_prefix_holds_harder_than_a_replicated_one() {
+        // 1,605 tokens, 1,440 held by the holder with 5,000 queued there;
+        // 100 queued on the other worker. Counted once, the recompute would
+        // give a 4,096 slack: 5,000 > 2 × 100 + 4,096.
+        let k = keys(100);
+        let mut holder = cand(0, 90, 3);
+        holder.load.pending_prefill_tokens = 5_000;
+        let other = cand(1, 0, 1);
+        let no_band = PredictedTtftParams { near_best: 0.0, near_best_us: 0.0, ..Default::default() };
+        let choose = |c: &[Candidate]| PredictedTtft { params: no_band }.choose(&view(&k, c)).chosen();
+        // The only copy: the slack is 4 × 1,440 = 5,760, and it stays.
+        assert_eq!(choose(&[holder, other]), Some(0));
+        // A third worker holds it too (behind a longer queue): leaving
+        // loses no copy, and it moves.
+        let mut replica = cand(2, 90, 3);
+        replica.load.pending_prefill_tokens = 9_000;
+        assert_eq!(choose(&[holder, other, replica]), Some(1));
+        // Only sent there, not confirmed: the holder may still be
+        // prefilling it (a burst's followers should spread), and it moves.
+        let mut sent = holder;
+        sent.matched_kind = MatchKind::SentAgain;
+        assert_eq!(choose(&[sent, other]), Some(1));
+        // Counted once, it moves too.
+        let once = PredictedTtftParams { stick_unique_weight: 0.0, ..no_band };
+        assert_eq!(PredictedTtft { params: once }.choose(&view(&k, &[holder, other])).chosen(), Some(1));
     }
 
     #[test]
