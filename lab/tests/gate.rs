@@ -44,10 +44,11 @@ fn ratchet(kind: WorkloadKind, p50_max: f64, p99_max: f64) {
 }
 
 /// 2026-11-23 (idle pull and imposed delay): predicted_ttft p50 1017 ms, the
-/// best; p99 5242 vs 4898 (preble) +7.0 %. 2026-11-25 (`stick_unique_weight`):
-/// p50 1008, p99 5214 vs 4899, +6.4 %. The previous default passed here
+/// best; p99 5242 vs 4898 (preble) +7.0 %. The previous default passed here
 /// (p99 4843 on the same seeds): the imposed delay sends a long cold prompt where
 /// fewer requests queue behind it, and on this trace such prompts are the p99.
+/// 2026-11-25 (`stick_unique_weight`): p50 1008, the best; p99 5214 vs 4899,
+/// +6.4 %.
 #[test]
 fn trace_ratchet() {
     ratchet(WorkloadKind::Trace, 3.0, 7.0);
@@ -66,11 +67,12 @@ fn long_conv_ratchet() {
 }
 
 /// 2026-11-23: predicted_ttft p50 159 ms vs 64 (llmd_weighted) +151 %, p99
-/// 1535, the best (the previous default, same seeds: +256 %). 2026-11-25
-/// (`stick_unique_weight`): p50 196 vs 101 (llmd_weighted) +94.8 %, p99 1553,
-/// the best. llm-d's
+/// 1535, the best (the previous default, same seeds: +256 %). llm-d's
 /// scorers leave most questions on an idle holder and the cold documents'
 /// prefills to a few workers: its p50 is lower, its p99 27 % higher.
+/// 2026-11-25 (`stick_unique_weight`): p50 196 vs 101 (llmd_weighted)
+/// +94.8 %, p99 1553, the best (the load levels are calibrated on the
+/// default, so every policy's rate moved).
 #[test]
 fn rag_ratchet() {
     ratchet(WorkloadKind::Rag, 100.0, 3.0);
