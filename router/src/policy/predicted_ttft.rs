@@ -222,15 +222,12 @@ impl PredictedTtft {
         queued: &[f64],
         chosen: usize,
         anchor: u64,
+        hot_depth: usize,
     ) -> Option<(usize, Reason)> {
         let p = &self.params;
         if p.pull_ratio <= 0.0 || queued[chosen] <= 0.0 {
             return None;
         }
-        // The depth at least two workers hold: the prompt's hot prefix.
-        let mut depths: Vec<usize> = view.candidates.iter().map(|c| c.matched_blocks).collect();
-        depths.sort_unstable_by(|a, b| b.cmp(a));
-        let hot_depth = depths.get(1).copied().unwrap_or(0);
         // A new prefix several requests want at once: nobody holds it
         // confirmed, and the chosen worker was sent it more than once.
         let c = &view.candidates[chosen];
@@ -280,6 +277,9 @@ impl Policy for PredictedTtft {
         let mut depths: Vec<usize> = view.candidates.iter().map(|c| c.matched_blocks).collect();
         depths.sort_unstable_by(|a, b| b.cmp(a));
         let deepest = depths.first().copied().unwrap_or(0);
+        // The depth at least two workers hold: the prompt's hot prefix.
+        // Beyond it, the deepest holder has the cluster's only copy.
+        let hot_depth = depths.get(1).copied().unwrap_or(0);
         // Where the prompt leaves the cache (the head hash for a prompt
         // shorter than a block): equal on every replica, and equal for a
         // conversation's next turn on a replica that has not yet heard
@@ -307,10 +307,9 @@ impl Policy for PredictedTtft {
                 let saved = shortest_at.map_or(0, |i| {
                     view.uncached_tokens(&view.candidates[i]).saturating_sub(view.uncached_tokens(&view.candidates[h]))
                 });
-                let second = depths.get(1).copied().unwrap_or(0);
                 let hc = &view.candidates[h];
                 let unique = if hc.matched_kind == MatchKind::Held {
-                    ((hc.matched_blocks.saturating_sub(second)) * view.block_size).min(saved as usize) as f64
+                    ((hc.matched_blocks.saturating_sub(hot_depth)) * view.block_size).min(saved as usize) as f64
                 } else {
                     0.0
                 };
@@ -318,7 +317,7 @@ impl Policy for PredictedTtft {
                     p.stick_slack_tokens.max(p.stick_recompute_weight * saved as f64 + p.stick_unique_weight * unique);
                 if held > p.stick_ratio * view.prompt_tokens as f64 && queued[h] <= p.stick_factor * shortest + slack {
                     let (h, reason) =
-                        self.idle_pull(view, &eligible, &queued, h, anchor).unwrap_or((h, Reason::BestCost));
+                        self.idle_pull(view, &eligible, &queued, h, anchor, hot_depth).unwrap_or((h, Reason::BestCost));
                     let mut d = Decision::with_fallbacks(view, h, reason);
                     d.costs = predicted.iter().map(|t| Some(t / 1e3)).collect();
                     return d;
@@ -355,7 +354,7 @@ impl Policy for PredictedTtft {
             .filter(|&i| score[i] <= bound)
             .max_by_key(|&i| rendezvous(anchor, view.candidates[i].id_hash))
             .unwrap_or(0);
-        let pulled = self.idle_pull(view, &eligible, &queued, chosen, anchor);
+        let pulled = self.idle_pull(view, &eligible, &queued, chosen, anchor, hot_depth);
         let chosen = pulled.map_or(chosen, |(i, _)| i);
         let reason = if let Some((_, reason)) = pulled {
             reason
