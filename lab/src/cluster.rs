@@ -60,6 +60,30 @@ impl PathModel {
     }
 }
 
+/// A mixed or throttled fleet: the first `share` of the engines (rounded)
+/// take `factor` × the timing model's time for every step (an older GPU, a
+/// node shared with other work). None by default. Load levels count the
+/// slower engines' capacity; the queueing figure (TTFT minus the request's
+/// own prefill on an idle engine of the model's speed) counts a slow
+/// engine's extra prefill time as queueing.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct SlowWorkers {
+    pub share: f64,
+    pub factor: f64,
+}
+
+impl Default for SlowWorkers {
+    fn default() -> Self {
+        SlowWorkers { share: 0.0, factor: 1.0 }
+    }
+}
+
+impl SlowWorkers {
+    pub fn count(&self, workers: usize) -> usize {
+        ((self.share.clamp(0.0, 1.0) * workers as f64).round() as usize).min(workers)
+    }
+}
+
 /// Everything that defines a run besides the workload.
 #[derive(Clone, Debug)]
 pub struct Scenario {
@@ -73,6 +97,7 @@ pub struct Scenario {
     pub speculative_ttl_ms: u64,
     /// Zero unless set: requests reach their engine as they are routed.
     pub path: PathModel,
+    pub slow: SlowWorkers,
 }
 
 impl Scenario {
@@ -90,7 +115,26 @@ impl Scenario {
             head_tokens: 64,
             speculative_ttl_ms: 10_000,
             path: PathModel::default(),
+            slow: SlowWorkers::default(),
         }
+    }
+
+    /// Engine `e`'s configuration: the scenario's, slowed for a slow worker.
+    pub fn engine_config(&self, e: usize) -> SimConfig {
+        let mut c = self.engine.clone();
+        if e < self.slow.count(self.workers) {
+            let f = self.slow.factor;
+            c.cost.overhead_us *= f;
+            c.cost.prefill_us_per_token *= f;
+            c.cost.decode_us_per_seq *= f;
+        }
+        c
+    }
+
+    /// The cluster's throughput in engines of the model's speed.
+    pub fn capacity(&self) -> f64 {
+        let slow = self.slow.count(self.workers);
+        (self.workers - slow) as f64 + slow as f64 / self.slow.factor
     }
 
     pub fn kv_tokens(&self) -> u64 {
@@ -129,7 +173,7 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
     let n = scenario.workers;
     let bs = scenario.engine.block_size;
     let base = Instant::now();
-    let mut engines: Vec<LabEngine> = (0..n).map(|_| LabEngine::new(&scenario.engine, base)).collect();
+    let mut engines: Vec<LabEngine> = (0..n).map(|e| LabEngine::new(&scenario.engine_config(e), base)).collect();
     let mut sidecars: Vec<Sidecar> =
         (0..n).map(|_| Sidecar::new(scenario.engine.model.as_str(), scenario.routers)).collect();
     let mut routers: Vec<LabRouter> =
@@ -179,7 +223,7 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
                 let ceiling = keys[..hittable.min(keys.len())].iter().take_while(|k| seen.contains(k)).count();
                 seen.extend(keys.iter().copied());
                 let r = (splitmix64(scenario.seed ^ i as u64) % scenario.routers as u64) as usize;
-                let decision = routers[r].route(tokens.len(), &keys, head_hash, now.as_ms());
+                let decision = routers[r].route(tokens.len(), &keys, head_hash, now);
                 records[i] = RequestRecord {
                     arrival: now,
                     prompt_tokens: tokens.len() as u32,
@@ -215,7 +259,7 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
                         Progress::FirstToken { req } => {
                             records[req as usize].first_token = Some(now);
                             if let Some((r, d)) = &routed[req as usize] {
-                                routers[*r].first_token(d);
+                                routers[*r].first_token(d, now);
                             }
                         }
                         Progress::Done { req, outcome } => {
@@ -314,5 +358,39 @@ mod tests {
         // 1 ms + 1,000 tokens × 0.5 µs, and nothing else changes.
         assert_eq!(ttft(delayed).map(|t| t.0), ttft(direct).map(|t| t.0 + 1_500));
         assert_eq!(delayed.cached_tokens, direct.cached_tokens);
+    }
+
+    #[test]
+    fn a_slow_engine_takes_longer_and_the_default_learns_to_send_it_less() {
+        let ttft = |r: &RequestRecord| r.first_token.map(|t| t.saturating_sub(r.arrival).0);
+        let one =
+            RequestSpec { at: Micros::ZERO, prompt: Prompt(vec![Segment { seed: 1, len: 1_000 }]), max_tokens: 2 };
+        let w = Workload { kind: WorkloadKind::Chat, requests: vec![one] };
+        let policy = factory("round_robin").expect("a known policy");
+        let mut s = Scenario::new(1, 1, 1);
+        let normal = ttft(&run(&s, &w, &policy).records[0]).unwrap();
+        s.slow = SlowWorkers { share: 1.0, factor: 3.0 };
+        let slow = ttft(&run(&s, &w, &policy).records[0]).unwrap();
+        assert!(slow.abs_diff(3 * normal) <= 3, "{slow} µs against 3 × {normal}");
+
+        // Distinct 2,000-token prompts, one every 50 ms, on 4 workers of
+        // which the first is 3 × slower: with its pace measured, it gets
+        // fewer of them than when every worker counts as the model says.
+        let requests = (0..400)
+            .map(|i| RequestSpec {
+                at: Micros(i * 50_000),
+                prompt: Prompt(vec![Segment { seed: 100 + i, len: 2_000 }]),
+                max_tokens: 16,
+            })
+            .collect();
+        let w = Workload { kind: WorkloadKind::Chat, requests };
+        let mut s = Scenario::new(4, 1, 1);
+        s.slow = SlowWorkers { share: 0.25, factor: 3.0 };
+        let on_slow = |policy: &str| {
+            let r = run(&s, &w, &factory(policy).expect("a known policy"));
+            r.records.iter().filter(|r| r.worker == 0).count()
+        };
+        let (measured, modelled) = (on_slow("predicted_ttft"), on_slow("predicted_ttft:pace_weight=0"));
+        assert!(measured < modelled, "{measured} requests on the slow worker, {modelled} with its pace ignored");
     }
 }

@@ -33,6 +33,7 @@ pub fn spec(kind: WorkloadKind, seed: u64) -> MatrixSpec {
         requests: 300,
         seed,
         sidecar: SidecarModel::default(),
+        slow: Default::default(),
         trace_path: default_trace_path(),
         goodput: None,
     }

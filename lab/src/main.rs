@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use kvroute_lab::cluster::{SidecarModel, run};
+use kvroute_lab::cluster::{SidecarModel, SlowWorkers, run};
 use kvroute_lab::matrix::{GoodputSpec, MatrixSpec, markdown, run_matrix, scenario_for, workload_for};
 use kvroute_lab::policies::{all, default_policy, factory};
 use kvroute_lab::workload::{WorkloadKind, default_trace_path};
@@ -28,6 +28,23 @@ struct Common {
     /// Mooncake-format trace for the `trace` workload.
     #[arg(long, default_value_os_t = default_trace_path())]
     trace: PathBuf,
+    /// Share of the engines that are slow (a mixed or throttled fleet).
+    #[arg(long, default_value_t = 0.0)]
+    slow_share: f64,
+    /// How many times slower those engines are than the timing model.
+    #[arg(long, default_value_t = 2.0)]
+    slow_factor: f64,
+}
+
+impl Common {
+    fn slow(&self) -> anyhow::Result<SlowWorkers> {
+        anyhow::ensure!((0.0..=1.0).contains(&self.slow_share), "--slow-share must be within 0..=1");
+        anyhow::ensure!(
+            self.slow_factor.is_finite() && self.slow_factor >= 1.0,
+            "--slow-factor must be a finite number ≥ 1"
+        );
+        Ok(SlowWorkers { share: self.slow_share, factor: self.slow_factor })
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -134,7 +151,8 @@ fn sidecar(loss: f64) -> SidecarModel {
 fn main() -> anyhow::Result<()> {
     match Cli::parse().cmd {
         Cmd::Run { workload, workers, routers, policy, load, records, common } => {
-            let s = scenario_for(workload, workers, routers, common.seed, sidecar(common.loss));
+            let mut s = scenario_for(workload, workers, routers, common.seed, sidecar(common.loss));
+            s.slow = common.slow()?;
             let (w, unit) = workload_for(workload, &s, common.requests, &common.trace)?;
             let r = run(&s, &w.at_rate(load * unit), &factory(&policy)?);
             eprintln!("{} requests in {:.2} s wall", w.requests.len(), r.wall_s);
@@ -166,6 +184,7 @@ fn main() -> anyhow::Result<()> {
                 requests: common.requests,
                 seed: common.seed,
                 sidecar: sidecar(common.loss),
+                slow: common.slow()?,
                 trace_path: common.trace,
                 goodput: goodput_slo_ms.map(|slo| GoodputSpec {
                     slo_p90_ms: slo,

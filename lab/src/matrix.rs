@@ -10,7 +10,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::cluster::{Scenario, SidecarModel, run};
+use crate::cluster::{Scenario, SidecarModel, SlowWorkers, run};
 use crate::goodput::{Goodput, goodput};
 use crate::measure::Summary;
 use crate::policies::{UnknownPolicy, default_policy, factory};
@@ -26,6 +26,8 @@ pub struct MatrixSpec {
     pub requests: usize,
     pub seed: u64,
     pub sidecar: SidecarModel,
+    /// Slow engines in every scenario (none by default).
+    pub slow: SlowWorkers,
     pub trace_path: std::path::PathBuf,
     /// Goodput searches (TTFT p90 SLO in ms), at this many workers and 1 router; none if `None`.
     pub goodput: Option<GoodputSpec>,
@@ -99,7 +101,7 @@ pub fn workload_for(
     let shape = Shape { requests, seed: s.seed, cluster_kv_tokens: s.kv_tokens(), trace_path: trace.to_owned() };
     let w = Workload::generate(kind, &shape)?;
     let cost = s.engine.cost;
-    let ideal_rate = s.workers as f64 * 1e6 / w.ideal_work_us(cost.prefill_us_per_token, cost.decode_us_per_seq);
+    let ideal_rate = s.capacity() * 1e6 / w.ideal_work_us(cost.prefill_us_per_token, cost.decode_us_per_seq);
     let calibration = run(s, &w.at_rate(ideal_rate), &factory(&default_policy())?);
     let miss = 1.0 - calibration.summary.hit_rate;
     let n = w.requests.len().max(1) as f64;
@@ -111,7 +113,7 @@ pub fn workload_for(
         })
         .sum::<f64>()
         / n;
-    Ok((w, s.workers as f64 * 1e6 / work))
+    Ok((w, s.capacity() * 1e6 / work))
 }
 
 /// Runs the matrix; `progress` hears about each finished row.
@@ -121,7 +123,8 @@ pub fn run_matrix(spec: &MatrixSpec, mut progress: impl FnMut(&Row)) -> Result<M
     for &kind in &spec.workloads {
         for &workers in &spec.workers {
             for &routers in &spec.routers {
-                let s = scenario_for(kind, workers, routers, spec.seed, spec.sidecar);
+                let mut s = scenario_for(kind, workers, routers, spec.seed, spec.sidecar);
+                s.slow = spec.slow;
                 let (w, unit_rate) = workload_for(kind, &s, spec.requests, &spec.trace_path)?;
                 for &load in &spec.loads {
                     let rate = load * unit_rate;
@@ -146,7 +149,8 @@ pub fn run_matrix(spec: &MatrixSpec, mut progress: impl FnMut(&Row)) -> Result<M
             }
         }
         if let Some(g) = spec.goodput {
-            let s = scenario_for(kind, g.workers, 1, spec.seed, spec.sidecar);
+            let mut s = scenario_for(kind, g.workers, 1, spec.seed, spec.sidecar);
+            s.slow = spec.slow;
             let (w, unit_rate) = workload_for(kind, &s, g.requests, &spec.trace_path)?;
             for (name, f) in spec.policies.iter().zip(&factories) {
                 let gp = goodput(&s, &w, f, g.slo_p90_ms, 0.5 * unit_rate, 4);

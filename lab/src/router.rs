@@ -9,12 +9,13 @@
 //! depths, which is what raising the bitset's width would do.
 
 use kvroute_router::index::{Index, MAX_WORKERS, Slot};
-use kvroute_router::policy::{ArrivalRate, Candidate, LoadView, Policy, Reason, RouteView};
+use kvroute_router::policy::{ArrivalRate, Candidate, LoadView, Pace, Policy, PredictedTtftParams, Reason, RouteView};
 use kvroute_router::workers::id_hash;
 use kvroute_shared::{BlockKey, WorkerId};
 
 use crate::engine::EngineLoad;
 use crate::sidecar::Batch;
+use crate::time::Micros;
 
 /// Where one request went and why.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -24,6 +25,10 @@ pub struct Routed {
     /// Prompt tokens the router believed uncached there (its pending prefill).
     pub uncached: u64,
     pub matched_blocks: usize,
+    /// When it was routed, and the timing model's time to its first token
+    /// there: the sample for that worker's [`Pace`].
+    pub sent: Micros,
+    pub modelled_us: Option<f64>,
 }
 
 #[derive(Debug)]
@@ -34,6 +39,10 @@ pub struct LabRouter {
     inflight: Vec<u32>,
     pending: Vec<u64>,
     rates: Vec<ArrivalRate>,
+    paces: Vec<Pace>,
+    /// The timing model paces are measured against (the default's, as the
+    /// router's proxy uses its configured one).
+    model: PredictedTtftParams,
     reported: Vec<EngineLoad>,
     mean_prompt_tokens: f64,
     mean_uncached_tokens: f64,
@@ -52,6 +61,8 @@ impl LabRouter {
             inflight: vec![0; workers],
             pending: vec![0; workers],
             rates: vec![ArrivalRate::default(); workers],
+            paces: vec![Pace::default(); workers],
+            model: PredictedTtftParams::default(),
             reported: vec![EngineLoad::default(); workers],
             // `AppState`'s starting estimate.
             mean_prompt_tokens: 512.0,
@@ -72,7 +83,8 @@ impl LabRouter {
 
     /// Routes a request (as `routing::plan` does for a live request), records
     /// it speculatively and counts it in flight.
-    pub fn route(&mut self, prompt_tokens: usize, keys: &[BlockKey], head_hash: u64, now_ms: u64) -> Routed {
+    pub fn route(&mut self, prompt_tokens: usize, keys: &[BlockKey], head_hash: u64, now: Micros) -> Routed {
+        let now_ms = now.as_ms();
         let mut depth = vec![0usize; self.id_hashes.len()];
         for (s, index) in self.shards.iter().enumerate() {
             for (slot, d) in index.match_depths(keys) {
@@ -95,6 +107,7 @@ impl LabRouter {
                         waiting: r.waiting,
                         kv_usage: r.kv_usage,
                         arrival_rate: self.rates[w].at(now_ms),
+                        pace: self.paces[w].get(),
                     },
                     id_hash: self.id_hashes[w],
                 }
@@ -114,6 +127,7 @@ impl LabRouter {
         let decision = self.policy.choose(&view);
         let worker = decision.chosen().unwrap_or(0);
         let uncached = view.uncached_tokens(&candidates[worker]);
+        let modelled_us = self.model.pace_model_us(&candidates[worker].load, uncached, self.mean_uncached_tokens);
         *self.reasons.entry(decision.reason.as_str()).or_default() += 1;
         if !keys.is_empty() {
             let (index, slot) = self.shard(worker);
@@ -124,12 +138,23 @@ impl LabRouter {
         self.rates[worker].record(now_ms);
         self.mean_prompt_tokens = self.mean_prompt_tokens * 0.95 + prompt_tokens as f64 * 0.05;
         self.mean_uncached_tokens = self.mean_uncached_tokens * 0.95 + uncached as f64 * 0.05;
-        Routed { worker, reason: decision.reason, uncached, matched_blocks: candidates[worker].matched_blocks }
+        Routed {
+            worker,
+            reason: decision.reason,
+            uncached,
+            matched_blocks: candidates[worker].matched_blocks,
+            sent: now,
+            modelled_us,
+        }
     }
 
-    /// The first byte came back: the request's prefill is no longer pending.
-    pub fn first_token(&mut self, r: &Routed) {
+    /// The first byte came back at `now`: the request's prefill is no
+    /// longer pending, and its time is a sample of the worker's pace.
+    pub fn first_token(&mut self, r: &Routed, now: Micros) {
         self.pending[r.worker] -= r.uncached;
+        if let Some(modelled) = r.modelled_us {
+            self.paces[r.worker].record(now.saturating_sub(r.sent).0 as f64, modelled);
+        }
     }
 
     /// The answer ended (or failed before its first byte, `first_seen` false).

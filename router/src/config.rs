@@ -316,15 +316,23 @@ impl RawConfig {
             || t.max_batched_tokens == 0
             || !(t.near_best >= 0.0 && t.spill_factor >= 1.0 && t.miss_weight >= 0.0 && t.stick_factor >= 1.0)
             || !(0.0..=1.0).contains(&t.stick_ratio)
-            || ![t.pull_ratio, t.pull_unique_ratio, t.burst_idle_share, t.imposed_weight, t.imposed_band]
-                .iter()
-                .all(|v| *v >= 0.0 && v.is_finite())
+            || ![
+                t.pull_ratio,
+                t.pull_unique_ratio,
+                t.burst_idle_share,
+                t.imposed_weight,
+                t.imposed_band,
+                t.pace_weight,
+                t.pace_band,
+            ]
+            .iter()
+            .all(|v| *v >= 0.0 && v.is_finite())
         {
             return Err(invalid(
                 "predicted_ttft",
                 "costs must be ≥ 0 (prefill_us_per_token > 0), max_batched_tokens ≥ 1, \
-                 spill_factor and stick_factor ≥ 1, stick_ratio within 0..=1, the pull, burst and \
-                 imposed-delay parameters finite and ≥ 0",
+                 spill_factor and stick_factor ≥ 1, stick_ratio within 0..=1, the pull, burst, \
+                 imposed-delay and pace parameters finite and ≥ 0",
             ));
         }
         if self.max_connections == 0 {
@@ -461,6 +469,8 @@ mod tests {
         for bad in [
             PredictedTtftParams { burst_idle_share: f64::NAN, ..Default::default() },
             PredictedTtftParams { imposed_weight: -1.0, ..Default::default() },
+            PredictedTtftParams { pace_weight: f64::INFINITY, ..Default::default() },
+            PredictedTtftParams { pace_band: -0.5, ..Default::default() },
         ] {
             let e = RawConfig { predicted_ttft: bad, ..Default::default() }.validate().unwrap_err();
             assert!(e.to_string().contains("`predicted_ttft`"), "{e}");

@@ -225,6 +225,9 @@ pub fn housekeeping_gauges(state: &AppState) {
         m.worker_inflight.get_or_create(&label).set(i64::from(load.inflight));
         m.worker_pending_tokens.get_or_create(&label).set(load.pending_prefill_tokens as i64);
         m.worker_kv_usage.get_or_create(&label).set(load.kv_usage);
+        if let Some(pace) = load.pace {
+            m.worker_pace.get_or_create(&label).set(pace);
+        }
         m.worker_healthy.get_or_create(&label).set(i64::from(w.live.is_healthy()));
         let last_sync = w.live.last_sync_ms.load(Ordering::Relaxed);
         if last_sync > 0 {

@@ -110,6 +110,7 @@ pub struct Metrics {
     pub worker_pending_tokens: Family<WorkerLabel, Gauge>,
     pub worker_engine_requests: Family<WorkerKind, Gauge>,
     pub worker_kv_usage: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    pub worker_pace: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
     pub worker_healthy: Family<WorkerLabel, Gauge>,
     pub worker_sync_age: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
     pub worker_sync_timestamp: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
@@ -235,6 +236,13 @@ impl Metrics {
         );
         let worker_kv_usage = Family::<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
         registry.register("worker_kv_usage", "vLLM's KV-cache usage (0..1) as last reported", worker_kv_usage.clone());
+        let worker_pace = Family::<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        registry.register(
+            "worker_pace",
+            "Measured time to first token over the timing model's, on streamed answers with nothing queued \
+             ahead (absent until 8 of them)",
+            worker_pace.clone(),
+        );
         let worker_healthy = Family::<WorkerLabel, Gauge>::default();
         registry.register("worker_healthy", "1 when the worker takes traffic", worker_healthy.clone());
         let worker_sync_age = Family::<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
@@ -294,6 +302,7 @@ impl Metrics {
             worker_pending_tokens,
             worker_engine_requests,
             worker_kv_usage,
+            worker_pace,
             worker_healthy,
             worker_sync_age,
             worker_sync_timestamp,
@@ -385,6 +394,7 @@ impl Metrics {
         self.worker_inflight.remove(&w);
         self.worker_pending_tokens.remove(&w);
         self.worker_kv_usage.remove(&w);
+        self.worker_pace.remove(&w);
         self.worker_healthy.remove(&w);
         self.worker_sync_age.remove(&w);
         self.worker_sync_timestamp.remove(&w);

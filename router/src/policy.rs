@@ -49,6 +49,10 @@ pub struct LoadView {
     pub kv_usage: f64,
     /// Requests per second this router sent there lately ([`ArrivalRate`]).
     pub arrival_rate: f64,
+    /// The worker's measured pace: its recent first tokens' time over what
+    /// the timing model predicted for them ([`Pace`]); `None` until it has
+    /// enough samples.
+    pub pace: Option<f64>,
 }
 
 /// A worker's recent request rate: a count that decays exponentially with a
@@ -71,6 +75,66 @@ impl ArrivalRate {
     /// One more request sent at `now_ms`.
     pub fn record(&mut self, now_ms: u64) {
         *self = ArrivalRate { per_s: self.at(now_ms) + 1e3 / Self::TAU_MS, at_ms: now_ms.max(self.at_ms) };
+    }
+}
+
+/// How fast a worker really is: a low quantile of its recent requests'
+/// measured time to first token over what the timing model predicted for
+/// them at dispatch, counting only requests with nothing known to be queued
+/// ahead of them there ([`PredictedTtftParams::pace_model_us`]). The model's
+/// constants are one GPU's; a slower GPU, a throttled or shared node, or an
+/// engine running a larger model shows up as a pace above the other
+/// workers', and [`PredictedTtft`] scales that worker's predictions by it.
+/// A low quantile, not a mean: what the router cannot see (another
+/// replica's prefill running there, a step already under way when the
+/// request arrives) only ever adds time, so the fastest tenth of the
+/// samples is the worker's speed and the rest is load.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Pace {
+    ratios: [f32; Pace::WINDOW],
+    len: usize,
+    next: usize,
+    quantile: Option<f64>,
+}
+
+impl Default for Pace {
+    fn default() -> Self {
+        Pace { ratios: [0.0; Pace::WINDOW], len: 0, next: 0, quantile: None }
+    }
+}
+
+impl Pace {
+    /// Samples kept.
+    pub const WINDOW: usize = 32;
+    /// Samples before the pace is trusted.
+    pub const MIN_SAMPLES: usize = 8;
+    /// The quantile of the kept ratios taken as the pace (with 32 kept, the
+    /// 4th smallest: one lucky sample, such as a hit the index did not
+    /// know of, does not set it, and a worker that recovers is fast again
+    /// after 4 samples).
+    pub const QUANTILE: f64 = 0.1;
+
+    /// A first token came `measured_us` after dispatch; the model predicted
+    /// `predicted_us`. Non-finite or non-positive figures are ignored.
+    pub fn record(&mut self, measured_us: f64, predicted_us: f64) {
+        if !(measured_us.is_finite() && predicted_us.is_finite() && measured_us >= 0.0 && predicted_us > 0.0) {
+            return;
+        }
+        self.ratios[self.next] = (measured_us / predicted_us) as f32;
+        self.next = (self.next + 1) % Self::WINDOW;
+        self.len = (self.len + 1).min(Self::WINDOW);
+        if self.len >= Self::MIN_SAMPLES {
+            let mut kept = self.ratios;
+            let kept = &mut kept[..self.len];
+            let at = ((self.len - 1) as f64 * Self::QUANTILE).round() as usize;
+            let (_, q, _) = kept.select_nth_unstable_by(at, f32::total_cmp);
+            self.quantile = Some(f64::from(*q));
+        }
+    }
+
+    /// Measured over predicted, once there are enough samples.
+    pub fn get(&self) -> Option<f64> {
+        self.quantile
     }
 }
 
@@ -337,7 +401,34 @@ pub(crate) mod testkit {
 
 #[cfg(test)]
 mod tests {
-    use super::ArrivalRate;
+    use super::{ArrivalRate, Pace};
+
+    #[test]
+    fn the_pace_is_a_low_quantile_of_measured_over_modelled_first_tokens() {
+        let mut p = Pace::default();
+        for _ in 0..Pace::MIN_SAMPLES - 1 {
+            p.record(2_000.0, 1_000.0);
+        }
+        assert_eq!(p.get(), None, "too few samples");
+        p.record(2_000.0, 1_000.0);
+        assert_eq!(p.get(), Some(2.0));
+        // Interference only adds time: a minority of slow samples (another
+        // replica's prefill ahead) leaves the pace where the worker's speed is.
+        for i in 0..Pace::WINDOW {
+            p.record(if i % 3 == 0 { 9_000.0 } else { 2_000.0 }, 1_000.0);
+        }
+        assert_eq!(p.get(), Some(2.0));
+        // The window moves: the worker got faster.
+        for _ in 0..Pace::WINDOW {
+            p.record(1_000.0, 1_000.0);
+        }
+        assert_eq!(p.get(), Some(1.0));
+        // Nonsense is ignored.
+        for (m, e) in [(f64::NAN, 1.0), (1.0, 0.0), (-1.0, 1.0), (f64::INFINITY, 1.0), (1.0, f64::NAN)] {
+            p.record(m, e);
+        }
+        assert_eq!(p.get(), Some(1.0));
+    }
 
     #[test]
     fn the_arrival_rate_counts_requests_over_its_time_constant_and_decays() {

@@ -193,7 +193,15 @@ async fn dispatch(
             // The router's own queueing: body, tokenize, route, admission.
             state.metrics.dispatch_delay.observe(arrived.elapsed().as_secs_f64());
         }
-        let guard = InflightGuard::new(state.clone(), worker.clone(), plan.uncached_tokens(cand), arrived);
+        // A streamed answer's first chunk is its first token: its time
+        // measures the worker's pace against the timing model.
+        let modelled = streaming
+            .then(|| {
+                let model = &state.config.raw.predicted_ttft;
+                model.pace_model_us(&cand.load, plan.uncached_tokens(cand), state.mean_uncached_tokens())
+            })
+            .flatten();
+        let guard = InflightGuard::new(state.clone(), worker.clone(), plan.uncached_tokens(cand), modelled, arrived);
         let mut request_may_be_at_fault = false;
         match send(state, worker, endpoint, headers, body.clone()).await {
             Ok(upstream) if upstream.status().is_server_error() => {
@@ -466,6 +474,8 @@ struct InflightGuard {
     state: Arc<AppState>,
     worker: Arc<Worker>,
     pending: u64,
+    /// The timing model's time to first token there, µs (streamed answers).
+    modelled_us: Option<f64>,
     /// When the client's request arrived (before any attempt).
     arrived: Instant,
     started: Instant,
@@ -477,7 +487,13 @@ struct InflightGuard {
 }
 
 impl InflightGuard {
-    fn new(state: Arc<AppState>, worker: Arc<Worker>, pending: u64, arrived: Instant) -> Self {
+    fn new(
+        state: Arc<AppState>,
+        worker: Arc<Worker>,
+        pending: u64,
+        modelled_us: Option<f64>,
+        arrived: Instant,
+    ) -> Self {
         worker.live.inflight.fetch_add(1, Ordering::Relaxed);
         worker.live.pending_prefill_tokens.fetch_add(pending, Ordering::Relaxed);
         worker.live.record_arrival(now_ms());
@@ -485,6 +501,7 @@ impl InflightGuard {
             state,
             worker,
             pending,
+            modelled_us,
             arrived,
             started: Instant::now(),
             first_seen: false,
@@ -500,8 +517,14 @@ impl InflightGuard {
         }
         self.first_seen = true;
         self.worker.live.pending_prefill_tokens.fetch_sub(self.pending, Ordering::Relaxed);
+        let took = self.started.elapsed();
+        if let Some(modelled) = self.modelled_us
+            && status == "2xx"
+        {
+            self.worker.live.record_first_token(took.as_secs_f64() * 1e6, modelled);
+        }
         let label = WorkerStatus { worker: self.worker.id.to_string(), status };
-        self.state.metrics.ttft.get_or_create(&label).observe(self.started.elapsed().as_secs_f64());
+        self.state.metrics.ttft.get_or_create(&label).observe(took.as_secs_f64());
     }
 
     fn finish(&mut self, outcome: &'static str) {

@@ -18,7 +18,7 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 use crate::index::{MAX_WORKERS, Slot};
-use crate::policy::{ArrivalRate, LoadView};
+use crate::policy::{ArrivalRate, LoadView, Pace};
 
 /// Where a worker came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -80,6 +80,8 @@ pub struct WorkerLive {
     pub has_sidecar: AtomicBool,
     /// Requests this router sent there lately.
     arrivals: Mutex<ArrivalRate>,
+    /// Its first tokens' measured time against the model's ([`Pace`]).
+    pace: Mutex<Pace>,
 }
 
 impl Default for WorkerLive {
@@ -97,6 +99,7 @@ impl Default for WorkerLive {
             last_probe_ok_ms: AtomicU64::new(0),
             has_sidecar: AtomicBool::new(false),
             arrivals: Mutex::new(ArrivalRate::default()),
+            pace: Mutex::new(Pace::default()),
         }
     }
 }
@@ -113,6 +116,12 @@ impl WorkerLive {
         self.arrivals.lock().record(now_ms);
     }
 
+    /// A streamed answer's first token came `measured_us` after dispatch;
+    /// the timing model predicted `predicted_us`.
+    pub fn record_first_token(&self, measured_us: f64, predicted_us: f64) {
+        self.pace.lock().record(measured_us, predicted_us);
+    }
+
     /// The worker's load as of `now_ms` (unix ms).
     pub fn load(&self, now_ms: u64) -> LoadView {
         LoadView {
@@ -122,6 +131,7 @@ impl WorkerLive {
             waiting: self.waiting.load(Ordering::Relaxed),
             kv_usage: f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed)),
             arrival_rate: self.arrivals.lock().at(now_ms),
+            pace: self.pace.lock().get(),
         }
     }
 

@@ -37,6 +37,8 @@ enum Behaviour {
     /// SSE: chunks are sent when the test pushes them; dropping the response
     /// fires `cancelled`.
     Stream(StreamSlot),
+    /// SSE: the first token after this long, then the end of the answer.
+    FirstTokenAfter(Duration),
 }
 
 /// Chunks to send (`None` = fail the stream) and the cancel signal, taken by
@@ -64,6 +66,17 @@ async fn fake_worker(name: &'static str, behaviour: Behaviour) -> Fake {
                     .header("content-type", "text/event-stream")
                     .body(Body::from_stream(futures::stream::pending::<Result<Bytes, std::io::Error>>()))
                     .unwrap(),
+                Behaviour::FirstTokenAfter(delay) => {
+                    let chunks = futures::stream::once(async move {
+                        tokio::time::sleep(delay).await;
+                        Ok::<_, std::io::Error>(Bytes::from_static(b"data: {\"choices\":[{\"text\":\"hi\"}]}\n\n"))
+                    })
+                    .chain(futures::stream::once(async { Ok(Bytes::from_static(b"data: [DONE]\n\n")) }));
+                    Response::builder()
+                        .header("content-type", "text/event-stream")
+                        .body(Body::from_stream(chunks))
+                        .unwrap()
+                }
                 Behaviour::Stream(slot) => {
                     let (rx, cancelled) = slot.lock().await.take().expect("one streaming request per fake");
                     let guard = CancelGuard(Some(cancelled));
@@ -649,6 +662,60 @@ async fn load_shedding_answers_503_with_retry_after() {
     assert_eq!(resp.status(), 503);
     assert_eq!(resp.headers()["retry-after"], "1");
     stuck.abort();
+}
+
+/// The router times streamed first tokens against its timing model, per
+/// worker (`pace` in `/debug/route`), and a worker measured far slower than
+/// the others gets new prompts no longer.
+#[tokio::test]
+async fn a_worker_whose_first_tokens_come_slower_is_measured_and_avoided() {
+    let fast = fake_worker("fast", Behaviour::FirstTokenAfter(Duration::ZERO)).await;
+    // The model predicts ~10 ms for these prompts on an idle worker.
+    let slow = fake_worker("slow", Behaviour::FirstTokenAfter(Duration::from_millis(300))).await;
+    let r = router(&[("fast", &fast.url), ("slow", &slow.url)], |_| {}).await;
+    let route = |text: String| {
+        let r = &r;
+        async move {
+            let v: Value = r
+                .http
+                .post(format!("{}/debug/route", r.url))
+                .json(&json!({"model": "m", "prompt": text}))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            v
+        }
+    };
+    let text = |i: usize| format!("question {i}: {}", prompt(48));
+    // Before any measurement, new prompts spread over both (rendezvous).
+    let mut before = std::collections::BTreeSet::new();
+    for i in 1_000..1_020 {
+        before.insert(route(text(i)).await["decision"]["worker"].as_str().unwrap().to_owned());
+    }
+    assert_eq!(before.len(), 2, "{before:?}");
+    // One streamed answer at a time (nothing queued ahead: every one is a
+    // sample) until both workers have a pace.
+    for i in 0..64 {
+        let resp = r.complete(json!({"model": "m", "prompt": text(i), "stream": true})).await;
+        assert_eq!(resp.status(), 200);
+        resp.text().await.unwrap();
+        if fast.hits.load(Ordering::SeqCst) >= 8 && slow.hits.load(Ordering::SeqCst) >= 8 {
+            break;
+        }
+    }
+    let debug = route(text(2_000)).await;
+    let pace = |id: &str| {
+        let row = debug["workers"].as_array().unwrap().iter().find(|w| w["id"] == id).unwrap();
+        row["load"]["pace"].as_f64().unwrap_or_else(|| panic!("no pace for {id}: {debug}"))
+    };
+    // 300 ms against ~10 ms predicted: the delay alone is a pace of 30.
+    assert!(pace("slow") > 4.0 * pace("fast"), "{debug}");
+    for i in 1_000..1_020 {
+        assert_eq!(route(text(i)).await["decision"]["worker"], "fast", "prompt {i}");
+    }
 }
 
 #[tokio::test]

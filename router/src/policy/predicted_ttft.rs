@@ -17,6 +17,12 @@
 //!   carries the worker's running sequences (`decoders`), and a full KV cache
 //!   stalls admission (`kv_usage` above `kv_knee` inflates the estimate).
 //!
+//! The model's constants are one GPU's. A worker measured slower than the
+//! others (its [`Pace`](super::Pace): streamed first tokens timed against
+//! the model) by more than `pace_band` has its queue and predicted times
+//! scaled by how much slower it is, so a mixed or throttled fleet gets work
+//! by speed; within the band every worker counts as the model says.
+//!
 //! A greedy TTFT minimum alone moves conversations off their holder whenever
 //! its queue is a little longer, and the cluster then recomputes what it had
 //! cached: in the lab (BENCHMARKS.md) it lost up to 15 points of hit rate and
@@ -71,7 +77,7 @@
 
 use serde::Deserialize;
 
-use super::{Decision, Policy, Reason, RouteView, rendezvous};
+use super::{Decision, LoadView, Policy, Reason, RouteView, rendezvous};
 use crate::index::MatchKind;
 
 #[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
@@ -146,6 +152,15 @@ pub struct PredictedTtftParams {
     /// within this fraction of the best: a request gives up at most that
     /// much of its own time to first token to spare the others.
     pub imposed_band: f64,
+    /// Measured pace: a worker whose first tokens come slower (or faster)
+    /// than the median worker's, against the timing model, by more than
+    /// `pace_band` (a ratio above 1 + `pace_band` or below its inverse) has
+    /// its predicted times scaled by that ratio (clamped to 0.25–4) raised
+    /// to `pace_weight`. Within the band every worker counts as the model
+    /// says, so measurement noise never moves a homogeneous cluster's
+    /// traffic. 0 turns it off.
+    pub pace_weight: f64,
+    pub pace_band: f64,
 }
 
 impl Default for PredictedTtftParams {
@@ -171,8 +186,82 @@ impl Default for PredictedTtftParams {
             burst_idle_share: 0.5,
             imposed_weight: 0.5,
             imposed_band: 0.5,
+            pace_weight: 1.0,
+            pace_band: 0.75,
         }
     }
+}
+
+impl PredictedTtftParams {
+    /// Prefill tokens queued ahead on a worker with `load`: this router's
+    /// own not-yet-prefilled tokens, and the engine-reported waiting
+    /// requests that are not this router's at the mean uncached size.
+    fn queued_tokens(&self, load: &LoadView, mean_uncached_tokens: f64) -> f64 {
+        let foreign_waiting = load.waiting.saturating_sub(load.inflight);
+        load.pending_prefill_tokens as f64 + f64::from(foreign_waiting) * mean_uncached_tokens
+    }
+
+    /// The timing model's time to first token, µs, for `uncached` tokens
+    /// on a worker with `load`, before any measured pace.
+    pub fn model_us(&self, load: &LoadView, uncached: u64, mean_uncached_tokens: f64) -> f64 {
+        self.model_after_us(load, self.queued_tokens(load, mean_uncached_tokens), uncached)
+    }
+
+    /// What a request's first token is measured against for the worker's
+    /// [`Pace`](super::Pace): the model's time when nothing is known to be
+    /// queued ahead of it there (only its own prefill and the running
+    /// decodes); `None` otherwise, because the queue's estimate errs both
+    /// ways (another replica's requests unseen, a chunk already prefilled
+    /// alongside), and a sample with it measures the estimate, not the worker.
+    pub fn pace_model_us(&self, load: &LoadView, uncached: u64, mean_uncached_tokens: f64) -> Option<f64> {
+        let queued = self.queued_tokens(load, mean_uncached_tokens);
+        (queued <= 0.0).then(|| self.model_after_us(load, 0.0, uncached))
+    }
+
+    /// [`Self::model_us`] with the queued prefill already known.
+    fn model_after_us(&self, load: &LoadView, queued: f64, uncached: u64) -> f64 {
+        let tokens = queued + uncached as f64;
+        let steps = (tokens / self.max_batched_tokens.max(1) as f64).ceil().max(1.0);
+        let decoders = f64::from(load.running.max(load.inflight));
+        let t =
+            tokens * self.prefill_us_per_token + steps * (self.step_overhead_us + decoders * self.decode_us_per_seq);
+        t * (1.0 + 10.0 * (load.kv_usage - self.kv_knee).max(0.0))
+    }
+
+    /// Each candidate's pace relative to the median candidate's, 1 inside
+    /// the band or where fewer than two candidates have a measured pace.
+    fn relative_paces(&self, view: &RouteView<'_>) -> Vec<f64> {
+        let n = view.candidates.len();
+        if self.pace_weight <= 0.0 {
+            return vec![1.0; n];
+        }
+        let mut measured: Vec<f64> = view.candidates.iter().filter_map(|c| c.load.pace).filter(|p| *p > 0.0).collect();
+        if measured.len() < 2 {
+            return vec![1.0; n];
+        }
+        let mid = measured.len() / 2;
+        let (_, median, _) = measured.select_nth_unstable_by(mid, f64::total_cmp);
+        let median = *median;
+        let band = 1.0 + self.pace_band;
+        view.candidates
+            .iter()
+            .map(|c| match c.load.pace {
+                Some(pace) if pace > 0.0 => {
+                    let ratio = pace / median;
+                    if ratio > band || ratio * band < 1.0 { ratio.clamp(0.25, 4.0).powf(self.pace_weight) } else { 1.0 }
+                }
+                _ => 1.0,
+            })
+            .collect()
+    }
+}
+
+/// Each candidate's prefill queued ahead (scaled by its pace) and its
+/// relative measured pace, as `choose` computed them.
+#[derive(Clone, Copy)]
+struct Paced<'a> {
+    queued: &'a [f64],
+    pace: &'a [f64],
 }
 
 #[derive(Debug, Default)]
@@ -181,27 +270,11 @@ pub struct PredictedTtft {
 }
 
 impl PredictedTtft {
-    /// Prefill tokens queued ahead on candidate `i`.
-    fn queued(&self, view: &RouteView<'_>, i: usize) -> f64 {
-        let c = &view.candidates[i];
-        let foreign_waiting = c.load.waiting.saturating_sub(c.load.inflight);
-        c.load.pending_prefill_tokens as f64 + f64::from(foreign_waiting) * view.mean_uncached_tokens
-    }
-
-    /// Predicted TTFT of the request on candidate `i`, in µs.
+    /// Predicted TTFT of the request on candidate `i`, in µs, as the timing
+    /// model gives it (no measured pace).
     pub fn predict(&self, view: &RouteView<'_>, i: usize) -> f64 {
-        self.predict_after(view, i, self.queued(view, i))
-    }
-
-    /// [`Self::predict`] with the candidate's queued prefill already known.
-    fn predict_after(&self, view: &RouteView<'_>, i: usize, queued: f64) -> f64 {
-        let p = &self.params;
         let c = &view.candidates[i];
-        let tokens = queued + view.uncached_tokens(c) as f64;
-        let steps = (tokens / p.max_batched_tokens.max(1) as f64).ceil().max(1.0);
-        let decoders = f64::from(c.load.running.max(c.load.inflight));
-        let t = tokens * p.prefill_us_per_token + steps * (p.step_overhead_us + decoders * p.decode_us_per_seq);
-        t * (1.0 + 10.0 * (c.load.kv_usage - p.kv_knee).max(0.0))
+        self.params.model_us(&c.load, view.uncached_tokens(c), view.mean_uncached_tokens)
     }
 
     /// Idle pull ([`PredictedTtftParams::pull_ratio`]) and burst spread
@@ -219,12 +292,13 @@ impl PredictedTtft {
         &self,
         view: &RouteView<'_>,
         eligible: &[usize],
-        queued: &[f64],
+        workers: Paced<'_>,
         chosen: usize,
         anchor: u64,
         hot_depth: usize,
     ) -> Option<(usize, Reason)> {
         let p = &self.params;
+        let Paced { queued, pace } = workers;
         if p.pull_ratio <= 0.0 || queued[chosen] <= 0.0 {
             return None;
         }
@@ -255,7 +329,8 @@ impl PredictedTtft {
                 let uncached = view.uncached_tokens(o);
                 let hot =
                     ((hot_depth.saturating_sub(o.matched_blocks)) * view.block_size).min(uncached as usize) as u64;
-                let weighted_miss = p.pull_ratio * hot as f64 + p.pull_unique_ratio * (uncached - hot) as f64;
+                let weighted_miss =
+                    pace[i] * (p.pull_ratio * hot as f64 + p.pull_unique_ratio * (uncached - hot) as f64);
                 (queued[chosen] >= weighted_miss).then_some((i, reason))
             })
             .min_by_key(|&(i, reason)| {
@@ -285,8 +360,18 @@ impl Policy for PredictedTtft {
         // conversation's next turn on a replica that has not yet heard
         // where the last one went.
         let anchor = view.keys.get(deepest).or(view.keys.last()).map_or(view.head_hash, |k| k.0);
-        let queued: Vec<f64> = (0..n).map(|i| self.queued(view, i)).collect();
-        let predicted: Vec<f64> = (0..n).map(|i| self.predict_after(view, i, queued[i])).collect();
+        // Queued prefill and predicted times scaled by each worker's
+        // measured pace: a queued token on a worker twice as slow weighs two.
+        let pace = p.relative_paces(view);
+        let raw_queued: Vec<f64> =
+            view.candidates.iter().map(|c| p.queued_tokens(&c.load, view.mean_uncached_tokens)).collect();
+        let queued: Vec<f64> = (0..n).map(|i| raw_queued[i] * pace[i]).collect();
+        let predicted: Vec<f64> = (0..n)
+            .map(|i| {
+                let c = &view.candidates[i];
+                pace[i] * p.model_after_us(&c.load, raw_queued[i], view.uncached_tokens(c))
+            })
+            .collect();
         let loads: Vec<u64> = view.candidates.iter().map(|c| c.load.requests()).collect();
         let mean = loads.iter().sum::<u64>() as f64 / n.max(1) as f64;
         let limit = p.spill_factor * mean + p.spill_slack;
@@ -316,8 +401,9 @@ impl Policy for PredictedTtft {
                 let slack =
                     p.stick_slack_tokens.max(p.stick_recompute_weight * saved as f64 + p.stick_unique_weight * unique);
                 if held > p.stick_ratio * view.prompt_tokens as f64 && queued[h] <= p.stick_factor * shortest + slack {
-                    let (h, reason) =
-                        self.idle_pull(view, &eligible, &queued, h, anchor, hot_depth).unwrap_or((h, Reason::BestCost));
+                    let (h, reason) = self
+                        .idle_pull(view, &eligible, Paced { queued: &queued, pace: &pace }, h, anchor, hot_depth)
+                        .unwrap_or((h, Reason::BestCost));
                     let mut d = Decision::with_fallbacks(view, h, reason);
                     d.costs = predicted.iter().map(|t| Some(t / 1e3)).collect();
                     return d;
@@ -330,7 +416,7 @@ impl Policy for PredictedTtft {
         let own: Vec<f64> = (0..n)
             .map(|i| {
                 let extra = view.uncached_tokens(&view.candidates[i]) - least_uncached;
-                predicted[i] + p.miss_weight * extra as f64 * p.prefill_us_per_token
+                predicted[i] + p.miss_weight * extra as f64 * p.prefill_us_per_token * pace[i]
             })
             .collect();
         // Imposed delay: arrivals there until this request's prefill is
@@ -338,7 +424,7 @@ impl Policy for PredictedTtft {
         let imposed: Vec<f64> = (0..n)
             .map(|i| {
                 let c = &view.candidates[i];
-                let prefill = view.uncached_tokens(c) as f64 * p.prefill_us_per_token;
+                let prefill = view.uncached_tokens(c) as f64 * p.prefill_us_per_token * pace[i];
                 p.imposed_weight * c.load.arrival_rate * 1e-6 * predicted[i] * prefill
             })
             .collect();
@@ -354,7 +440,7 @@ impl Policy for PredictedTtft {
             .filter(|&i| score[i] <= bound)
             .max_by_key(|&i| rendezvous(anchor, view.candidates[i].id_hash))
             .unwrap_or(0);
-        let pulled = self.idle_pull(view, &eligible, &queued, chosen, anchor, hot_depth);
+        let pulled = self.idle_pull(view, &eligible, Paced { queued: &queued, pace: &pace }, chosen, anchor, hot_depth);
         let chosen = pulled.map_or(chosen, |(i, _)| i);
         let reason = if let Some((_, reason)) = pulled {
             reason
@@ -413,6 +499,31 @@ mod tests {
         // 3 foreign waiting requests at the mean (1,000 tokens) + 165 own.
         let expected = (3_000.0 + 165.0) * 70.0 + 5_000.0 + 40.0;
         assert!((p.predict(&v, 0) - expected).abs() < 1e-6, "{}", p.predict(&v, 0));
+    }
+
+    #[test]
+    fn a_worker_measured_slower_than_the_others_is_predicted_slower() {
+        let k = keys(10);
+        // Worker 0 has the shortest queue: the model alone chooses it.
+        let mut c = [cand(0, 0, 1), cand(1, 0, 1), cand(2, 0, 1)];
+        c[0].load.pending_prefill_tokens = 50;
+        let chosen =
+            |c: &[Candidate], p: PredictedTtftParams| PredictedTtft { params: p }.choose(&view(&k, c)).chosen();
+        assert_eq!(chosen(&c, PredictedTtftParams::default()), Some(0));
+        // Its first tokens come twice as slow as the others': it is not.
+        c[0].load.pace = Some(2.0);
+        c[1].load.pace = Some(1.0);
+        c[2].load.pace = Some(1.05);
+        assert_ne!(chosen(&c, PredictedTtftParams::default()), Some(0));
+        // Off, or a difference within the band (measurement noise): it is.
+        assert_eq!(chosen(&c, PredictedTtftParams { pace_weight: 0.0, ..Default::default() }), Some(0));
+        c[0].load.pace = Some(1.2);
+        assert_eq!(chosen(&c, PredictedTtftParams::default()), Some(0));
+        // One measured worker has nobody to be compared with.
+        let mut lone = [cand(0, 0, 1), cand(1, 0, 1)];
+        lone[0].load.pending_prefill_tokens = 50;
+        lone[0].load.pace = Some(3.0);
+        assert_eq!(chosen(&lone, PredictedTtftParams::default()), Some(0));
     }
 
     #[test]
