@@ -135,6 +135,11 @@ impl TestRouter {
     async fn internal(&self, path: &str, body: Value) -> reqwest::Response {
         self.http.post(format!("{}{path}", self.url)).bearer_auth(TOKEN).json(&body).send().await.unwrap()
     }
+
+    /// `/debug/route`'s explanation of where `body` would go.
+    async fn explain(&self, body: Value) -> Value {
+        self.http.post(format!("{}/debug/route", self.url)).json(&body).send().await.unwrap().json().await.unwrap()
+    }
 }
 
 fn prompt(n: usize) -> String {
@@ -424,16 +429,7 @@ async fn sync_registers_and_routes_to_the_holder() {
             .await;
         assert_eq!(resp.status(), 200);
     }
-    let debug: Value = r
-        .http
-        .post(format!("{}/debug/route", r.url))
-        .json(&json!({"model": "m", "prompt": text}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let debug = r.explain(json!({"model": "m", "prompt": text})).await;
     assert_eq!(debug["decision"]["worker"], "w2", "{debug}");
     assert_eq!(debug["decision"]["reason"], "best_cost");
     assert_eq!(debug["tokens"], 200);
@@ -673,22 +669,7 @@ async fn a_worker_whose_first_tokens_come_slower_is_measured_and_avoided() {
     // The model predicts ~10 ms for these prompts on an idle worker.
     let slow = fake_worker("slow", Behaviour::FirstTokenAfter(Duration::from_millis(300))).await;
     let r = router(&[("fast", &fast.url), ("slow", &slow.url)], |_| {}).await;
-    let route = |text: String| {
-        let r = &r;
-        async move {
-            let v: Value = r
-                .http
-                .post(format!("{}/debug/route", r.url))
-                .json(&json!({"model": "m", "prompt": text}))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            v
-        }
-    };
+    let route = |text: String| r.explain(json!({"model": "m", "prompt": text}));
     let text = |i: usize| format!("question {i}: {}", prompt(48));
     // Before any measurement, new prompts spread over both (rendezvous).
     let mut before = std::collections::BTreeSet::new();
