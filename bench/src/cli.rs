@@ -110,6 +110,14 @@ pub struct CompareArgs {
     /// measured (simulated engines only).
     #[arg(long, value_name = "DIR")]
     pub text_tokenizer: Option<PathBuf>,
+    /// Make the first N simulated engines slower (`/sim/faults` slowdown):
+    /// a mixed fleet, where a router that knows each worker's pace should
+    /// send the slow ones less (simulated engines only).
+    #[arg(long, default_value_t = 0)]
+    pub slow_engines: usize,
+    /// How many times slower every step of a `--slow-engines` engine is.
+    #[arg(long, default_value_t = 2.0)]
+    pub slow_factor: f64,
     #[arg(long, default_value = "bench-out/compare")]
     pub out: PathBuf,
 }

@@ -80,6 +80,16 @@ pub struct Record {
     /// to first dispatch), p50 and p99 as bucket upper bounds, ms.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub router_queue_ms: Option<(f64, f64)>,
+    /// `--slow-engines`: the first this many workers ran `slow_factor` ×
+    /// slower (0 in records older than the flag).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub slow_engines: usize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slow_factor: Option<f64>,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 fn first_round() -> usize {
@@ -267,6 +277,7 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
     for &n in &workers {
         engine.check_workers(n)?;
     }
+    let slow = slow_fleet(&args, &workers)?;
     let plan = plan::interleaved(&workers, prepared.len(), &shapes(&args), args.rounds as usize);
     let mp = MultiProgress::new();
     let overall = mp.add(ProgressBar::new(plan.len() as u64));
@@ -326,7 +337,7 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
             if sidecars { "" } else { "_nosidecars" },
             if args.rounds > 1 { format!("_round{round}") } else { String::new() }
         ));
-        let mut rec = run_one(&http, &dir, p, &shape, pool.as_ref(), args.concurrency, &mp, &log).await?;
+        let mut rec = run_one(&http, &dir, p, &shape, pool.as_ref(), slow, args.concurrency, &mp, &log).await?;
         rec.round = round;
         overall.suspend(|| eprintln!(
             "{}",
@@ -364,6 +375,32 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
     Ok(records)
 }
 
+/// `--slow-engines` and `--slow-factor`, checked: how many engines run how
+/// many times slower, or `None` for a homogeneous fleet.
+fn slow_fleet(args: &CompareArgs, workers: &[usize]) -> Result<Option<(usize, f64)>, BenchError> {
+    if args.slow_engines == 0 {
+        return Ok(None);
+    }
+    if args.engine.engine != EngineKind::Sim {
+        return Err(BenchError::Usage("--slow-engines is for simulated engines".into()));
+    }
+    if !(args.slow_factor.is_finite() && args.slow_factor > 0.0) {
+        return Err(BenchError::Usage(format!("--slow-factor {}: must be a finite number > 0", args.slow_factor)));
+    }
+    if let Some(&n) = workers.iter().find(|&&n| n < args.slow_engines) {
+        return Err(BenchError::Usage(format!("--slow-engines {} is more than --workers {n}", args.slow_engines)));
+    }
+    Ok(Some((args.slow_engines, args.slow_factor)))
+}
+
+/// Makes the first `count` engines `factor` × slower at every step.
+async fn slow_down(http: &reqwest::Client, engines: &[String], count: usize, factor: f64) -> Result<(), BenchError> {
+    for url in engines.iter().take(count) {
+        probe::post_json(http, &format!("{url}/sim/faults"), &serde_json::json!({ "slowdown": factor })).await?;
+    }
+    Ok(())
+}
+
 /// Starts `shape.workers` real engines sized for `p` and warms them up.
 async fn start_engines(
     args: &CompareArgs,
@@ -397,6 +434,7 @@ async fn run_one(
     p: &Prepared,
     shape: &Shape,
     pool: Option<&Pool>,
+    slow: Option<(usize, f64)>,
     concurrency: usize,
     mp: &MultiProgress,
     log: &Path,
@@ -409,7 +447,20 @@ async fn run_one(
             (Rig::start_vllm(&pool.engines, shape, pool.tokenizer.clone(), bin_dir).await?, EngineKind::Vllm)
         }
     };
-    let result = measure(http, &rig, engine, p, shape, concurrency, mp, log).await;
+    let result = match slow {
+        Some((count, factor)) => slow_down(http, &rig.engine_urls(), count, factor).await,
+        None => Ok(()),
+    };
+    let result = match result {
+        Ok(()) => measure(http, &rig, engine, p, shape, concurrency, mp, log).await.map(|mut rec| {
+            if let Some((count, factor)) = slow {
+                rec.slow_engines = count;
+                rec.slow_factor = Some(factor);
+            }
+            rec
+        }),
+        Err(e) => Err(e),
+    };
     rig.shutdown().await;
     result
 }
@@ -498,6 +549,8 @@ async fn measure(
         router_config: shape.router_args.get(1).cloned(),
         round: 1,
         router_queue_ms,
+        slow_engines: 0,
+        slow_factor: None,
     })
 }
 
@@ -598,6 +651,23 @@ mod tests {
         }
         let trace = parse(&["--engine", "vllm", "--workload", "trace"]);
         assert!(workloads(&trace).is_err());
+    }
+
+    #[test]
+    fn a_slow_fleet_is_checked_before_any_run() {
+        assert_eq!(slow_fleet(&parse(&[]), &[4]).unwrap(), None);
+        assert_eq!(
+            slow_fleet(&parse(&["--slow-engines", "1", "--slow-factor", "3"]), &[4, 8]).unwrap(),
+            Some((1, 3.0))
+        );
+        for bad in [
+            &["--slow-engines", "5"][..],
+            &["--slow-engines", "1", "--slow-factor", "0"],
+            &["--slow-engines", "1", "--slow-factor", "NaN"],
+            &["--slow-engines", "1", "--engine", "vllm"],
+        ] {
+            assert!(matches!(slow_fleet(&parse(bad), &[4]), Err(BenchError::Usage(_))), "{bad:?}");
+        }
     }
 
     #[test]

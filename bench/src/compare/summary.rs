@@ -27,6 +27,17 @@ fn label(r: &Record) -> String {
     s
 }
 
+/// The share of a run's requests served by its `--slow-engines` (the first
+/// workers), or `None` in a homogeneous fleet.
+fn slow_share(r: &Record) -> Option<f64> {
+    if r.slow_engines == 0 {
+        return None;
+    }
+    let total: u64 = r.per_worker.values().sum();
+    let slow: u64 = (0..r.slow_engines).map(|i| r.per_worker.get(&super::worker_id(i)).copied().unwrap_or(0)).sum();
+    Some(if total > 0 { slow as f64 / total as f64 } else { 0.0 })
+}
+
 /// The plain one-router-with-sidecars run of each policy.
 fn baseline_runs<'a>(rs: &'a [&'a Record]) -> impl Iterator<Item = &'a Record> + 'a {
     rs.iter().copied().filter(|r| r.routers == 1 && r.sidecars)
@@ -187,6 +198,13 @@ pub fn markdown(records: &[Record], workloads: &[(String, String, Ceiling)], arg
         },
         args.concurrency
     ));
+    if args.slow_engines > 0 {
+        md.push_str(&format!(
+            "A mixed fleet: the first {} engine(s) ran {} × slower at every step (`--slow-engines`, \
+             `--slow-factor`); \"on slow\" is the share of requests they served.\n\n",
+            args.slow_engines, args.slow_factor
+        ));
+    }
     md.push_str(
         "Hit rate: Δ`vllm:prefix_cache_hits_total` / Δ`vllm:prefix_cache_queries_total` summed over engines. \
                  Ceiling: one infinite cache, block-granular, in arrival order. TTFT: client-side, to the first \
@@ -222,10 +240,11 @@ pub fn markdown(records: &[Record], workloads: &[(String, String, Ceiling)], arg
                 checks_rows.extend(checks(&format!("{name} ({n} workers, median of rounds)"), &medians));
                 continue;
             }
+            let mixed = rs.iter().any(|r| r.slow_engines > 0);
             let rows: Vec<Vec<String>> = rs
                 .iter()
                 .map(|r| {
-                    vec![
+                    let mut row = vec![
                         label(r),
                         format!("{:.3}", r.hit_rate),
                         format!("{:.2}", if r.ceiling > 0.0 { r.hit_rate / r.ceiling } else { 0.0 }),
@@ -236,24 +255,29 @@ pub fn markdown(records: &[Record], workloads: &[(String, String, Ceiling)], arg
                         format!("{:.1}", r.throughput_rps),
                         format!("{:.2}", r.max_mean_load),
                         format!("{}/{}", r.errors, r.requests),
-                    ]
+                    ];
+                    if mixed {
+                        row.push(slow_share(r).map_or("—".into(), |s| format!("{:.1} %", s * 100.0)));
+                    }
+                    row
                 })
                 .collect();
-            md.push_str(&report::table(
-                &[
-                    "policy",
-                    "hit rate",
-                    "÷ ceiling",
-                    "TTFT p50 ms",
-                    "mean",
-                    "p90",
-                    "p99",
-                    "req/s",
-                    "max/mean load",
-                    "errors",
-                ],
-                &rows,
-            ));
+            let mut header = vec![
+                "policy",
+                "hit rate",
+                "÷ ceiling",
+                "TTFT p50 ms",
+                "mean",
+                "p90",
+                "p99",
+                "req/s",
+                "max/mean load",
+                "errors",
+            ];
+            if mixed {
+                header.push("on slow");
+            }
+            md.push_str(&report::table(&header, &rows));
             md.push('\n');
             checks_rows.extend(checks(&format!("{name} ({n} workers)"), &rs));
         }
@@ -295,6 +319,8 @@ pub(crate) mod tests {
             wall_s: 1.0,
             router_config: None,
             router_queue_ms: None,
+            slow_engines: 0,
+            slow_factor: None,
         }
     }
 
@@ -309,6 +335,26 @@ pub(crate) mod tests {
         let slow = rec(DEFAULT_POLICY, 0.75, 20.0);
         let rows = checks("w", &[&slow, &b]);
         assert!(rows.iter().any(|r| r[1] == "TTFT p50 ≤ 0.4 × round_robin" && r[3] == "FAIL"));
+    }
+
+    #[test]
+    fn a_mixed_fleet_reports_the_slow_engines_share() {
+        #[derive(Debug, clap::Parser)]
+        struct Cmd {
+            #[command(flatten)]
+            args: CompareArgs,
+        }
+        let args = <Cmd as clap::Parser>::parse_from(["compare", "--slow-engines", "1", "--slow-factor", "2"]).args;
+        let mut r = rec(DEFAULT_POLICY, 0.7, 10.0);
+        r.slow_engines = 1;
+        r.slow_factor = Some(2.0);
+        r.per_worker = [(super::super::worker_id(0), 1), (super::super::worker_id(1), 3)].into_iter().collect();
+        let ceiling = Ceiling { hit_tokens: 8, query_tokens: 10, unique_blocks: 1, max_prompt_blocks: 1 };
+        let md = markdown(&[r], &[("w".into(), "d".into(), ceiling)], &args);
+        assert!(md.contains("the first 1 engine(s) ran 2 × slower"), "{md}");
+        assert!(md.contains("| on slow |"), "{md}");
+        let row = md.lines().find(|l| l.starts_with(&format!("| {DEFAULT_POLICY} |"))).unwrap_or_default();
+        assert!(row.ends_with("| 25.0 % |"), "{row}");
     }
 
     #[test]
