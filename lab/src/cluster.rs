@@ -16,7 +16,7 @@ use crate::prompt::{Rng, splitmix64};
 use crate::router::{LabRouter, Routed};
 use crate::sidecar::Sidecar;
 use crate::time::{Event, Micros, Queue};
-use crate::workload::Workload;
+use crate::workload::{RequestSpec, Workload};
 
 /// How sidecars reach routers.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -186,6 +186,7 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
     let mut records: Vec<RequestRecord> = vec![RequestRecord::default(); reqs.len()];
     let mut routed: Vec<Option<(usize, Routed)>> = vec![None; reqs.len()];
     let mut seen: HashSet<BlockKey> = HashSet::new();
+    let (next_arrival, follower) = arrival_order(reqs);
     let mut q = Queue::default();
     if !reqs.is_empty() {
         q.push(reqs[0].at, Event::Arrival(0));
@@ -209,8 +210,8 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
         match ev {
             Event::Arrival(i) => {
                 let i = i as usize;
-                if i + 1 < reqs.len() {
-                    q.push(reqs[i + 1].at, Event::Arrival(i as u32 + 1));
+                if let Some(next) = next_arrival[i] {
+                    q.push(reqs[next as usize].at, Event::Arrival(next));
                 }
                 let spec = &reqs[i];
                 let tokens = spec.prompt.tokens();
@@ -269,12 +270,25 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
                             if let Some((r, d)) = &routed[req as usize] {
                                 routers[*r].finished(d, true);
                             }
+                            if let Some(f) = follower[req as usize] {
+                                q.push(
+                                    now + reqs[f as usize].turn.map_or(Micros::ZERO, |t| t.think),
+                                    Event::Arrival(f),
+                                );
+                            }
                             finished += 1;
                         }
                         Progress::Rejected { req } => {
                             records[req as usize].rejected = true;
                             if let Some((r, d)) = &routed[req as usize] {
                                 routers[*r].finished(d, false);
+                            }
+                            // A user whose turn failed sends the next one anyway.
+                            if let Some(f) = follower[req as usize] {
+                                q.push(
+                                    now + reqs[f as usize].turn.map_or(Micros::ZERO, |t| t.think),
+                                    Event::Arrival(f),
+                                );
                             }
                             finished += 1;
                         }
@@ -337,17 +351,38 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
     }
 }
 
+/// Which arrival each arrival schedules, and which request waits for each
+/// one's answer. Open loop: every request the next, in order. Closed loop:
+/// a session's first turn (and every request outside sessions) the next
+/// such request; a later turn is sent when its predecessor's answer ends.
+fn arrival_order(reqs: &[RequestSpec]) -> (Vec<Option<u32>>, Vec<Option<u32>>) {
+    let mut next = vec![None; reqs.len()];
+    let mut follower = vec![None; reqs.len()];
+    let mut last_open: Option<usize> = None;
+    for (i, r) in reqs.iter().enumerate() {
+        match r.after {
+            Some(prev) => follower[prev as usize] = Some(i as u32),
+            None => {
+                if let Some(l) = last_open {
+                    next[l] = Some(i as u32);
+                }
+                last_open = Some(i);
+            }
+        }
+    }
+    (next, follower)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::policies::factory;
     use crate::prompt::{Prompt, Segment};
-    use crate::workload::{RequestSpec, WorkloadKind};
+    use crate::workload::WorkloadKind;
 
     #[test]
     fn a_request_path_delay_reaches_the_first_token() {
-        let request =
-            RequestSpec { at: Micros::ZERO, prompt: Prompt(vec![Segment { seed: 1, len: 1_000 }]), max_tokens: 2 };
+        let request = RequestSpec::new(Micros::ZERO, Prompt(vec![Segment { seed: 1, len: 1_000 }]), 2);
         let w = Workload { kind: WorkloadKind::Chat, requests: vec![request] };
         let policy = factory("round_robin").expect("a known policy");
         let mut s = Scenario::new(2, 1, 1);
@@ -361,10 +396,49 @@ mod tests {
     }
 
     #[test]
+    fn a_closed_loop_sends_each_turn_its_think_time_after_the_previous_answer() {
+        let kind = WorkloadKind::Chat;
+        let shape = |closed_loop| crate::workload::Shape {
+            requests: 200,
+            seed: 5,
+            cluster_kv_tokens: 4 * 2_000 * 16,
+            trace_path: crate::workload::default_trace_path(),
+            closed_loop,
+        };
+        let policy = factory("predicted_ttft").expect("a known policy");
+        let s = Scenario::new(4, 1, 5);
+        // Squeezed hard, so answers take longer than many think times.
+        let closed = Workload::generate(kind, &shape(true)).unwrap();
+        let closed = closed.at_rate(closed.rate() * 20.0);
+        let records = run(&s, &closed, &policy).records;
+        let mut late = 0;
+        for (r, spec) in records.iter().zip(&closed.requests) {
+            let (Some(prev), Some(turn)) = (spec.after, spec.turn) else {
+                assert_eq!(r.arrival, spec.at, "a session starts when the workload says");
+                continue;
+            };
+            let done = records[prev as usize].done.expect("every request ends");
+            assert_eq!(r.arrival, done + turn.think, "turn after the previous answer");
+            late += usize::from(r.arrival > spec.at);
+        }
+        assert!(late > 0, "some answers took longer than instant, so some turns came later than nominal");
+        // The same workload in open loop sends turns before their previous answer ends.
+        let open = Workload::generate(kind, &shape(false)).unwrap();
+        let open = open.at_rate(open.rate() * 20.0);
+        let records = run(&s, &open, &policy).records;
+        let overtaking = open.requests.iter().enumerate().filter(|(i, spec)| {
+            let prev = open.requests[..*i].iter().rposition(|p| {
+                matches!((p.turn, spec.turn), (Some(a), Some(b)) if a.session == b.session && a.index + 1 == b.index)
+            });
+            prev.is_some_and(|p| records[p].done.is_some_and(|d| records[*i].arrival < d))
+        });
+        assert!(overtaking.count() > 0, "the open loop is what the closed loop fixes");
+    }
+
+    #[test]
     fn a_slow_engine_takes_longer_and_the_default_learns_to_send_it_less() {
         let ttft = |r: &RequestRecord| r.first_token.map(|t| t.saturating_sub(r.arrival).0);
-        let one =
-            RequestSpec { at: Micros::ZERO, prompt: Prompt(vec![Segment { seed: 1, len: 1_000 }]), max_tokens: 2 };
+        let one = RequestSpec::new(Micros::ZERO, Prompt(vec![Segment { seed: 1, len: 1_000 }]), 2);
         let w = Workload { kind: WorkloadKind::Chat, requests: vec![one] };
         let policy = factory("round_robin").expect("a known policy");
         let mut s = Scenario::new(1, 1, 1);
@@ -377,11 +451,7 @@ mod tests {
         // which the first is 3 × slower: with its pace measured, it gets
         // fewer of them than when every worker counts as the model says.
         let requests = (0..400)
-            .map(|i| RequestSpec {
-                at: Micros(i * 50_000),
-                prompt: Prompt(vec![Segment { seed: 100 + i, len: 2_000 }]),
-                max_tokens: 16,
-            })
+            .map(|i| RequestSpec::new(Micros(i * 50_000), Prompt(vec![Segment { seed: 100 + i, len: 2_000 }]), 16))
             .collect();
         let w = Workload { kind: WorkloadKind::Chat, requests };
         let mut s = Scenario::new(4, 1, 1);

@@ -60,6 +60,7 @@ impl Replay {
             seed: self.seed,
             cluster_kv_tokens: 0,
             trace_path: self.trace.clone(),
+            closed_loop: false,
         };
         let mut w = Workload::generate(WorkloadKind::Trace, &shape)?;
         w.requests.drain(..self.skip.min(w.requests.len()));
@@ -431,7 +432,13 @@ mod tests {
         let w = replay().workload(50).unwrap();
         let full = Workload::generate(
             WorkloadKind::Trace,
-            &Shape { requests: 50, seed: 1, cluster_kv_tokens: 0, trace_path: default_trace_path() },
+            &Shape {
+                requests: 50,
+                seed: 1,
+                cluster_kv_tokens: 0,
+                trace_path: default_trace_path(),
+                closed_loop: false,
+            },
         )
         .unwrap();
         assert_eq!(w.requests.len(), 50);

@@ -35,6 +35,7 @@ pub fn spec(kind: WorkloadKind, seed: u64) -> MatrixSpec {
         sidecar: SidecarModel::default(),
         slow: Default::default(),
         trace_path: default_trace_path(),
+        closed_loop: false,
         goodput: None,
     }
 }

@@ -34,6 +34,11 @@ struct Common {
     /// How many times slower those engines are than the timing model.
     #[arg(long, default_value_t = 2.0)]
     slow_factor: f64,
+    /// chat, long_conv, agent: send each turn its think time after the
+    /// previous answer ends, with think times as generated; load levels
+    /// scale only when sessions start, and sessions are never cut short.
+    #[arg(long)]
+    closed_loop: bool,
 }
 
 impl Common {
@@ -153,7 +158,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Run { workload, workers, routers, policy, load, records, common } => {
             let mut s = scenario_for(workload, workers, routers, common.seed, sidecar(common.loss));
             s.slow = common.slow()?;
-            let (w, unit) = workload_for(workload, &s, common.requests, &common.trace)?;
+            let (w, unit) = workload_for(workload, &s, common.requests, &common.trace, common.closed_loop)?;
             let r = run(&s, &w.at_rate(load * unit), &factory(&policy)?);
             eprintln!("{} requests in {:.2} s wall", w.requests.len(), r.wall_s);
             if let Some(path) = records {
@@ -186,6 +191,7 @@ fn main() -> anyhow::Result<()> {
                 sidecar: sidecar(common.loss),
                 slow: common.slow()?,
                 trace_path: common.trace,
+                closed_loop: common.closed_loop,
                 goodput: goodput_slo_ms.map(|slo| GoodputSpec {
                     slo_p90_ms: slo,
                     workers: goodput_workers,

@@ -29,6 +29,8 @@ pub struct MatrixSpec {
     /// Slow engines in every scenario (none by default).
     pub slow: SlowWorkers,
     pub trace_path: std::path::PathBuf,
+    /// Sessions' turns wait for the previous answer (`Shape::closed_loop`).
+    pub closed_loop: bool,
     /// Goodput searches (TTFT p90 SLO in ms), at this many workers and 1 router; none if `None`.
     pub goodput: Option<GoodputSpec>,
 }
@@ -97,8 +99,10 @@ pub fn workload_for(
     s: &Scenario,
     requests: usize,
     trace: &std::path::Path,
+    closed_loop: bool,
 ) -> Result<(Workload, f64), MatrixError> {
-    let shape = Shape { requests, seed: s.seed, cluster_kv_tokens: s.kv_tokens(), trace_path: trace.to_owned() };
+    let shape =
+        Shape { requests, seed: s.seed, cluster_kv_tokens: s.kv_tokens(), trace_path: trace.to_owned(), closed_loop };
     let w = Workload::generate(kind, &shape)?;
     let cost = s.engine.cost;
     let ideal_rate = s.capacity() * 1e6 / w.ideal_work_us(cost.prefill_us_per_token, cost.decode_us_per_seq);
@@ -125,7 +129,7 @@ pub fn run_matrix(spec: &MatrixSpec, mut progress: impl FnMut(&Row)) -> Result<M
             for &routers in &spec.routers {
                 let mut s = scenario_for(kind, workers, routers, spec.seed, spec.sidecar);
                 s.slow = spec.slow;
-                let (w, unit_rate) = workload_for(kind, &s, spec.requests, &spec.trace_path)?;
+                let (w, unit_rate) = workload_for(kind, &s, spec.requests, &spec.trace_path, spec.closed_loop)?;
                 for &load in &spec.loads {
                     let rate = load * unit_rate;
                     let at = w.at_rate(rate);
@@ -151,7 +155,7 @@ pub fn run_matrix(spec: &MatrixSpec, mut progress: impl FnMut(&Row)) -> Result<M
         if let Some(g) = spec.goodput {
             let mut s = scenario_for(kind, g.workers, 1, spec.seed, spec.sidecar);
             s.slow = spec.slow;
-            let (w, unit_rate) = workload_for(kind, &s, g.requests, &spec.trace_path)?;
+            let (w, unit_rate) = workload_for(kind, &s, g.requests, &spec.trace_path, spec.closed_loop)?;
             for (name, f) in spec.policies.iter().zip(&factories) {
                 let gp = goodput(&s, &w, f, g.slo_p90_ms, 0.5 * unit_rate, 4);
                 out.goodput.push(GoodputRow {

@@ -13,6 +13,15 @@
 //! | `burst` | bursts of requests sharing a fresh prefix, over light background traffic |
 //!
 //! Each generator documents its parameters in its own file.
+//!
+//! **Open and closed loop.** By default every arrival time is fixed in
+//! advance and a load level squeezes or stretches all of them, think times
+//! included (open loop). `chat`, `long_conv` and `agent` are made of
+//! sessions whose turns follow one another; with [`Shape::closed_loop`] a
+//! turn is sent its think time after the previous turn's answer has ended,
+//! think times stay as generated (people do not read faster on a bigger
+//! cluster), a load level scales only when sessions start, and sessions are
+//! never cut short (a run has at least the requested number of requests).
 
 mod agent;
 mod burst;
@@ -33,9 +42,36 @@ pub use trace::default_trace_path;
 /// One request of a workload.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RequestSpec {
+    /// Arrival time; in a closed loop only a session's first turn keeps it,
+    /// later turns' are what they would be if every answer were instant.
     pub at: Micros,
     pub prompt: Prompt,
     pub max_tokens: u32,
+    /// Its place in a session, if the workload has sessions.
+    pub turn: Option<Turn>,
+    /// Closed loop: the index of the request whose answer this one waits for.
+    pub after: Option<u32>,
+}
+
+impl RequestSpec {
+    pub fn new(at: Micros, prompt: Prompt, max_tokens: u32) -> RequestSpec {
+        RequestSpec { at, prompt, max_tokens, turn: None, after: None }
+    }
+
+    pub fn in_session(mut self, turn: Turn) -> RequestSpec {
+        self.turn = Some(turn);
+        self
+    }
+}
+
+/// A request's place in a session (a conversation, an agent's loop).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Turn {
+    pub session: u64,
+    /// 0 for the session's first request.
+    pub index: u32,
+    /// How long after the previous turn's answer this one is sent.
+    pub think: Micros,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum, serde::Serialize)]
@@ -84,6 +120,8 @@ pub struct Shape {
     pub cluster_kv_tokens: u64,
     /// Where the `trace` workload reads its file.
     pub trace_path: PathBuf,
+    /// Send a session's turns after the previous answer (see the module docs).
+    pub closed_loop: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -128,32 +166,53 @@ impl Workload {
             WorkloadKind::Burst => burst::generate(shape),
         };
         requests.sort_by_key(|r| r.at);
-        requests.truncate(shape.requests);
+        let closed = shape.closed_loop && requests.iter().any(|r| r.turn.is_some());
+        if closed {
+            link_turns(&mut requests);
+        } else {
+            requests.truncate(shape.requests);
+        }
         Ok(Workload { kind, requests })
     }
 
-    /// Mean arrival rate (requests per second) over the workload's span.
+    /// Whether turns wait for the previous answer (see the module docs).
+    pub fn closed_loop(&self) -> bool {
+        self.requests.iter().any(|r| r.after.is_some())
+    }
+
+    /// Mean arrival rate (requests per second) over the workload's span; in
+    /// a closed loop, the request count over the span in which sessions
+    /// start (the rate in the steady state, where as many end as start).
     pub fn rate(&self) -> f64 {
         let span = self.span().as_secs_f64();
         if span <= 0.0 { f64::INFINITY } else { self.requests.len() as f64 / span }
     }
 
+    /// From the first arrival to the last (closed loop: the last session start).
     pub fn span(&self) -> Micros {
-        match (self.requests.first(), self.requests.last()) {
+        let closed = self.closed_loop();
+        let last = self.requests.iter().rev().find(|r| !closed || r.after.is_none());
+        match (self.requests.first(), last) {
             (Some(a), Some(b)) => b.at.saturating_sub(a.at),
             _ => Micros::ZERO,
         }
     }
 
-    /// The same requests, arrival times scaled so the mean rate is `rate`.
+    /// The same requests, arrival times scaled so the mean rate is `rate`
+    /// (closed loop: only session starts are scaled; a later turn's nominal
+    /// time is its predecessor's plus its think time).
     pub fn at_rate(&self, rate: f64) -> Workload {
         let factor = self.rate() / rate;
         let t0 = self.requests.first().map_or(0, |r| r.at.0);
-        let requests = self
-            .requests
-            .iter()
-            .map(|r| RequestSpec { at: Micros(((r.at.0 - t0) as f64 * factor).round() as u64), ..r.clone() })
-            .collect();
+        let scaled = |at: Micros| Micros(((at.0 - t0) as f64 * factor).round() as u64);
+        let mut requests: Vec<RequestSpec> = Vec::with_capacity(self.requests.len());
+        for r in &self.requests {
+            let at = match (r.after, r.turn) {
+                (Some(prev), Some(turn)) => requests[prev as usize].at + turn.think,
+                _ => scaled(r.at),
+            };
+            requests.push(RequestSpec { at, ..r.clone() });
+        }
         Workload { kind: self.kind, requests }
     }
 
@@ -188,6 +247,21 @@ impl Workload {
     }
 }
 
+/// Points every later turn at its session's previous one (`after`); the
+/// requests are in arrival order, so a predecessor always comes first.
+fn link_turns(requests: &mut [RequestSpec]) {
+    let mut last: std::collections::HashMap<u64, (u32, u32)> = std::collections::HashMap::new();
+    for (i, r) in requests.iter_mut().enumerate() {
+        let Some(turn) = r.turn else { continue };
+        if let Some(&(prev, index)) = last.get(&turn.session)
+            && index + 1 == turn.index
+        {
+            r.after = Some(prev);
+        }
+        last.insert(turn.session, (i as u32, turn.index));
+    }
+}
+
 /// A segment seeded by a workload-specific domain and index: distinct
 /// (domain, index) pairs never share tokens.
 pub(crate) fn seg(seed: u64, domain: u64, index: u64, len: u64) -> Segment {
@@ -199,7 +273,13 @@ mod tests {
     use super::*;
 
     fn shape(n: usize) -> Shape {
-        Shape { requests: n, seed: 3, cluster_kv_tokens: 4 * 2_000 * 16, trace_path: default_trace_path() }
+        Shape {
+            requests: n,
+            seed: 3,
+            cluster_kv_tokens: 4 * 2_000 * 16,
+            trace_path: default_trace_path(),
+            closed_loop: false,
+        }
     }
 
     #[test]
@@ -222,6 +302,40 @@ mod tests {
         assert!((fast.rate() - 50.0).abs() < 0.5, "{}", fast.rate());
         assert_eq!(fast.requests.len(), w.requests.len());
         assert!(fast.requests.windows(2).all(|p| p[0].at <= p[1].at));
+    }
+
+    #[test]
+    fn a_closed_loop_keeps_whole_sessions_and_scales_only_their_starts() {
+        let open = Workload::generate(WorkloadKind::Chat, &shape(300)).unwrap();
+        let closed = Workload::generate(WorkloadKind::Chat, &Shape { closed_loop: true, ..shape(300) }).unwrap();
+        assert!(!open.closed_loop() && closed.closed_loop());
+        assert!(closed.requests.len() >= 300, "sessions are not cut short");
+        // Every later turn waits for its session's previous one, which comes first.
+        for (i, r) in closed.requests.iter().enumerate() {
+            let turn = r.turn.expect("chat requests are turns");
+            match r.after {
+                None => assert_eq!(turn.index, 0, "request {i}"),
+                Some(prev) => {
+                    let p = closed.requests[prev as usize].turn.unwrap();
+                    assert!((prev as usize) < i);
+                    assert_eq!((p.session, p.index + 1), (turn.session, turn.index), "request {i}");
+                }
+            }
+        }
+        // Ten times the rate: starts ten times closer, think times as they were.
+        let fast = closed.at_rate(closed.rate() * 10.0);
+        assert!((fast.span().as_secs_f64() * 10.0 - closed.span().as_secs_f64()).abs() < 0.01);
+        for (a, b) in closed.requests.iter().zip(&fast.requests) {
+            if let (Some(prev), Some(turn)) = (b.after, b.turn) {
+                assert_eq!(b.at, fast.requests[prev as usize].at + turn.think);
+                // (generated as sums of seconds, so within a microsecond)
+                let generated = a.at.saturating_sub(closed.requests[prev as usize].at);
+                assert!(generated.0.abs_diff(turn.think.0) <= 1, "{generated:?} against {:?}", turn.think);
+            }
+        }
+        // Workloads without sessions are the same either way.
+        let rag = |closed_loop| Workload::generate(WorkloadKind::Rag, &Shape { closed_loop, ..shape(300) }).unwrap();
+        assert_eq!(rag(true).requests, rag(false).requests);
     }
 
     #[test]

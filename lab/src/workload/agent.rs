@@ -6,7 +6,7 @@
 //! and asks again. Sessions run 3–15 steps, 1–3 s apart; new sessions start
 //! at 2/s at the base rate.
 
-use super::{RequestSpec, Shape, seg};
+use super::{RequestSpec, Shape, Turn, seg};
 use crate::prompt::{Prompt, Rng};
 use crate::time::Micros;
 
@@ -20,17 +20,19 @@ pub(super) fn generate(shape: &Shape) -> Vec<RequestSpec> {
         start += rng.exp(0.5);
         session += 1;
         let mut prompt = Prompt(vec![tools, seg(shape.seed, 31, session, rng.range(100, 400))]);
-        let mut t = start;
+        let (mut t, mut think) = (start, 0.0);
         for step in 0..rng.range(3, 15) {
             let call = rng.range(20, 120);
-            out.push(RequestSpec { at: Micros::from_secs_f64(t), prompt: prompt.clone(), max_tokens: call as u32 });
+            let place = Turn { session, index: step as u32, think: Micros::from_secs_f64(think) };
+            out.push(RequestSpec::new(Micros::from_secs_f64(t), prompt.clone(), call as u32).in_session(place));
             prompt = prompt.with(seg(shape.seed, 32, session << 8 | step, call)).with(seg(
                 shape.seed,
                 33,
                 session << 8 | step,
                 rng.range(50, 600),
             ));
-            t += 1.0 + 2.0 * rng.f64();
+            think = 1.0 + 2.0 * rng.f64();
+            t += think;
         }
     }
     out

@@ -21,7 +21,7 @@ pub(super) fn generate(shape: &Shape) -> Vec<RequestSpec> {
             id += 1;
             let at = base + 0.3 * rng.f64();
             let prompt = Prompt(vec![prefix, seg(shape.seed, 51, id, rng.range(50, 200))]);
-            out.push(RequestSpec { at: Micros::from_secs_f64(at), prompt, max_tokens: rng.range(30, 200) as u32 });
+            out.push(RequestSpec::new(Micros::from_secs_f64(at), prompt, rng.range(30, 200) as u32));
         }
         let mut t = base;
         loop {
@@ -31,7 +31,7 @@ pub(super) fn generate(shape: &Shape) -> Vec<RequestSpec> {
             }
             id += 1;
             let prompt = Prompt(vec![seg(shape.seed, 52, id, rng.range(500, 2_000))]);
-            out.push(RequestSpec { at: Micros::from_secs_f64(t), prompt, max_tokens: rng.range(30, 200) as u32 });
+            out.push(RequestSpec::new(Micros::from_secs_f64(t), prompt, rng.range(30, 200) as u32));
         }
         window += 1;
     }

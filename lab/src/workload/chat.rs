@@ -7,7 +7,7 @@
 //! message; think time between turns is exponential (mean 8 s at the base
 //! rate). Answers are 50–400 tokens. About 200 users are active at once.
 
-use super::{RequestSpec, Shape, seg};
+use super::{RequestSpec, Shape, Turn, seg};
 use crate::prompt::{Prompt, Rng};
 use crate::time::Micros;
 
@@ -24,16 +24,18 @@ pub(super) fn generate(shape: &Shape) -> Vec<RequestSpec> {
         start += rng.exp(0.25);
         user += 1;
         let mut prompt = Prompt(vec![system]);
-        let mut t = start;
+        let (mut t, mut think) = (start, 0.0);
         for turn in 0.. {
             prompt = prompt.with(seg(shape.seed, 2, user << 16 | turn, rng.range(60, 400)));
             let answer = rng.range(50, 400) as u32;
-            out.push(RequestSpec { at: Micros::from_secs_f64(t), prompt: prompt.clone(), max_tokens: answer });
+            let place = Turn { session: user, index: turn as u32, think: Micros::from_secs_f64(think) };
+            out.push(RequestSpec::new(Micros::from_secs_f64(t), prompt.clone(), answer).in_session(place));
             if rng.chance(1.0 / 6.0) {
                 break;
             }
             prompt = prompt.with(seg(shape.seed, 3, user << 16 | turn, u64::from(answer)));
-            t += rng.exp(8.0);
+            think = rng.exp(8.0);
+            t += think;
         }
     }
     out

@@ -22,7 +22,7 @@ pub(super) fn generate(shape: &Shape) -> Vec<RequestSpec> {
             t += rng.exp(1.0);
             let doc = zipf.sample(&mut rng) as u64;
             let prompt = Prompt(vec![seg(shape.seed, 40, doc, DOC_TOKENS), seg(shape.seed, 41, q, rng.range(40, 120))]);
-            RequestSpec { at: Micros::from_secs_f64(t), prompt, max_tokens: rng.range(20, 80) as u32 }
+            RequestSpec::new(Micros::from_secs_f64(t), prompt, rng.range(20, 80) as u32)
         })
         .collect()
 }

@@ -7,7 +7,7 @@
 //! previous answer (100–300 tokens). Conversations start at 1/s at the base
 //! rate; turns are 20 s apart on average.
 
-use super::{RequestSpec, Shape, seg};
+use super::{RequestSpec, Shape, Turn, seg};
 use crate::prompt::{Prompt, Rng};
 use crate::time::Micros;
 
@@ -22,13 +22,15 @@ pub(super) fn generate(shape: &Shape) -> Vec<RequestSpec> {
         conv += 1;
         let mut prompt = Prompt(vec![shared, seg(shape.seed, 11, conv, rng.range(9_000, 15_000))]);
         let turns = rng.range(2, 6);
-        let mut t = start;
+        let (mut t, mut think) = (start, 0.0);
         for turn in 0..turns {
             prompt = prompt.with(seg(shape.seed, 12, conv << 8 | turn, rng.range(200, 1_000)));
             let answer = rng.range(100, 300);
-            out.push(RequestSpec { at: Micros::from_secs_f64(t), prompt: prompt.clone(), max_tokens: answer as u32 });
+            let place = Turn { session: conv, index: turn as u32, think: Micros::from_secs_f64(think) };
+            out.push(RequestSpec::new(Micros::from_secs_f64(t), prompt.clone(), answer as u32).in_session(place));
             prompt = prompt.with(seg(shape.seed, 13, conv << 8 | turn, answer));
-            t += rng.exp(20.0);
+            think = rng.exp(20.0);
+            t += think;
         }
     }
     out

@@ -21,7 +21,7 @@ pub(super) fn generate(shape: &Shape) -> Vec<RequestSpec> {
             t += rng.exp(1.0);
             let doc = docs[zipf.sample(&mut rng)];
             let prompt = Prompt(vec![instruction, doc, seg(shape.seed, 22, q, rng.range(30, 150))]);
-            RequestSpec { at: Micros::from_secs_f64(t), prompt, max_tokens: rng.range(50, 250) as u32 }
+            RequestSpec::new(Micros::from_secs_f64(t), prompt, rng.range(50, 250) as u32)
         })
         .collect()
 }

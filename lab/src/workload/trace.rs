@@ -78,11 +78,7 @@ pub(super) fn generate(shape: &Shape) -> Result<Vec<RequestSpec>, WorkloadError>
                     seg(shape.seed, DOMAIN + pass, h, len)
                 })
                 .collect();
-            RequestSpec {
-                at: Micros::from_ms(l.timestamp + pass * pass_ms),
-                prompt: Prompt(prompt),
-                max_tokens: l.output_length.max(1),
-            }
+            RequestSpec::new(Micros::from_ms(l.timestamp + pass * pass_ms), Prompt(prompt), l.output_length.max(1))
         })
         .collect();
     Ok(out)
@@ -94,7 +90,13 @@ mod tests {
 
     #[test]
     fn the_synthetic_trace_replays_with_its_shared_blocks() {
-        let shape = Shape { requests: 4_000, seed: 1, cluster_kv_tokens: 0, trace_path: default_trace_path() };
+        let shape = Shape {
+            requests: 4_000,
+            seed: 1,
+            cluster_kv_tokens: 0,
+            trace_path: default_trace_path(),
+            closed_loop: false,
+        };
         let reqs = match generate(&shape) {
             Ok(r) => r,
             Err(e) => panic!("{e}"),
