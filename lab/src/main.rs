@@ -160,7 +160,12 @@ fn main() -> anyhow::Result<()> {
             s.slow = common.slow()?;
             let (w, unit) = workload_for(workload, &s, common.requests, &common.trace, common.closed_loop)?;
             let r = run(&s, &w.at_rate(load * unit), &factory(&policy)?);
-            eprintln!("{} requests in {:.2} s wall", w.requests.len(), r.wall_s);
+            eprintln!(
+                "{} requests at {:.1} req/s (load {load} of {unit:.1} req/s) in {:.2} s wall",
+                w.requests.len(),
+                load * unit,
+                r.wall_s
+            );
             if let Some(path) = records {
                 std::fs::write(&path, records_csv(&r.records))
                     .with_context(|| format!("writing {}", path.display()))?;

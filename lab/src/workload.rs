@@ -22,6 +22,13 @@
 //! think times stay as generated (people do not read faster on a bigger
 //! cluster), a load level scales only when sessions start, and sessions are
 //! never cut short (a run has at least the requested number of requests).
+//!
+//! Open loop stays the default: the CI gate and every earlier comparison
+//! use it, and a closed loop reaches its nominal load only once sessions
+//! start over longer than one lasts (chat: ~50 s), so it needs about
+//! rate × 100 s requests (at 64 workers, 10⁵). Open loop's cost is that a
+//! squeezed think time can send a turn before the previous answer has
+//! ended, which understates what a router can reuse on big clusters.
 
 mod agent;
 mod burst;
