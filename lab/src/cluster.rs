@@ -270,12 +270,7 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
                             if let Some((r, d)) = &routed[req as usize] {
                                 routers[*r].finished(d, true);
                             }
-                            if let Some(f) = follower[req as usize] {
-                                q.push(
-                                    now + reqs[f as usize].turn.map_or(Micros::ZERO, |t| t.think),
-                                    Event::Arrival(f),
-                                );
-                            }
+                            next_turn(&mut q, reqs, follower[req as usize], now);
                             finished += 1;
                         }
                         Progress::Rejected { req } => {
@@ -284,12 +279,7 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
                                 routers[*r].finished(d, false);
                             }
                             // A user whose turn failed sends the next one anyway.
-                            if let Some(f) = follower[req as usize] {
-                                q.push(
-                                    now + reqs[f as usize].turn.map_or(Micros::ZERO, |t| t.think),
-                                    Event::Arrival(f),
-                                );
-                            }
+                            next_turn(&mut q, reqs, follower[req as usize], now);
                             finished += 1;
                         }
                     }
@@ -348,6 +338,14 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
         engine_hit_rate: if queries == 0 { 0.0 } else { hits as f64 / queries as f64 },
         records,
         wall_s: wall.elapsed().as_secs_f64(),
+    }
+}
+
+/// Closed loop: a request's answer has ended (or failed), so its session's
+/// next turn, if any, is sent its think time from `now`.
+fn next_turn(q: &mut Queue, reqs: &[RequestSpec], follower: Option<u32>, now: Micros) {
+    if let Some(f) = follower {
+        q.push(now + reqs[f as usize].turn.map_or(Micros::ZERO, |t| t.think), Event::Arrival(f));
     }
 }
 
