@@ -30,7 +30,7 @@ impl Ceiling {
 
 /// Chained block hashes of a prompt's full blocks: equal hash `i` means equal
 /// tokens `0..(i + 1) * block`.
-fn block_chain(tokens: &[u32], block: usize) -> impl Iterator<Item = u64> + '_ {
+pub(crate) fn block_chain(tokens: &[u32], block: usize) -> impl Iterator<Item = u64> + '_ {
     tokens.chunks_exact(block).scan(0x006b_7672_6f75_7465_u64, |prev, chunk| {
         let mut h = mix(*prev);
         for &t in chunk {

@@ -266,6 +266,13 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
             Prepared { workload, ceiling, words: words.clone() }
         })
         .collect();
+    // Each workload's prompts as block ids, once: what `kvroute-lab
+    // crosscheck` replays (the request logs say when each was sent).
+    for p in &prepared {
+        let path = args.out.join("requests").join(format!("{}_prompts.jsonl", p.workload.name));
+        let exported = workload::export::export(&p.workload, block_size as usize);
+        report::write(&path, workload::export::jsonl(&exported).as_bytes())?;
+    }
     let workers: Vec<usize> = if args.workers.is_empty() {
         vec![match engine {
             EngineKind::Sim => 4,
@@ -520,7 +527,7 @@ async fn measure(
     if let Some(e) = first_error {
         eprintln!("{} / {}: {errors} errors, first: {e}", p.workload.name, shape.policy);
     }
-    write_request_log(log, p, &out.results)?;
+    write_request_log(log, p, &out.results, &out.sent)?;
     ttfts.sort();
     lats.sort();
     let wall = out.wall.as_secs_f64();
@@ -567,19 +574,23 @@ fn previous(path: &Path) -> Vec<Record> {
     serde_json::from_value(records).unwrap_or_default()
 }
 
-/// One JSON line per request (worker, TTFT, prompt length, error), for
-/// looking behind a run's percentiles.
+/// One JSON line per request (its scheduled arrival and when it was sent,
+/// worker, TTFT, prompt length, error), for looking behind a run's
+/// percentiles.
 fn write_request_log(
     path: &Path,
     p: &Prepared,
     results: &[Result<crate::client::Outcome, String>],
+    sent: &[Option<Duration>],
 ) -> Result<(), BenchError> {
     let mut text = String::new();
     for (i, (req, r)) in p.workload.requests.iter().zip(results).enumerate() {
+        let sent_ms = sent.get(i).copied().flatten().map(|d| d.as_secs_f64() * 1e3);
         let line = match r {
             Ok(o) => serde_json::json!({
                 "i": i,
                 "arrival_ms": req.arrival.as_secs_f64() * 1e3,
+                "sent_ms": sent_ms,
                 "prompt_tokens": req.prompt.len(),
                 "worker": o.worker,
                 "ttft_ms": o.ttft.as_secs_f64() * 1e3,

@@ -29,6 +29,9 @@ pub struct DriveOptions {
 pub struct RunOutcome {
     /// Per request, in workload order: the outcome or the error text.
     pub results: Vec<Result<Outcome, String>>,
+    /// Per request, when it was sent, from the start of the run (closed
+    /// loop: after its predecessor's answer and the think time).
+    pub sent: Vec<Option<Duration>>,
     /// First send to last completion.
     pub wall: Duration,
 }
@@ -44,7 +47,7 @@ pub async fn drive(
     let gate = Arc::new(Semaphore::new(opts.concurrency.max(1)));
     let (done_tx, done_rx): (Vec<_>, Vec<_>) = (0..n).map(|_| watch::channel(false)).unzip();
     let done_tx: Arc<Vec<watch::Sender<bool>>> = Arc::new(done_tx);
-    let start = tokio::time::Instant::now();
+    let start = Instant::now();
     let mut tasks = Vec::with_capacity(n);
     for (i, req) in workload.requests.iter().enumerate() {
         let req = req.clone();
@@ -56,7 +59,7 @@ pub async fn drive(
         let opts = opts.clone();
         let progress = progress.clone();
         tasks.push(tokio::spawn(async move {
-            tokio::time::sleep_until(start + req.arrival).await;
+            tokio::time::sleep_until((start + req.arrival).into()).await;
             if let Some((mut rx, think)) = follows {
                 // A failed predecessor also signals, so sessions never stall.
                 let _ = rx.wait_for(|d| *d).await;
@@ -77,6 +80,7 @@ pub async fn drive(
         }));
     }
     let mut results = Vec::with_capacity(n);
+    let mut sent_times = Vec::with_capacity(n);
     let (mut first, mut last): (Option<Instant>, Option<Instant>) = (None, None);
     for t in tasks {
         match t.await {
@@ -84,13 +88,17 @@ pub async fn drive(
                 first = Some(first.map_or(sent, |f| f.min(sent)));
                 last = Some(last.map_or(ended, |l| l.max(ended)));
                 results.push(r);
+                sent_times.push(Some(sent.saturating_duration_since(start)));
             }
-            Err(e) => results.push(Err(format!("task failed: {e}"))),
+            Err(e) => {
+                results.push(Err(format!("task failed: {e}")));
+                sent_times.push(None);
+            }
         }
     }
     let wall = match (first, last) {
         (Some(f), Some(l)) => l.saturating_duration_since(f),
         _ => Duration::ZERO,
     };
-    RunOutcome { results, wall }
+    RunOutcome { results, sent: sent_times, wall }
 }

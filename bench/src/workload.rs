@@ -7,6 +7,7 @@
 //! chat user's next turn waits for the previous answer (closed loop).
 
 pub mod chat;
+pub mod export;
 pub mod rag;
 pub mod shared_prefix;
 pub mod trace;

@@ -97,6 +97,9 @@ pub struct Scenario {
     pub speculative_ttl_ms: u64,
     /// Zero unless set: requests reach their engine as they are routed.
     pub path: PathModel,
+    /// Per request (by index), a measured path delay that replaces `path`'s
+    /// model for that request (`crosscheck --path-from`).
+    pub measured_path: Option<std::sync::Arc<[Micros]>>,
     pub slow: SlowWorkers,
 }
 
@@ -115,6 +118,7 @@ impl Scenario {
             head_tokens: 64,
             speculative_ttl_ms: 10_000,
             path: PathModel::default(),
+            measured_path: None,
             slow: SlowWorkers::default(),
         }
     }
@@ -236,7 +240,10 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
                     ..Default::default()
                 };
                 routed[i] = Some((r, decision));
-                let delay = scenario.path.delay(tokens.len());
+                let delay = match scenario.measured_path.as_deref().and_then(|m| m.get(i)) {
+                    Some(&measured) => measured,
+                    None => scenario.path.delay(tokens.len()),
+                };
                 if delay > Micros::ZERO {
                     q.push(now + delay, Event::Submit(i as u32));
                 } else if let Some(end) = engines[decision.worker].submit(i as u32, tokens, spec.max_tokens, now) {

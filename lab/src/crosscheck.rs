@@ -1,11 +1,20 @@
 //! The lab checked against the process-level bench (issue 12): a
-//! `kvroute-bench compare --trace` run replayed in virtual time, request for
+//! `kvroute-bench compare` run replayed in virtual time, request for
 //! request, and the two tools' hit rate and TTFT side by side.
 //!
-//! The Mooncake trace is the one workload both tools read from the same file
-//! with the same meaning (each hash id a 512-token block, the last one cut to
-//! `input_length`), so the same lines give the same prompts' sharing
-//! structure, block for block. What the bench does to it is done here too:
+//! Every bench workload is replayed from the export the bench writes beside
+//! its request logs (`requests/WORKLOAD_prompts.jsonl`, see the bench's
+//! `workload::export`): each request's arrival, the request it follows and
+//! its think time (closed loop), its output cap, its prompt length and its
+//! prompt's full blocks as ids. The lab gives each block id its own tokens,
+//! so its prompts share exactly the blocks the bench's did, and runs the
+//! closed loop itself: a turn is sent its think time after the lab's answer.
+//!
+//! Bench runs from before the export are replayed only for the Mooncake
+//! trace, which both tools read from the same file with the same meaning
+//! (each hash id a 512-token block, the last one cut to `input_length`), so
+//! the same lines give the same prompts' sharing structure, block for
+//! block. What the bench does to it is done here too:
 //! `requests` lines after the first `--skip`, timestamps (from the first
 //! replayed line's) divided by `--speedup`, outputs
 //! capped (16 tokens by default), engines at the bench's KV block count and
@@ -27,8 +36,9 @@ use serde::Deserialize;
 
 use crate::cluster::{PathModel, Scenario, run};
 use crate::policies::{UnknownPolicy, factory};
+use crate::prompt::{Prompt, Segment};
 use crate::time::Micros;
-use crate::workload::{Shape, Workload, WorkloadError, WorkloadKind};
+use crate::workload::{RequestSpec, Shape, Turn, Workload, WorkloadError, WorkloadKind, seg};
 
 /// Issue 12's targets: hit rate within this, absolute.
 pub const HIT_TOLERANCE: f64 = 0.02;
@@ -49,6 +59,11 @@ pub struct Replay {
     /// The request path's latency ahead of the engine, which the bench's
     /// processes have and the lab by default leaves out.
     pub path: PathModel,
+    /// A bench run of the same workloads with engines that take no time
+    /// (`--time-scale 100000`): its TTFTs are the path alone, and each
+    /// request's median over that run's policies becomes its path delay
+    /// (replacing `path`).
+    pub path_from: Option<PathBuf>,
 }
 
 impl Replay {
@@ -70,6 +85,12 @@ impl Replay {
             r.max_tokens = r.max_tokens.clamp(1, self.max_output.max(1));
         }
         Ok(w)
+    }
+
+    /// Tokens per KV block of the lab's engines, which is the bench's
+    /// simulated engines' too.
+    pub fn block_size(&self) -> usize {
+        Scenario::new(1, 1, self.seed).engine.block_size.get()
     }
 
     /// kvroute-sim's engine as the bench starts it for `w`: `num_blocks`
@@ -141,17 +162,23 @@ pub enum CrosscheckError {
         source: std::io::Error,
     },
     #[error(
-        "{path} has no trace run on simulated engines with 1 router and sidecars (run `kvroute-bench compare --trace FILE`)"
+        "{path} has no run the lab can replay: simulated engines, 1 router, sidecars, and the workload's \
+         requests/WORKLOAD_prompts.jsonl (written by kvroute-bench compare) or the Mooncake trace"
     )]
-    NoTraceRuns { path: PathBuf },
+    NoRuns { path: PathBuf },
+    #[error("{path} line {line}: {detail}")]
+    Export { path: PathBuf, line: usize, detail: String },
+    #[error("--path-from {dir}: {detail}")]
+    PathFrom { dir: PathBuf, detail: String },
     #[error(transparent)]
     Workload(#[from] WorkloadError),
     #[error(transparent)]
     Policy(#[from] UnknownPolicy),
 }
 
-/// The trace runs of a bench compare output folder that the lab can replay:
-/// simulated engines, one router, sidecars, the router's own configuration.
+/// The runs of a bench compare output folder that the lab can replay:
+/// simulated engines, one router, sidecars, the router's own configuration,
+/// and a workload the bench exported (or the trace).
 pub fn read_bench(dir: &Path) -> Result<Vec<BenchRun>, CrosscheckError> {
     let path = dir.join("results.json");
     let text = std::fs::read_to_string(&path).map_err(|source| CrosscheckError::Read { path: path.clone(), source })?;
@@ -164,19 +191,106 @@ pub fn read_bench(dir: &Path) -> Result<Vec<BenchRun>, CrosscheckError> {
     let runs: Vec<BenchRun> = runs
         .into_iter()
         .filter(|r| {
-            r.engine == "sim" && r.workload == "trace" && r.routers == 1 && r.sidecars && r.router_config.is_none()
+            r.engine == "sim"
+                && (r.workload == "trace" || export_path(dir, &r.workload).is_file())
+                && r.routers == 1
+                && r.sidecars
+                && r.router_config.is_none()
         })
         .collect();
     if runs.is_empty() {
-        return Err(CrosscheckError::NoTraceRuns { path });
+        return Err(CrosscheckError::NoRuns { path });
     }
     Ok(runs)
 }
 
-/// One policy and worker count: the bench's figures (median over its
-/// rounds) against the lab's.
+fn export_path(dir: &Path, workload: &str) -> PathBuf {
+    dir.join("requests").join(format!("{workload}_prompts.jsonl"))
+}
+
+/// One line of the bench's workload export (the bench's
+/// `workload::export::ExportedRequest`).
+#[derive(Deserialize)]
+struct Exported {
+    arrival_ms: f64,
+    after: Option<usize>,
+    think_ms: f64,
+    max_tokens: u32,
+    prompt_tokens: usize,
+    blocks: Vec<u32>,
+}
+
+const EXPORT_BLOCK: u64 = 0x6578_706f_7274_0000;
+const EXPORT_TAIL: u64 = 0x6578_706f_7274_0001;
+
+/// The bench's exported workload `name` from `dir`, as lab requests of
+/// `block`-token blocks: one segment per block id (equal ids, equal tokens)
+/// and one for the partial block at the end, which no engine caches. A turn
+/// that follows another waits for its answer, as in the bench.
+pub fn exported_workload(dir: &Path, name: &str, block: usize) -> Result<Workload, CrosscheckError> {
+    let path = export_path(dir, name);
+    let text = std::fs::read_to_string(&path).map_err(|source| CrosscheckError::Read { path: path.clone(), source })?;
+    let bad = |line: usize, detail: String| CrosscheckError::Export { path: path.clone(), line, detail };
+    let mut requests: Vec<RequestSpec> = Vec::new();
+    let mut last_open = Micros::ZERO;
+    for (i, l) in text.lines().enumerate() {
+        let e: Exported = serde_json::from_str(l).map_err(|err| bad(i + 1, err.to_string()))?;
+        let full = e.blocks.len() * block;
+        if full > e.prompt_tokens || e.prompt_tokens >= full + block {
+            return Err(bad(
+                i + 1,
+                format!("{} blocks do not fit {} tokens in {block}-token blocks", e.blocks.len(), e.prompt_tokens),
+            ));
+        }
+        if !(e.arrival_ms.is_finite() && e.arrival_ms >= 0.0 && e.think_ms.is_finite() && e.think_ms >= 0.0) {
+            return Err(bad(i + 1, "arrival and think times must be finite and ≥ 0".into()));
+        }
+        let mut segments: Vec<Segment> =
+            e.blocks.iter().map(|&b| seg(0, EXPORT_BLOCK, u64::from(b), block as u64)).collect();
+        if e.prompt_tokens > full {
+            segments.push(seg(0, EXPORT_TAIL, i as u64, (e.prompt_tokens - full) as u64));
+        }
+        let think = Micros((e.think_ms * 1e3).round() as u64);
+        let mut spec =
+            RequestSpec::new(Micros((e.arrival_ms * 1e3).round() as u64), Prompt(segments), e.max_tokens.max(1));
+        match e.after {
+            Some(prev) => {
+                let before = requests
+                    .get(prev)
+                    .filter(|_| prev < i)
+                    .ok_or_else(|| bad(i + 1, format!("follows request {prev}, which does not come before it")))?;
+                let (session, index) = before.turn.map_or((prev as u64, 1), |t| (t.session, t.index + 1));
+                spec.at = before.at + think;
+                spec.turn = Some(Turn { session, index, think });
+                spec.after = Some(prev as u32);
+            }
+            None => {
+                if spec.at < last_open {
+                    return Err(bad(i + 1, "arrivals out of order".into()));
+                }
+                last_open = spec.at;
+                spec.turn = Some(Turn { session: i as u64, index: 0, think: Micros::ZERO });
+            }
+        }
+        requests.push(spec);
+    }
+    if requests.is_empty() {
+        return Err(bad(0, "no requests".into()));
+    }
+    let kind = match name {
+        "trace" => WorkloadKind::Trace,
+        "chat" => WorkloadKind::Chat,
+        // rag and shared_prefix: a few shared documents, many questions.
+        _ => WorkloadKind::Rag,
+    };
+    Ok(Workload { kind, requests })
+}
+
+/// One workload, policy and worker count: the bench's figures (median over
+/// its rounds) against the lab's.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Row {
+    pub workload: String,
     pub policy: String,
     pub workers: usize,
     pub requests: usize,
@@ -197,11 +311,16 @@ pub struct Row {
     pub lab_share_under_bench_p50: f64,
     /// Most requests in flight at once in the lab (the bench caps it at 64).
     pub lab_max_inflight: usize,
-    /// Largest difference between a request's arrival in the bench's request
-    /// log and in the lab, ms; `None` when no log was found.
+    /// Largest difference between when the bench sent a request (its
+    /// request log) and when it arrived in the lab, ms, over the requests
+    /// that follow no other (a closed loop's later turns wait for each
+    /// tool's own answers); `None` when no log was found.
     pub arrival_max_diff_ms: Option<f64>,
     /// Whether every logged prompt length equals the lab's.
     pub prompts_match: Option<bool>,
+    /// Median over requests of the bench's TTFT minus the lab's for the same
+    /// request (every round of the bench's logs); `None` without logs.
+    pub per_request_offset_ms: Option<f64>,
 }
 
 impl Row {
@@ -259,16 +378,105 @@ fn max_inflight(records: &[crate::measure::RequestRecord]) -> usize {
     most as usize
 }
 
-/// Arrival times (ms) and prompt lengths from a bench request log, if any.
-fn bench_log(dir: &Path, policy: &str, workers: usize) -> Option<Vec<(f64, usize)>> {
-    let names = [format!("trace_{policy}_w{workers}_r1.jsonl"), format!("trace_{policy}_w{workers}_r1_round1.jsonl")];
-    let text = names.iter().find_map(|n| std::fs::read_to_string(dir.join("requests").join(n)).ok())?;
-    text.lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).ok()?;
-            Some((v["arrival_ms"].as_f64()?, v["prompt_tokens"].as_u64()? as usize))
+/// One request of a bench request log.
+#[derive(Clone, Copy, Debug)]
+struct Logged {
+    /// When it was sent, ms (the scheduled arrival in logs from before the
+    /// bench recorded when it sent).
+    at: f64,
+    prompt_tokens: usize,
+    /// `None` for a request that failed.
+    ttft_ms: Option<f64>,
+}
+
+/// The bench's request logs of one run, one per round (`None` if the first
+/// is missing).
+fn bench_logs(dir: &Path, workload: &str, policy: &str, workers: usize, rounds: usize) -> Option<Vec<Vec<Logged>>> {
+    let base = format!("{workload}_{policy}_w{workers}_r1");
+    let names: Vec<String> = std::iter::once(format!("{base}.jsonl"))
+        .chain((1..=rounds.max(1)).map(|k| format!("{base}_round{k}.jsonl")))
+        .collect();
+    let logs: Vec<Vec<Logged>> = names
+        .iter()
+        .filter_map(|n| std::fs::read_to_string(dir.join("requests").join(n)).ok())
+        .map(|text| {
+            text.lines()
+                .filter_map(|l| {
+                    let v: serde_json::Value = serde_json::from_str(l).ok()?;
+                    Some(Logged {
+                        at: v["sent_ms"].as_f64().or_else(|| v["arrival_ms"].as_f64())?,
+                        prompt_tokens: v["prompt_tokens"].as_u64()? as usize,
+                        ttft_ms: v["ttft_ms"].as_f64(),
+                    })
+                })
+                .collect()
         })
-        .collect()
+        .collect();
+    (!logs.is_empty()).then_some(logs)
+}
+
+/// The median over requests (and the bench's rounds) of the bench's TTFT
+/// minus the lab's for the same request: what the lab leaves out if the two
+/// differ by a constant (the request path), where the p50s of a bimodal
+/// distribution can differ by far more.
+fn per_request_offset_ms(logs: &[Vec<Logged>], records: &[crate::measure::RequestRecord]) -> Option<f64> {
+    let mut diffs = Vec::new();
+    for log in logs {
+        for (b, r) in log.iter().zip(records) {
+            if let (Some(bench), Some(first)) = (b.ttft_ms, r.first_token) {
+                diffs.push(bench - first.saturating_sub(r.arrival).0 as f64 / 1e3);
+            }
+        }
+    }
+    (!diffs.is_empty()).then(|| median(diffs))
+}
+
+/// Per request of `w`, the median TTFT over every request log of
+/// `workload` on `workers` workers in the bench run `dir` (one router): with
+/// engines that take no time, that is the request path alone.
+pub fn measured_path(dir: &Path, workload: &str, workers: usize, w: &Workload) -> Result<Vec<Micros>, CrosscheckError> {
+    let bad = |detail: String| CrosscheckError::PathFrom { dir: dir.to_owned(), detail };
+    let logs = dir.join("requests");
+    let prefix = format!("{workload}_");
+    let suffix = format!("_w{workers}_r1");
+    let mut per_request: Vec<Vec<f64>> = vec![Vec::new(); w.requests.len()];
+    let entries = std::fs::read_dir(&logs).map_err(|e| bad(format!("{}: {e}", logs.display())))?;
+    let mut names: Vec<String> = entries.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect();
+    names.sort();
+    let mut read = 0;
+    for name in names {
+        let Some(stem) = name.strip_suffix(".jsonl") else { continue };
+        // `…_r1_round2` is round 2 of `…_r1` (and `round_robin` is a policy).
+        let stem = match stem.rsplit_once("_round") {
+            Some((run, k)) if !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit()) => run,
+            _ => stem,
+        };
+        if !(stem.starts_with(&prefix) && stem.ends_with(&suffix)) || stem.contains("nosidecars") {
+            continue;
+        }
+        let text = std::fs::read_to_string(logs.join(&name)).map_err(|e| bad(format!("{name}: {e}")))?;
+        let lines: Vec<serde_json::Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+        let same = lines.len() == w.requests.len()
+            && lines.iter().zip(&w.requests).all(|(v, r)| v["prompt_tokens"].as_u64() == Some(r.prompt.len() as u64));
+        if !same {
+            return Err(bad(format!(
+                "{name} is not the same {workload} workload (request count or prompt lengths differ)"
+            )));
+        }
+        for (v, samples) in lines.iter().zip(&mut per_request) {
+            samples.extend(v["ttft_ms"].as_f64());
+        }
+        read += 1;
+    }
+    if read == 0 {
+        return Err(bad(format!("no request log of {workload} on {workers} workers with 1 router")));
+    }
+    // A request that failed in every log gets the median of the others.
+    let overall = median(per_request.iter().flatten().copied().collect());
+    Ok(per_request
+        .into_iter()
+        .map(|v| Micros((if v.is_empty() { overall } else { median(v) } * 1e3).round() as u64))
+        .collect())
 }
 
 /// One JSON line per request in the bench's request-log format (worker,
@@ -302,27 +510,37 @@ pub fn check(
     mut progress: impl FnMut(&Row),
 ) -> Result<Vec<Row>, CrosscheckError> {
     let runs = read_bench(dir)?;
-    let mut keys: Vec<(String, usize)> = Vec::new();
+    let mut keys: Vec<(String, String, usize)> = Vec::new();
     for r in &runs {
-        if !keys.iter().any(|(p, w)| *p == r.policy && *w == r.workers) {
-            keys.push((r.policy.clone(), r.workers));
+        if !keys.iter().any(|(w, p, n)| *w == r.workload && *p == r.policy && *n == r.workers) {
+            keys.push((r.workload.clone(), r.policy.clone(), r.workers));
         }
     }
     let mut rows = Vec::new();
-    for (policy, workers) in keys {
-        let rs: Vec<&BenchRun> = runs.iter().filter(|r| r.policy == policy && r.workers == workers).collect();
+    for (workload, policy, workers) in keys {
+        let rs: Vec<&BenchRun> =
+            runs.iter().filter(|r| r.workload == workload && r.policy == policy && r.workers == workers).collect();
         let first = rs[0];
-        let w = replay.workload(first.requests)?;
-        let s = replay.scenario(&w, workers, first.num_blocks, first.time_scale);
+        let w = if export_path(dir, &workload).is_file() {
+            exported_workload(dir, &workload, replay.block_size())?
+        } else {
+            replay.workload(first.requests)?
+        };
+        let mut s = replay.scenario(&w, workers, first.num_blocks, first.time_scale);
+        if let Some(from) = &replay.path_from {
+            s.measured_path = Some(measured_path(from, &workload, workers, &w)?.into());
+        }
         let lab = run(&s, &w, &factory(&policy)?);
-        let log = bench_log(dir, &policy, workers);
+        let logs = bench_logs(dir, &workload, &policy, workers, rs.len());
+        let log = logs.as_ref().map(|l| &l[0]);
         if let Some(out) = requests_out {
-            let path = out.join(format!("lab_trace_{policy}_w{workers}.jsonl"));
+            let path = out.join(format!("lab_{workload}_{policy}_w{workers}.jsonl"));
             std::fs::create_dir_all(out)
                 .and_then(|()| std::fs::write(&path, lab_log(&lab.records)))
                 .map_err(|source| CrosscheckError::Write { path, source })?;
         }
         let row = Row {
+            workload: workload.clone(),
             policy: policy.clone(),
             workers,
             requests: first.requests,
@@ -338,12 +556,17 @@ pub fn check(
             lab_p99_ms: lab.summary.ttft_p99_ms,
             lab_max_inflight: max_inflight(&lab.records),
             lab_share_under_bench_p50: share_under(&lab.records, median(rs.iter().map(|r| r.ttft_p50_ms).collect())),
-            arrival_max_diff_ms: log
-                .as_ref()
-                .map(|l| l.iter().zip(&w.requests).map(|(b, r)| (b.0 - r.at.0 as f64 / 1e3).abs()).fold(0.0, f64::max)),
-            prompts_match: log
-                .as_ref()
-                .map(|l| l.len() == w.requests.len() && l.iter().zip(&w.requests).all(|(b, r)| b.1 == r.prompt.len())),
+            arrival_max_diff_ms: log.as_ref().map(|l| {
+                l.iter()
+                    .zip(w.requests.iter().zip(&lab.records))
+                    .filter(|(_, (spec, _))| spec.after.is_none())
+                    .map(|(b, (_, rec))| (b.at - rec.arrival.0 as f64 / 1e3).abs())
+                    .fold(0.0, f64::max)
+            }),
+            prompts_match: log.as_ref().map(|l| {
+                l.len() == w.requests.len() && l.iter().zip(&w.requests).all(|(b, r)| b.prompt_tokens == r.prompt.len())
+            }),
+            per_request_offset_ms: logs.as_ref().and_then(|l| per_request_offset_ms(l, &lab.records)),
         };
         progress(&row);
         rows.push(row);
@@ -359,7 +582,12 @@ fn verdict(ok: bool) -> &'static str {
 pub fn markdown(rows: &[Row], replay: &Replay) -> String {
     let mut md = format!(
         "Lab request path: {}.\n\n",
-        if replay.path == PathModel::default() {
+        if let Some(from) = &replay.path_from {
+            format!(
+                "each request's median TTFT in the bench run {} (engines that take no time), ahead of the engine",
+                from.display()
+            )
+        } else if replay.path == PathModel::default() {
             "none (requests reach their engine as they are routed)".to_owned()
         } else {
             format!(
@@ -369,13 +597,15 @@ pub fn markdown(rows: &[Row], replay: &Replay) -> String {
         }
     );
     md.push_str(
-        "| policy | workers | requests | hit rate bench | lab | Δ | ≤ 0.02 | TTFT p50 bench ms | lab ms | Δ | ≤ 15 % | \
-         lab share ≤ bench p50 | TTFT p99 bench ms | lab ms | ceiling bench / lab |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| workload | policy | workers | requests | hit rate bench | lab | Δ | ≤ 0.02 | TTFT p50 bench ms | lab ms | Δ | \
+         ≤ 15 % | lab share ≤ bench p50 | bench − lab per request, median ms | TTFT p99 bench ms | lab ms | \
+         ceiling bench / lab |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         md.push_str(&format!(
-            "| {} | {} | {} | {:.3} | {:.3} | {:+.3} | {} | {:.1} | {:.1} | {:+.1} % | {} | {:.3} | {:.1} | {:.1} | {:.3} / {:.3} |\n",
+            "| {} | {} | {} | {} | {:.3} | {:.3} | {:+.3} | {} | {:.1} | {:.1} | {:+.1} % | {} | {:.3} | {} | {:.1} | {:.1} | {:.3} / {:.3} |\n",
+            r.workload,
             r.policy,
             r.workers,
             r.requests,
@@ -388,6 +618,7 @@ pub fn markdown(rows: &[Row], replay: &Replay) -> String {
             r.p50_rel() * 100.0,
             verdict(r.p50_ok()),
             r.lab_share_under_bench_p50,
+            r.per_request_offset_ms.map_or("–".to_owned(), |d| format!("{d:+.2}")),
             r.bench_p99_ms,
             r.lab_p99_ms,
             r.bench_ceiling,
@@ -398,14 +629,14 @@ pub fn markdown(rows: &[Row], replay: &Replay) -> String {
     for r in rows {
         let same = match (r.arrival_max_diff_ms, r.prompts_match) {
             (Some(d), Some(p)) => format!(
-                "arrivals within {d:.2} ms of the bench's request log, prompt lengths {}",
+                "arrivals of requests that follow no other within {d:.2} ms of the bench's request log, prompt lengths {}",
                 if p { "all equal" } else { "**differ**" }
             ),
             _ => "no bench request log to check arrivals against".into(),
         };
         md.push_str(&format!(
-            "- {} w{}: bench {} round(s), {} errors; lab at most {} in flight; {same}.\n",
-            r.policy, r.workers, r.bench_rounds, r.bench_errors, r.lab_max_inflight
+            "- {} {} w{}: bench {} round(s), {} errors; lab at most {} in flight; {same}.\n",
+            r.workload, r.policy, r.workers, r.bench_rounds, r.bench_errors, r.lab_max_inflight
         ));
     }
     md
@@ -424,6 +655,7 @@ mod tests {
             max_output: 16,
             seed: 1,
             path: PathModel::default(),
+            path_from: None,
         }
     }
 
@@ -498,13 +730,145 @@ mod tests {
         assert_eq!((r.arrival_max_diff_ms, r.prompts_match), (Some(0.0), Some(true)));
         assert!(r.lab_p50_ms > 0.0 && r.lab_hit >= 0.0 && r.lab_max_inflight >= 1);
         assert!(r.lab_ceiling > 0.0, "line 50 of the trace shares blocks with an earlier line");
-        assert!(markdown(&rows, &replay()).contains("| round_robin | 2 | 60 | 0.400 |"));
+        assert!(markdown(&rows, &replay()).contains("| trace | round_robin | 2 | 60 | 0.400 |"));
         assert!((0.0..=1.0).contains(&r.lab_share_under_bench_p50));
+    }
+
+    /// A bench folder holding one chat run of `round_robin` on 2 workers
+    /// and the workload's export: 2 users sharing a 4-block system prompt,
+    /// each with a second turn that extends the first.
+    fn chat_bench(dir: &Path, export: &str) {
+        std::fs::create_dir_all(dir.join("requests")).unwrap();
+        let rec = serde_json::json!({"engine": "sim", "workload": "chat", "policy": "round_robin", "workers": 2,
+            "routers": 1, "sidecars": true, "hit_rate": 0.4, "ceiling": 0.5, "ttft_p50_ms": 5.0,
+            "ttft_p99_ms": 9.0, "num_blocks": 2_000, "time_scale": 1.0, "requests": 4, "errors": 0});
+        std::fs::write(dir.join("results.json"), serde_json::json!({"results": [rec]}).to_string()).unwrap();
+        std::fs::write(dir.join("requests/chat_prompts.jsonl"), export).unwrap();
+    }
+
+    const CHAT_EXPORT: &str = concat!(
+        r#"{"arrival_ms":0.0,"after":null,"think_ms":0.0,"max_tokens":4,"prompt_tokens":70,"blocks":[0,1,2,3]}"#,
+        "\n",
+        r#"{"arrival_ms":250.0,"after":null,"think_ms":0.0,"max_tokens":4,"prompt_tokens":72,"blocks":[0,1,2,4]}"#,
+        "\n",
+        r#"{"arrival_ms":0.0,"after":0,"think_ms":300.0,"max_tokens":4,"prompt_tokens":100,"blocks":[0,1,2,3,5,6]}"#,
+        "\n",
+        r#"{"arrival_ms":0.0,"after":1,"think_ms":50.0,"max_tokens":4,"prompt_tokens":96,"blocks":[0,1,2,4,7,8]}"#,
+        "\n",
+    );
+
+    #[test]
+    fn an_exported_workload_shares_blocks_by_id_and_turns_wait_for_answers() {
+        let dir = std::env::temp_dir().join(format!("kvroute-lab-crosscheck-export-{}", std::process::id()));
+        chat_bench(&dir, CHAT_EXPORT);
+        let w = exported_workload(&dir, "chat", 16).unwrap();
+        let tokens: Vec<Vec<u32>> = w.requests.iter().map(|r| r.prompt.tokens()).collect();
+        assert_eq!(tokens.iter().map(Vec::len).collect::<Vec<_>>(), vec![70, 72, 100, 96]);
+        // Blocks 0–2 are shared by all, block 3 by requests 0 and 2 only.
+        assert_eq!(tokens[0][..48], tokens[1][..48]);
+        assert_ne!(tokens[0][48..64], tokens[1][48..64]);
+        assert_eq!(tokens[0][..64], tokens[2][..64]);
+        assert_ne!(tokens[0][64..70], tokens[2][64..70], "partial blocks are never shared");
+        assert_eq!((w.requests[2].after, w.requests[3].after), (Some(0), Some(1)));
+        assert_eq!(w.requests[3].turn.map(|t| (t.session, t.index, t.think)), Some((1, 1, Micros::from_ms(50))));
+        let rows = check(&dir, &replay(), None, |_| {}).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(rows.len(), 1);
+        assert_eq!((rows[0].workload.as_str(), rows[0].requests), ("chat", 4));
+        assert!(rows[0].lab_hit > 0.0, "later turns hit the blocks their first turns stored");
+        let s = replay().scenario(&w, 2, 2_000, 1.0);
+        let lab = run(&s, &w, &factory("round_robin").unwrap());
+        for (spec, rec) in w.requests.iter().zip(&lab.records).skip(2) {
+            let prev = lab.records[spec.after.unwrap() as usize];
+            assert_eq!(rec.arrival, prev.done.unwrap() + spec.turn.unwrap().think, "sent after the previous answer");
+        }
+    }
+
+    #[test]
+    fn a_malformed_export_is_refused_with_its_line() {
+        let dir = std::env::temp_dir().join(format!("kvroute-lab-crosscheck-bad-{}", std::process::id()));
+        let line = |arrival: f64, after: &str, tokens: usize, blocks: &str| {
+            format!(
+                r#"{{"arrival_ms":{arrival},"after":{after},"think_ms":0.0,"max_tokens":4,"prompt_tokens":{tokens},"blocks":{blocks}}}"#
+            )
+        };
+        let ok = line(0.0, "null", 20, "[0]");
+        let cases = [
+            (format!("{ok}\n{}", line(1.0, "null", 40, "[0]")), "line 2", "do not fit"),
+            (format!("{ok}\n{}", line(1.0, "null", 10, "[0]")), "line 2", "do not fit"),
+            (format!("{ok}\n{}", line(1.0, "5", 20, "[0]")), "line 2", "does not come before"),
+            (format!("{}\n{ok}", line(9.0, "null", 20, "[0]")), "line 2", "out of order"),
+            ("{\"arrival_ms\": 1}".to_owned(), "line 1", "missing field"),
+        ];
+        for (export, at, why) in cases {
+            chat_bench(&dir, &export);
+            let e = exported_workload(&dir, "chat", 16).unwrap_err().to_string();
+            assert!(e.contains(at) && e.contains(why), "{e}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_per_request_offset_pairs_each_bench_request_with_the_labs() {
+        use crate::measure::RequestRecord;
+        let record = |arrival_ms: u64, ttft_ms: u64| RequestRecord {
+            arrival: Micros::from_ms(arrival_ms),
+            first_token: Some(Micros::from_ms(arrival_ms + ttft_ms)),
+            ..RequestRecord::default()
+        };
+        // The lab answers in 1, 2 and 30 ms; the bench 2 ms later each time,
+        // except one failure.
+        let records = [record(0, 1), record(5, 2), record(9, 30)];
+        let logged = |ttft_ms: Option<f64>| Logged { at: 0.0, prompt_tokens: 1, ttft_ms };
+        let round1 = vec![logged(Some(3.0)), logged(Some(4.0)), logged(Some(32.0))];
+        let round2 = vec![logged(Some(3.0)), logged(None), logged(Some(32.0))];
+        assert_eq!(per_request_offset_ms(&[round1, round2], &records), Some(2.0));
+        assert_eq!(per_request_offset_ms(&[vec![logged(None)]], &records), None);
+    }
+
+    #[test]
+    fn a_measured_path_is_each_requests_median_ttft_with_instant_engines() {
+        let dir = std::env::temp_dir().join(format!("kvroute-lab-crosscheck-path-{}", std::process::id()));
+        chat_bench(&dir, CHAT_EXPORT);
+        let w = exported_workload(&dir, "chat", 16).unwrap();
+        let log = |ttfts: [Option<f64>; 4], tokens: [usize; 4]| -> String {
+            ttfts
+                .iter()
+                .zip(tokens)
+                .map(|(t, n)| format!("{}\n", serde_json::json!({"prompt_tokens": n, "ttft_ms": t})))
+                .collect()
+        };
+        let tokens = [70, 72, 100, 96];
+        let requests = dir.join("requests");
+        std::fs::write(
+            requests.join("chat_round_robin_w2_r1.jsonl"),
+            log([Some(1.0), Some(2.0), None, Some(4.0)], tokens),
+        )
+        .unwrap();
+        std::fs::write(
+            requests.join("chat_predicted_ttft_w2_r1_round1.jsonl"),
+            log([Some(3.0), Some(2.0), None, Some(6.0)], tokens),
+        )
+        .unwrap();
+        // Another worker count and the variant without sidecars are not read.
+        std::fs::write(requests.join("chat_round_robin_w4_r1.jsonl"), log([Some(99.0); 4], tokens)).unwrap();
+        std::fs::write(requests.join("chat_round_robin_w2_r1_nosidecars.jsonl"), log([Some(99.0); 4], tokens)).unwrap();
+        let path = measured_path(&dir, "chat", 2, &w);
+        let missing = measured_path(&dir, "chat", 8, &w).map(|_| ()).unwrap_err().to_string();
+        std::fs::write(requests.join("chat_cache_aware_w2_r1.jsonl"), log([Some(1.0); 4], [70, 72, 100, 95])).unwrap();
+        let other = measured_path(&dir, "chat", 2, &w).map(|_| ()).unwrap_err().to_string();
+        let _ = std::fs::remove_dir_all(&dir);
+        // Medians 2, 2, (failed everywhere: the median of all, 2.5), 5 ms.
+        let ms = [2_000, 2_000, 2_500, 5_000].map(Micros);
+        assert_eq!(path.unwrap(), ms.to_vec());
+        assert!(missing.contains("no request log of chat on 8 workers"), "{missing}");
+        assert!(other.contains("not the same chat workload"), "{other}");
     }
 
     #[test]
     fn tolerances_are_the_issues() {
         let mut r = Row {
+            workload: "trace".into(),
             policy: "p".into(),
             workers: 4,
             requests: 1,
@@ -522,6 +886,7 @@ mod tests {
             lab_max_inflight: 1,
             arrival_max_diff_ms: None,
             prompts_match: None,
+            per_request_offset_ms: None,
         };
         assert!(r.hit_ok() && r.p50_ok());
         r.lab_hit = 0.475;

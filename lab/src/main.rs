@@ -116,7 +116,9 @@ enum Cmd {
     Crosscheck {
         /// The bench run's output folder (its --out, holding results.json).
         bench: PathBuf,
-        /// The bench's --speedup (trace timestamps divided by it).
+        /// The bench's --speedup (trace timestamps divided by it). This and
+        /// --skip, --max-output and --trace matter only for bench runs from
+        /// before the bench exported its workloads (requests/*_prompts.jsonl).
         #[arg(long, default_value_t = 20.0)]
         speedup: f64,
         /// The bench's --skip (trace lines before the replayed stretch).
@@ -141,6 +143,12 @@ enum Cmd {
         /// Write the lab's request logs (the bench's format) into this folder.
         #[arg(long)]
         requests_out: Option<PathBuf>,
+        /// Per-request path delays measured by a bench run of the same
+        /// workloads with engines that take no time (`kvroute-bench compare
+        /// --time-scale 100000 --out DIR`): each request's median TTFT there.
+        /// Replaces --path-us and --path-ns-per-token.
+        #[arg(long, value_name = "DIR")]
+        path_from: Option<PathBuf>,
     },
     /// The CI gate's check, per workload, with its figures.
     Gate {
@@ -238,13 +246,24 @@ fn main() -> anyhow::Result<()> {
                 anyhow::bail!("{}: no case with two or more loads to draw a curve through", dir.display());
             }
         }
-        Cmd::Crosscheck { bench, speedup, skip, max_output, trace, json, path_us, path_ns_per_token, requests_out } => {
+        Cmd::Crosscheck {
+            bench,
+            speedup,
+            skip,
+            max_output,
+            trace,
+            json,
+            path_us,
+            path_ns_per_token,
+            requests_out,
+            path_from,
+        } => {
             let path = kvroute_lab::cluster::PathModel { fixed_us: path_us, ns_per_token: path_ns_per_token };
-            let replay = kvroute_lab::crosscheck::Replay { trace, speedup, skip, max_output, seed: 1, path };
+            let replay = kvroute_lab::crosscheck::Replay { trace, speedup, skip, max_output, seed: 1, path, path_from };
             let rows = kvroute_lab::crosscheck::check(&bench, &replay, requests_out.as_deref(), |r| {
                 eprintln!(
-                    "{:<20} w{} bench hit {:.3} p50 {:.1} ms | lab hit {:.3} p50 {:.1} ms",
-                    r.policy, r.workers, r.bench_hit, r.bench_p50_ms, r.lab_hit, r.lab_p50_ms
+                    "{:<14} {:<20} w{} bench hit {:.3} p50 {:.1} ms | lab hit {:.3} p50 {:.1} ms",
+                    r.workload, r.policy, r.workers, r.bench_hit, r.bench_p50_ms, r.lab_hit, r.lab_p50_ms
                 );
             })?;
             print!("{}", kvroute_lab::crosscheck::markdown(&rows, &replay));
