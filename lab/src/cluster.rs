@@ -100,6 +100,10 @@ pub struct Scenario {
     /// Per request (by index), a measured path delay that replaces `path`'s
     /// model for that request (`crosscheck --path-from`).
     pub measured_path: Option<std::sync::Arc<[Micros]>>,
+    /// Request `i` goes to router replica `i mod routers`, as the bench's
+    /// clients alternate; otherwise (the default) to a seeded random one,
+    /// like clients behind a load balancer.
+    pub alternate_routers: bool,
     pub slow: SlowWorkers,
 }
 
@@ -119,6 +123,7 @@ impl Scenario {
             speculative_ttl_ms: 10_000,
             path: PathModel::default(),
             measured_path: None,
+            alternate_routers: false,
             slow: SlowWorkers::default(),
         }
     }
@@ -227,7 +232,11 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
                 let hittable = tokens.len().saturating_sub(1) / bs.get();
                 let ceiling = keys[..hittable.min(keys.len())].iter().take_while(|k| seen.contains(k)).count();
                 seen.extend(keys.iter().copied());
-                let r = (splitmix64(scenario.seed ^ i as u64) % scenario.routers as u64) as usize;
+                let r = if scenario.alternate_routers {
+                    i % scenario.routers
+                } else {
+                    (splitmix64(scenario.seed ^ i as u64) % scenario.routers as u64) as usize
+                };
                 let decision = routers[r].route(tokens.len(), &keys, head_hash, now);
                 records[i] = RequestRecord {
                     arrival: now,
@@ -384,6 +393,21 @@ mod tests {
     use crate::policies::factory;
     use crate::prompt::{Prompt, Segment};
     use crate::workload::WorkloadKind;
+
+    #[test]
+    fn alternating_clients_send_request_i_to_replica_i_mod_routers() {
+        let requests = (0..12)
+            .map(|i| RequestSpec::new(Micros::from_ms(i), Prompt(vec![Segment { seed: i, len: 64 }]), 2))
+            .collect();
+        let w = Workload { kind: WorkloadKind::Chat, requests };
+        let policy = factory("round_robin").expect("a known policy");
+        let mut s = Scenario::new(2, 3, 1);
+        let random: Vec<u32> = run(&s, &w, &policy).records.iter().map(|r| r.router).collect();
+        s.alternate_routers = true;
+        let alternating: Vec<u32> = run(&s, &w, &policy).records.iter().map(|r| r.router).collect();
+        assert_eq!(alternating, (0..12).map(|i| i % 3).collect::<Vec<u32>>());
+        assert_ne!(random, alternating, "by default a seeded random replica");
+    }
 
     #[test]
     fn a_request_path_delay_reaches_the_first_token() {

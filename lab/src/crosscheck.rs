@@ -96,8 +96,9 @@ impl Replay {
     /// kvroute-sim's engine as the bench starts it for `w`: `num_blocks`
     /// blocks of 16 tokens, `--max-model-len` as the bench computes it, and
     /// step costs divided by `time_scale` (what `--time-scale` does).
-    pub fn scenario(&self, w: &Workload, workers: usize, num_blocks: u32, time_scale: f64) -> Scenario {
-        let mut s = Scenario::new(workers, 1, self.seed);
+    pub fn scenario(&self, w: &Workload, workers: usize, routers: usize, num_blocks: u32, time_scale: f64) -> Scenario {
+        let mut s = Scenario::new(workers, routers, self.seed);
+        s.alternate_routers = true;
         s.engine.num_blocks = num_blocks;
         let longest = w.requests.iter().map(|r| r.prompt.len() + r.max_tokens as usize).max().unwrap_or(0);
         s.engine.max_model_len = (longest + 16).max(32_768);
@@ -193,7 +194,7 @@ pub fn read_bench(dir: &Path) -> Result<Vec<BenchRun>, CrosscheckError> {
         .filter(|r| {
             r.engine == "sim"
                 && (r.workload == "trace" || export_path(dir, &r.workload).is_file())
-                && r.routers == 1
+                && r.routers >= 1
                 && r.sidecars
                 && r.router_config.is_none()
         })
@@ -286,13 +287,16 @@ pub fn exported_workload(dir: &Path, name: &str, block: usize) -> Result<Workloa
     Ok(Workload { kind, requests })
 }
 
-/// One workload, policy and worker count: the bench's figures (median over
-/// its rounds) against the lab's.
+/// One workload, policy, worker count and router count: the bench's
+/// figures (median over its rounds) against the lab's.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Row {
     pub workload: String,
     pub policy: String,
     pub workers: usize,
+    /// Router replicas; request `i` goes to replica `i mod routers` in both
+    /// tools.
+    pub routers: usize,
     pub requests: usize,
     pub bench_rounds: usize,
     pub bench_errors: usize,
@@ -391,8 +395,15 @@ struct Logged {
 
 /// The bench's request logs of one run, one per round (`None` if the first
 /// is missing).
-fn bench_logs(dir: &Path, workload: &str, policy: &str, workers: usize, rounds: usize) -> Option<Vec<Vec<Logged>>> {
-    let base = format!("{workload}_{policy}_w{workers}_r1");
+fn bench_logs(
+    dir: &Path,
+    workload: &str,
+    policy: &str,
+    workers: usize,
+    routers: usize,
+    rounds: usize,
+) -> Option<Vec<Vec<Logged>>> {
+    let base = format!("{workload}_{policy}_w{workers}_r{routers}");
     let names: Vec<String> = std::iter::once(format!("{base}.jsonl"))
         .chain((1..=rounds.max(1)).map(|k| format!("{base}_round{k}.jsonl")))
         .collect();
@@ -510,31 +521,34 @@ pub fn check(
     mut progress: impl FnMut(&Row),
 ) -> Result<Vec<Row>, CrosscheckError> {
     let runs = read_bench(dir)?;
-    let mut keys: Vec<(String, String, usize)> = Vec::new();
+    let mut keys: Vec<(String, String, usize, usize)> = Vec::new();
     for r in &runs {
-        if !keys.iter().any(|(w, p, n)| *w == r.workload && *p == r.policy && *n == r.workers) {
-            keys.push((r.workload.clone(), r.policy.clone(), r.workers));
+        let key = (r.workload.clone(), r.policy.clone(), r.workers, r.routers);
+        if !keys.contains(&key) {
+            keys.push(key);
         }
     }
     let mut rows = Vec::new();
-    for (workload, policy, workers) in keys {
-        let rs: Vec<&BenchRun> =
-            runs.iter().filter(|r| r.workload == workload && r.policy == policy && r.workers == workers).collect();
+    for (workload, policy, workers, routers) in keys {
+        let rs: Vec<&BenchRun> = runs
+            .iter()
+            .filter(|r| r.workload == workload && r.policy == policy && r.workers == workers && r.routers == routers)
+            .collect();
         let first = rs[0];
         let w = if export_path(dir, &workload).is_file() {
             exported_workload(dir, &workload, replay.block_size())?
         } else {
             replay.workload(first.requests)?
         };
-        let mut s = replay.scenario(&w, workers, first.num_blocks, first.time_scale);
+        let mut s = replay.scenario(&w, workers, routers, first.num_blocks, first.time_scale);
         if let Some(from) = &replay.path_from {
             s.measured_path = Some(measured_path(from, &workload, workers, &w)?.into());
         }
         let lab = run(&s, &w, &factory(&policy)?);
-        let logs = bench_logs(dir, &workload, &policy, workers, rs.len());
+        let logs = bench_logs(dir, &workload, &policy, workers, routers, rs.len());
         let log = logs.as_ref().map(|l| &l[0]);
         if let Some(out) = requests_out {
-            let path = out.join(format!("lab_{workload}_{policy}_w{workers}.jsonl"));
+            let path = out.join(format!("lab_{workload}_{policy}_w{workers}_r{routers}.jsonl"));
             std::fs::create_dir_all(out)
                 .and_then(|()| std::fs::write(&path, lab_log(&lab.records)))
                 .map_err(|source| CrosscheckError::Write { path, source })?;
@@ -543,6 +557,7 @@ pub fn check(
             workload: workload.clone(),
             policy: policy.clone(),
             workers,
+            routers,
             requests: first.requests,
             bench_rounds: rs.len(),
             bench_errors: rs.iter().map(|r| r.errors).sum(),
@@ -597,17 +612,18 @@ pub fn markdown(rows: &[Row], replay: &Replay) -> String {
         }
     );
     md.push_str(
-        "| workload | policy | workers | requests | hit rate bench | lab | Δ | ≤ 0.02 | TTFT p50 bench ms | lab ms | Δ | \
+        "| workload | policy | workers | routers | requests | hit rate bench | lab | Δ | ≤ 0.02 | TTFT p50 bench ms | lab ms | Δ | \
          ≤ 15 % | lab share ≤ bench p50 | bench − lab per request, median ms | TTFT p99 bench ms | lab ms | \
          ceiling bench / lab |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         md.push_str(&format!(
-            "| {} | {} | {} | {} | {:.3} | {:.3} | {:+.3} | {} | {:.1} | {:.1} | {:+.1} % | {} | {:.3} | {} | {:.1} | {:.1} | {:.3} / {:.3} |\n",
+            "| {} | {} | {} | {} | {} | {:.3} | {:.3} | {:+.3} | {} | {:.1} | {:.1} | {:+.1} % | {} | {:.3} | {} | {:.1} | {:.1} | {:.3} / {:.3} |\n",
             r.workload,
             r.policy,
             r.workers,
+            r.routers,
             r.requests,
             r.bench_hit,
             r.lab_hit,
@@ -635,8 +651,8 @@ pub fn markdown(rows: &[Row], replay: &Replay) -> String {
             _ => "no bench request log to check arrivals against".into(),
         };
         md.push_str(&format!(
-            "- {} {} w{}: bench {} round(s), {} errors; lab at most {} in flight; {same}.\n",
-            r.workload, r.policy, r.workers, r.bench_rounds, r.bench_errors, r.lab_max_inflight
+            "- {} {} w{} r{}: bench {} round(s), {} errors; lab at most {} in flight; {same}.\n",
+            r.workload, r.policy, r.workers, r.routers, r.bench_rounds, r.bench_errors, r.lab_max_inflight
         ));
     }
     md
@@ -683,7 +699,7 @@ mod tests {
         assert_eq!(later.requests[0].at, Micros::ZERO);
         assert_eq!(later.requests[0].prompt, full.requests[30].prompt);
         assert_eq!(later.requests[19].prompt, full.requests[49].prompt);
-        let s = replay().scenario(&w, 4, 1_000, 20.0);
+        let s = replay().scenario(&w, 4, 1, 1_000, 20.0);
         assert_eq!((s.workers, s.routers, s.engine.num_blocks), (4, 1, 1_000));
         assert_eq!(s.engine.cost.prefill_us_per_token, 70.0 / 20.0);
         assert!(s.engine.max_model_len >= w.requests.iter().map(|r| r.prompt.len()).max().unwrap());
@@ -721,7 +737,7 @@ mod tests {
             .collect();
         std::fs::write(dir.join("requests/trace_round_robin_w2_r1_round1.jsonl"), log).unwrap();
         let rows = check(&dir, &replay(), Some(&dir.join("lab")), |_| {}).unwrap();
-        let lab_log = std::fs::read_to_string(dir.join("lab/lab_trace_round_robin_w2.jsonl")).unwrap();
+        let lab_log = std::fs::read_to_string(dir.join("lab/lab_trace_round_robin_w2_r1.jsonl")).unwrap();
         let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(lab_log.lines().count(), 60);
         assert_eq!(rows.len(), 1, "the chat run is not replayed");
@@ -730,7 +746,7 @@ mod tests {
         assert_eq!((r.arrival_max_diff_ms, r.prompts_match), (Some(0.0), Some(true)));
         assert!(r.lab_p50_ms > 0.0 && r.lab_hit >= 0.0 && r.lab_max_inflight >= 1);
         assert!(r.lab_ceiling > 0.0, "line 50 of the trace shares blocks with an earlier line");
-        assert!(markdown(&rows, &replay()).contains("| trace | round_robin | 2 | 60 | 0.400 |"));
+        assert!(markdown(&rows, &replay()).contains("| trace | round_robin | 2 | 1 | 60 | 0.400 |"));
         assert!((0.0..=1.0).contains(&r.lab_share_under_bench_p50));
     }
 
@@ -776,7 +792,7 @@ mod tests {
         assert_eq!(rows.len(), 1);
         assert_eq!((rows[0].workload.as_str(), rows[0].requests), ("chat", 4));
         assert!(rows[0].lab_hit > 0.0, "later turns hit the blocks their first turns stored");
-        let s = replay().scenario(&w, 2, 2_000, 1.0);
+        let s = replay().scenario(&w, 2, 1, 2_000, 1.0);
         let lab = run(&s, &w, &factory("round_robin").unwrap());
         for (spec, rec) in w.requests.iter().zip(&lab.records).skip(2) {
             let prev = lab.records[spec.after.unwrap() as usize];
@@ -871,6 +887,7 @@ mod tests {
             workload: "trace".into(),
             policy: "p".into(),
             workers: 4,
+            routers: 1,
             requests: 1,
             bench_rounds: 1,
             bench_errors: 0,

@@ -262,8 +262,8 @@ fn main() -> anyhow::Result<()> {
             let replay = kvroute_lab::crosscheck::Replay { trace, speedup, skip, max_output, seed: 1, path, path_from };
             let rows = kvroute_lab::crosscheck::check(&bench, &replay, requests_out.as_deref(), |r| {
                 eprintln!(
-                    "{:<14} {:<20} w{} bench hit {:.3} p50 {:.1} ms | lab hit {:.3} p50 {:.1} ms",
-                    r.workload, r.policy, r.workers, r.bench_hit, r.bench_p50_ms, r.lab_hit, r.lab_p50_ms
+                    "{:<14} {:<20} w{} r{} bench hit {:.3} p50 {:.1} ms | lab hit {:.3} p50 {:.1} ms",
+                    r.workload, r.policy, r.workers, r.routers, r.bench_hit, r.bench_p50_ms, r.lab_hit, r.lab_p50_ms
                 );
             })?;
             print!("{}", kvroute_lab::crosscheck::markdown(&rows, &replay));
