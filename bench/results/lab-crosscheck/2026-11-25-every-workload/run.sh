@@ -21,8 +21,10 @@ done
 $B compare --trace ../shared/testdata/traces/mooncake_synthetic_trace.jsonl --policies round_robin,predicted_ttft \
   --workers 4 --no-variants --time-scale 100000 --out $OUT/instant-trace
 mkdir -p $OUT/instant-all/requests && cp $OUT/instant-*/requests/*_r1.jsonl $OUT/instant-all/requests/
-# 4. The lab's replays: no path, one linear path model, and each request's measured path.
-for d in $OUT/default-time-scales $OUT/time-scale-1-*; do
+# 4. Two router replicas (the bench's clients alternate between them), 2 rounds (13 min).
+$B compare --policies $P --workers 4 --routers 2 --no-variants --rounds 2 --out $OUT/two-routers
+# 5. The lab's replays: no path, one linear path model, and each request's measured path.
+for d in $OUT/default-time-scales $OUT/time-scale-1-* $OUT/two-routers; do
   $L crosscheck $d --json $d/crosscheck.json --requests-out $d/lab > $d/crosscheck.md
   $L crosscheck $d --path-us 1945 --path-ns-per-token 390 --json $d/crosscheck-path.json > $d/crosscheck-path.md
   $L crosscheck $d --path-from $OUT/instant-all --json $d/crosscheck-measured-path.json > $d/crosscheck-measured-path.md
