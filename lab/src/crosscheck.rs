@@ -66,6 +66,22 @@ pub struct Replay {
     pub path_from: Option<PathBuf>,
 }
 
+impl Default for Replay {
+    /// The bench's trace defaults (the public trace, arrivals ×20, outputs
+    /// capped at 16 tokens), no request path.
+    fn default() -> Self {
+        Replay {
+            trace: crate::workload::default_trace_path(),
+            speedup: 20.0,
+            skip: 0,
+            max_output: 16,
+            seed: 1,
+            path: PathModel::default(),
+            path_from: None,
+        }
+    }
+}
+
 impl Replay {
     /// `requests` lines of the trace after the first `skip`, as the bench
     /// replays them.
@@ -664,15 +680,7 @@ mod tests {
     use crate::workload::default_trace_path;
 
     fn replay() -> Replay {
-        Replay {
-            trace: default_trace_path(),
-            speedup: 20.0,
-            skip: 0,
-            max_output: 16,
-            seed: 1,
-            path: PathModel::default(),
-            path_from: None,
-        }
+        Replay::default()
     }
 
     #[test]

@@ -9,30 +9,21 @@
 
 use std::path::{Path, PathBuf};
 
-use kvroute_lab::cluster::PathModel;
 use kvroute_lab::crosscheck::{Replay, check};
-use kvroute_lab::workload::default_trace_path;
 
 fn data() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/bench-chat")
 }
 
-fn replay(path_from: Option<PathBuf>) -> Replay {
-    Replay {
-        trace: default_trace_path(),
-        speedup: 20.0,
-        skip: 0,
-        max_output: 16,
-        seed: 1,
-        path: PathModel::default(),
-        path_from,
-    }
-}
-
 #[test]
 fn the_lab_reproduces_a_recorded_bench_chat_run() {
-    let rows =
-        check(&data().join("x4"), &replay(Some(data().join("instant"))), None, |_| {}).expect("a replayable run");
+    let rows = check(
+        &data().join("x4"),
+        &Replay { path_from: Some(data().join("instant")), ..Replay::default() },
+        None,
+        |_| {},
+    )
+    .expect("a replayable run");
     let policies: Vec<&str> = rows.iter().map(|r| r.policy.as_str()).collect();
     assert_eq!(policies, ["predicted_ttft", "cache_aware", "round_robin"]);
     for r in &rows {
