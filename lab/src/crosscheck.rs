@@ -179,7 +179,7 @@ pub enum CrosscheckError {
         source: std::io::Error,
     },
     #[error(
-        "{path} has no run the lab can replay: simulated engines, 1 router, sidecars, and the workload's \
+        "{path} has no run the lab can replay: simulated engines, sidecars, and the workload's \
          requests/WORKLOAD_prompts.jsonl (written by kvroute-bench compare) or the Mooncake trace"
     )]
     NoRuns { path: PathBuf },
@@ -194,8 +194,8 @@ pub enum CrosscheckError {
 }
 
 /// The runs of a bench compare output folder that the lab can replay:
-/// simulated engines, one router, sidecars, the router's own configuration,
-/// and a workload the bench exported (or the trace).
+/// simulated engines, at least one router replica, sidecars, the router's
+/// own configuration, and a workload the bench exported (or the trace).
 pub fn read_bench(dir: &Path) -> Result<Vec<BenchRun>, CrosscheckError> {
     let path = dir.join("results.json");
     let text = std::fs::read_to_string(&path).map_err(|source| CrosscheckError::Read { path: path.clone(), source })?;
@@ -210,7 +210,7 @@ pub fn read_bench(dir: &Path) -> Result<Vec<BenchRun>, CrosscheckError> {
         .filter(|r| {
             r.engine == "sim"
                 && (r.workload == "trace" || export_path(dir, &r.workload).is_file())
-                && r.routers >= 1
+                && r.routers > 0
                 && r.sidecars
                 && r.router_config.is_none()
         })
