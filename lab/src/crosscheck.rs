@@ -249,10 +249,14 @@ pub fn exported_workload(dir: &Path, name: &str, block: usize) -> Result<Workloa
     let text = std::fs::read_to_string(&path).map_err(|source| CrosscheckError::Read { path: path.clone(), source })?;
     let bad = |line: usize, detail: String| CrosscheckError::Export { path: path.clone(), line, detail };
     let mut requests: Vec<RequestSpec> = Vec::new();
+    let mut followed = std::collections::HashSet::new();
     let mut last_open = Micros::ZERO;
     for (i, l) in text.lines().enumerate() {
         let e: Exported = serde_json::from_str(l).map_err(|err| bad(i + 1, err.to_string()))?;
         let full = e.blocks.len() * block;
+        if e.prompt_tokens == 0 {
+            return Err(bad(i + 1, "an empty prompt".into()));
+        }
         if full > e.prompt_tokens || e.prompt_tokens >= full + block {
             return Err(bad(
                 i + 1,
@@ -276,6 +280,10 @@ pub fn exported_workload(dir: &Path, name: &str, block: usize) -> Result<Workloa
                     .get(prev)
                     .filter(|_| prev < i)
                     .ok_or_else(|| bad(i + 1, format!("follows request {prev}, which does not come before it")))?;
+                // A session is a chain: the lab sends one next turn per answer.
+                if !followed.insert(prev) {
+                    return Err(bad(i + 1, format!("request {prev} already has a next turn")));
+                }
                 let (session, index) = before.turn.map_or((prev as u64, 1), |t| (t.session, t.index + 1));
                 spec.at = before.at + think;
                 spec.turn = Some(Turn { session, index, think });
@@ -822,6 +830,12 @@ mod tests {
             (format!("{ok}\n{}", line(1.0, "null", 10, "[0]")), "line 2", "do not fit"),
             (format!("{ok}\n{}", line(1.0, "5", 20, "[0]")), "line 2", "does not come before"),
             (format!("{}\n{ok}", line(9.0, "null", 20, "[0]")), "line 2", "out of order"),
+            (
+                format!("{ok}\n{}\n{}", line(0.0, "0", 20, "[0]"), line(0.0, "0", 20, "[0]")),
+                "line 3",
+                "already has a next turn",
+            ),
+            (line(0.0, "null", 0, "[]"), "line 1", "an empty prompt"),
             ("{\"arrival_ms\": 1}".to_owned(), "line 1", "missing field"),
         ];
         for (export, at, why) in cases {
