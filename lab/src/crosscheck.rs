@@ -406,19 +406,35 @@ fn max_inflight(records: &[crate::measure::RequestRecord]) -> usize {
     most as usize
 }
 
-/// One request of a bench request log.
-#[derive(Clone, Copy, Debug)]
+/// One request of a bench request log: a line per request, in workload
+/// order, so line `i` is request `i` (a failed request's line has no times).
+#[derive(Clone, Copy, Debug, Default)]
 struct Logged {
     /// When it was sent, ms (the scheduled arrival in logs from before the
-    /// bench recorded when it sent).
-    at: f64,
-    prompt_tokens: usize,
+    /// bench recorded when it sent); `None` for a request that failed.
+    at: Option<f64>,
+    prompt_tokens: Option<usize>,
     /// `None` for a request that failed.
     ttft_ms: Option<f64>,
 }
 
-/// The bench's request logs of one run, one per round (`None` if the first
-/// is missing).
+/// A bench request log, one entry per line (a line that is not JSON gives
+/// an empty entry, so the entries stay aligned with the requests).
+fn parse_log(text: &str) -> Vec<Logged> {
+    text.lines()
+        .map(|l| {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(l) else { return Logged::default() };
+            Logged {
+                at: v["sent_ms"].as_f64().or_else(|| v["arrival_ms"].as_f64()),
+                prompt_tokens: v["prompt_tokens"].as_u64().map(|n| n as usize),
+                ttft_ms: v["ttft_ms"].as_f64(),
+            }
+        })
+        .collect()
+}
+
+/// The bench's request logs of one run, one per round (`None` if there is
+/// none).
 fn bench_logs(
     dir: &Path,
     workload: &str,
@@ -434,18 +450,7 @@ fn bench_logs(
     let logs: Vec<Vec<Logged>> = names
         .iter()
         .filter_map(|n| std::fs::read_to_string(dir.join("requests").join(n)).ok())
-        .map(|text| {
-            text.lines()
-                .filter_map(|l| {
-                    let v: serde_json::Value = serde_json::from_str(l).ok()?;
-                    Some(Logged {
-                        at: v["sent_ms"].as_f64().or_else(|| v["arrival_ms"].as_f64())?,
-                        prompt_tokens: v["prompt_tokens"].as_u64()? as usize,
-                        ttft_ms: v["ttft_ms"].as_f64(),
-                    })
-                })
-                .collect()
-        })
+        .map(|text| parse_log(&text))
         .collect();
     (!logs.is_empty()).then_some(logs)
 }
@@ -490,16 +495,16 @@ pub fn measured_path(dir: &Path, workload: &str, workers: usize, w: &Workload) -
             continue;
         }
         let text = std::fs::read_to_string(logs.join(&name)).map_err(|e| bad(format!("{name}: {e}")))?;
-        let lines: Vec<serde_json::Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+        let lines = parse_log(&text);
         let same = lines.len() == w.requests.len()
-            && lines.iter().zip(&w.requests).all(|(v, r)| v["prompt_tokens"].as_u64() == Some(r.prompt.len() as u64));
+            && lines.iter().zip(&w.requests).all(|(l, r)| l.prompt_tokens == Some(r.prompt.len()));
         if !same {
             return Err(bad(format!(
                 "{name} is not the same {workload} workload (request count or prompt lengths differ)"
             )));
         }
-        for (v, samples) in lines.iter().zip(&mut per_request) {
-            samples.extend(v["ttft_ms"].as_f64());
+        for (l, samples) in lines.iter().zip(&mut per_request) {
+            samples.extend(l.ttft_ms);
         }
         read += 1;
     }
@@ -599,11 +604,12 @@ pub fn check(
                 l.iter()
                     .zip(w.requests.iter().zip(&lab.records))
                     .filter(|(_, (spec, _))| spec.after.is_none())
-                    .map(|(b, (_, rec))| (b.at - rec.arrival.0 as f64 / 1e3).abs())
+                    .filter_map(|(b, (_, rec))| Some((b.at? - rec.arrival.0 as f64 / 1e3).abs()))
                     .fold(0.0, f64::max)
             }),
             prompts_match: log.as_ref().map(|l| {
-                l.len() == w.requests.len() && l.iter().zip(&w.requests).all(|(b, r)| b.prompt_tokens == r.prompt.len())
+                l.len() == w.requests.len()
+                    && l.iter().zip(&w.requests).all(|(b, r)| b.prompt_tokens == Some(r.prompt.len()))
             }),
             per_request_offset_ms: logs.as_ref().and_then(|l| per_request_offset_ms(l, &lab.records)),
         };
@@ -857,10 +863,23 @@ mod tests {
         // The lab answers in 1, 2 and 30 ms; the bench 2 ms later each time,
         // except one failure.
         let records = [record(0, 1), record(5, 2), record(9, 30)];
-        let logged = |ttft_ms: Option<f64>| Logged { at: 0.0, prompt_tokens: 1, ttft_ms };
+        let logged = |ttft_ms: Option<f64>| Logged { at: Some(0.0), prompt_tokens: Some(1), ttft_ms };
         let round1 = vec![logged(Some(3.0)), logged(Some(4.0)), logged(Some(32.0))];
         let round2 = vec![logged(Some(3.0)), logged(None), logged(Some(32.0))];
         assert_eq!(per_request_offset_ms(&[round1, round2], &records), Some(2.0));
+        // A failed request's line (no times) keeps the lines after it on
+        // their own requests.
+        let log = parse_log(concat!(
+            r#"{"i":0,"arrival_ms":0.0,"sent_ms":0.5,"prompt_tokens":10,"ttft_ms":3.0}"#,
+            "\n",
+            r#"{"i":1,"prompt_tokens":20,"error":"boom"}"#,
+            "\n",
+            r#"{"i":2,"arrival_ms":9.0,"prompt_tokens":30,"ttft_ms":32.0}"#,
+        ));
+        assert_eq!(log.len(), 3);
+        assert_eq!((log[0].at, log[1].at, log[2].at), (Some(0.5), None, Some(9.0)));
+        assert_eq!(log[2].prompt_tokens, Some(30));
+        assert_eq!(per_request_offset_ms(&[log], &records), Some(2.0));
         assert_eq!(per_request_offset_ms(&[vec![logged(None)]], &records), None);
     }
 
