@@ -558,22 +558,29 @@ pub fn check(
         }
     }
     let mut rows = Vec::new();
+    let mut workloads: std::collections::HashMap<(String, usize), Workload> = std::collections::HashMap::new();
     for (workload, policy, workers, routers) in keys {
         let rs: Vec<&BenchRun> = runs
             .iter()
             .filter(|r| r.workload == workload && r.policy == policy && r.workers == workers && r.routers == routers)
             .collect();
         let first = rs[0];
-        let w = if export_path(dir, &workload).is_file() {
-            exported_workload(dir, &workload, replay.block_size())?
-        } else {
-            replay.workload(first.requests)?
-        };
-        let mut s = replay.scenario(&w, workers, routers, first.num_blocks, first.time_scale);
-        if let Some(from) = &replay.path_from {
-            s.measured_path = Some(measured_path(from, &workload, workers, &w)?.into());
+        // Read once per workload, not once per policy (a trace export is tens of MB).
+        let key = (workload.clone(), first.requests);
+        if !workloads.contains_key(&key) {
+            let w = if export_path(dir, &workload).is_file() {
+                exported_workload(dir, &workload, replay.block_size())?
+            } else {
+                replay.workload(first.requests)?
+            };
+            workloads.insert(key.clone(), w);
         }
-        let lab = run(&s, &w, &factory(&policy)?);
+        let w = &workloads[&key];
+        let mut s = replay.scenario(w, workers, routers, first.num_blocks, first.time_scale);
+        if let Some(from) = &replay.path_from {
+            s.measured_path = Some(measured_path(from, &workload, workers, w)?.into());
+        }
+        let lab = run(&s, w, &factory(&policy)?);
         let logs = bench_logs(dir, &workload, &policy, workers, routers, rs.len());
         let log = logs.as_ref().map(|l| &l[0]);
         if let Some(out) = requests_out {
