@@ -32,6 +32,8 @@ pub fn spec(kind: WorkloadKind, seed: u64) -> MatrixSpec {
         policies: all().iter().map(|s| (*s).to_owned()).collect(),
         requests: 300,
         seed,
+        seeds: 1,
+        jobs: 1,
         sidecar: SidecarModel::default(),
         slow: Default::default(),
         trace_path: default_trace_path(),

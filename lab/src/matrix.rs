@@ -10,9 +10,9 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::cluster::{Scenario, SidecarModel, SlowWorkers, run};
+use crate::cluster::{RunResult, Scenario, SidecarModel, SlowWorkers, run};
 use crate::goodput::{Goodput, goodput};
-use crate::measure::Summary;
+use crate::measure::{Summary, pool};
 use crate::policies::{UnknownPolicy, default_policy, factory};
 use crate::workload::{Shape, Workload, WorkloadError, WorkloadKind};
 
@@ -25,6 +25,12 @@ pub struct MatrixSpec {
     pub policies: Vec<String>,
     pub requests: usize,
     pub seed: u64,
+    /// Each case runs with seeds `seed`, `seed + 1`, … (`seeds` of them, at
+    /// least 1), each its own workload and calibration, and a policy's
+    /// figures pool every seed's requests ([`crate::measure::pool`]).
+    pub seeds: usize,
+    /// Runs at once (threads); the results do not depend on it.
+    pub jobs: usize,
     pub sidecar: SidecarModel,
     /// Slow engines in every scenario (none by default).
     pub slow: SlowWorkers,
@@ -48,9 +54,14 @@ pub struct Row {
     pub workers: usize,
     pub routers: usize,
     pub load: f64,
+    /// Requests/s (the mean over seeds: each seed calibrates its own).
     pub rate: f64,
     pub policy: String,
+    /// Pooled over `per_seed`'s runs.
     pub summary: Summary,
+    /// Each seed's own summary, in seed order (empty with one seed).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub per_seed: Vec<Summary>,
     pub reasons: std::collections::BTreeMap<&'static str, u64>,
     pub wall_s: f64,
 }
@@ -123,28 +134,46 @@ pub fn workload_for(
 /// Runs the matrix; `progress` hears about each finished row.
 pub fn run_matrix(spec: &MatrixSpec, mut progress: impl FnMut(&Row)) -> Result<MatrixResult, MatrixError> {
     let factories = spec.policies.iter().map(|p| factory(p)).collect::<Result<Vec<_>, _>>()?;
+    let seeds: Vec<u64> = (0..spec.seeds.max(1) as u64).map(|i| spec.seed + i).collect();
     let mut out = MatrixResult::default();
     for &kind in &spec.workloads {
         for &workers in &spec.workers {
             for &routers in &spec.routers {
-                let mut s = scenario_for(kind, workers, routers, spec.seed, spec.sidecar);
-                s.slow = spec.slow;
-                let (w, unit_rate) = workload_for(kind, &s, spec.requests, &spec.trace_path, spec.closed_loop)?;
+                let calibrated = par_map(&seeds, spec.jobs, |&seed| {
+                    let mut s = scenario_for(kind, workers, routers, seed, spec.sidecar);
+                    s.slow = spec.slow;
+                    workload_for(kind, &s, spec.requests, &spec.trace_path, spec.closed_loop).map(|(w, u)| (s, w, u))
+                })
+                .into_iter()
+                .collect::<Result<Vec<_>, _>>()?;
                 for &load in &spec.loads {
-                    let rate = load * unit_rate;
-                    let at = w.at_rate(rate);
-                    for (name, f) in spec.policies.iter().zip(&factories) {
-                        let r = run(&s, &at, f);
+                    let at: Vec<Workload> = calibrated.iter().map(|(_, w, unit)| w.at_rate(load * unit)).collect();
+                    let runs: Vec<(usize, usize)> =
+                        (0..factories.len()).flat_map(|p| (0..seeds.len()).map(move |k| (p, k))).collect();
+                    let results: Vec<RunResult> =
+                        par_map(&runs, spec.jobs, |&(p, k)| run(&calibrated[k].0, &at[k], &factories[p]));
+                    for (p, name) in spec.policies.iter().enumerate() {
+                        let mine = &results[p * seeds.len()..(p + 1) * seeds.len()];
+                        let parts: Vec<_> = mine.iter().map(|r| (&r.summary, r.records.as_slice())).collect();
+                        let mut reasons = std::collections::BTreeMap::new();
+                        for (k, v) in mine.iter().flat_map(|r| &r.reasons) {
+                            *reasons.entry(*k).or_insert(0) += v;
+                        }
                         let row = Row {
                             workload: kind,
                             workers,
                             routers,
                             load,
-                            rate,
+                            rate: calibrated.iter().map(|(_, _, unit)| load * unit).sum::<f64>() / seeds.len() as f64,
                             policy: name.clone(),
-                            summary: r.summary,
-                            reasons: r.reasons,
-                            wall_s: r.wall_s,
+                            summary: pool(&parts, calibrated[0].0.step_model()),
+                            per_seed: if seeds.len() > 1 {
+                                mine.iter().map(|r| r.summary.clone()).collect()
+                            } else {
+                                vec![]
+                            },
+                            reasons,
+                            wall_s: mine.iter().map(|r| r.wall_s).sum(),
                         };
                         progress(&row);
                         out.rows.push(row);
@@ -171,6 +200,36 @@ pub fn run_matrix(spec: &MatrixSpec, mut progress: impl FnMut(&Row)) -> Result<M
     Ok(out)
 }
 
+/// `f` over `items` on up to `jobs` threads, in order. Every lab run is
+/// deterministic and independent, so the results are the same as one
+/// thread's.
+fn par_map<T: Sync, R: Send>(items: &[T], jobs: usize, f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    if jobs <= 1 || items.len() <= 1 {
+        return items.iter().map(f).collect();
+    }
+    let next = AtomicUsize::new(0);
+    let done: Mutex<Vec<Option<R>>> = Mutex::new(items.iter().map(|_| None).collect());
+    std::thread::scope(|scope| {
+        for _ in 0..jobs.min(items.len()) {
+            scope.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(item) = items.get(i) else { break };
+                    let r = f(item);
+                    done.lock().unwrap_or_else(std::sync::PoisonError::into_inner)[i] = Some(r);
+                }
+            });
+        }
+    });
+    done.into_inner()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .into_iter()
+        .map(|r| r.expect("every item ran"))
+        .collect()
+}
+
 /// How far `x` is above `best`, in percent (0 when it is the best).
 pub fn gap_pct(x: f64, best: f64) -> f64 {
     if best <= 0.0 { if x <= 0.0 { 0.0 } else { f64::INFINITY } } else { (x / best - 1.0) * 100.0 }
@@ -187,6 +246,13 @@ pub fn markdown(result: &MatrixResult) -> String {
     let rows_of = |c: &(WorkloadKind, usize, usize, u64)| -> Vec<&Row> {
         result.rows.iter().filter(|r| (r.workload, r.workers, r.routers, (r.load * 1000.0) as u64) == *c).collect()
     };
+    if let Some(n) = result.rows.iter().map(|r| r.per_seed.len()).max().filter(|n| *n > 1) {
+        let _ = writeln!(
+            md,
+            "Each case ran with {n} seeds, each its own workload; a policy's figures pool every seed's requests \
+             (per-worker balance: the mean of the seeds').\n"
+        );
+    }
     let _ = writeln!(
         md,
         "### Headline: the default (`{default}`) against the best policy per case\n\n\

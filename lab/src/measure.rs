@@ -130,6 +130,22 @@ pub fn summarize(records: &[RequestRecord], prefill_per_worker: &[u64], preempti
     }
 }
 
+/// One summary for the same case run with several seeds: TTFT, queueing and
+/// hit rate over every seed's requests together (a p99 over 3,000 requests,
+/// not three p99s over 1,000, each of them its tenth-slowest request); the
+/// per-worker balance and the makespan are the mean of each seed's, since
+/// worker `i` of one seed has nothing to do with worker `i` of another.
+pub fn pool(runs: &[(&Summary, &[RequestRecord])], model: StepModel) -> Summary {
+    let records: Vec<RequestRecord> = runs.iter().flat_map(|(_, r)| r.iter().copied()).collect();
+    let mut s = summarize(&records, &[], runs.iter().map(|(s, _)| s.preemptions).sum(), model);
+    let n = runs.len().max(1) as f64;
+    let mean = |f: fn(&Summary) -> f64| runs.iter().map(|(s, _)| f(s)).sum::<f64>() / n;
+    s.prefill_max_over_mean = mean(|s| s.prefill_max_over_mean);
+    s.requests_max_over_mean = mean(|s| s.requests_max_over_mean);
+    s.makespan_s = mean(|s| s.makespan_s);
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -142,5 +158,29 @@ mod tests {
         assert_eq!(max_over_mean(&[10, 30]), 1.5);
         let m = StepModel { overhead_us: 5_000.0, prefill_us_per_token: 70.0, max_batched_tokens: 8_192 };
         assert_eq!(m.own_prefill(10_000), 2.0 * 5_000.0 + 700_000.0);
+    }
+
+    #[test]
+    fn pooled_seeds_are_one_sample() {
+        let m = StepModel { overhead_us: 0.0, prefill_us_per_token: 0.0, max_batched_tokens: 8_192 };
+        let rec = |ttft_ms: u64, worker: u32| RequestRecord {
+            first_token: Some(Micros::from_ms(ttft_ms)),
+            done: Some(Micros::from_ms(ttft_ms)),
+            prompt_tokens: 100,
+            cached_tokens: 50,
+            ceiling_tokens: 100,
+            worker,
+            ..Default::default()
+        };
+        // Seed a: 1..=50 ms, all on worker 0; seed b: 51..=100 ms, spread.
+        let a: Vec<_> = (1..=50).map(|t| rec(t, 0)).collect();
+        let b: Vec<_> = (51..=100).map(|t| rec(t, (t % 2) as u32)).collect();
+        let (sa, sb) = (summarize(&a, &[100, 0], 0, m), summarize(&b, &[50, 50], 1, m));
+        let p = pool(&[(&sa, &a), (&sb, &b)], m);
+        assert_eq!((p.requests, p.ttft_p50_ms, p.ttft_p99_ms), (100, 51.0, 99.0));
+        assert_eq!((p.hit_rate, p.hit_of_ceiling, p.preemptions), (0.5, 0.5, 1));
+        // Balance is each seed's, averaged: 2.0 and 1.0.
+        assert_eq!(p.prefill_max_over_mean, 1.5);
+        assert_eq!(p.requests_max_over_mean, (2.0 + 1.0) / 2.0);
     }
 }

@@ -25,3 +25,25 @@ fn the_same_seed_gives_identical_results_and_another_seed_does_not() {
         assert_ne!(a, once(6, 0.1, closed_loop));
     }
 }
+
+/// A matrix pooled over seeds gives the same figures on one thread as on
+/// several, and pooling really adds each seed's requests.
+#[test]
+fn a_pooled_matrix_does_not_depend_on_its_threads() {
+    use kvroute_lab::gate::spec;
+    use kvroute_lab::matrix::run_matrix;
+    let matrix = |seeds: usize, jobs: usize| {
+        let mut m = spec(WorkloadKind::Rag, 3);
+        m.policies = vec!["predicted_ttft".into(), "round_robin".into()];
+        m.requests = 120;
+        (m.seeds, m.jobs) = (seeds, jobs);
+        let rows = run_matrix(&m, |_| {}).expect("runs").rows;
+        rows.into_iter()
+            .map(|r| serde_json::to_string(&(r.policy, r.summary, r.per_seed, r.reasons)).expect("json"))
+            .collect::<Vec<_>>()
+    };
+    let one = matrix(2, 1);
+    assert_eq!(one, matrix(2, 3));
+    assert!(one[0].contains("\"requests\":240"), "two seeds' requests pooled: {}", one[0]);
+    assert_ne!(one, matrix(1, 1));
+}
