@@ -105,6 +105,18 @@ pub struct Scenario {
     /// like clients behind a load balancer.
     pub alternate_routers: bool,
     pub slow: SlowWorkers,
+    /// What-if, not a deployable mode: every router replica knows every
+    /// replica's pending prefill on each worker (as if they shared it, or
+    /// the engine reported its queued prefill tokens), instead of its own
+    /// plus the engine's waiting count at the mean uncached size. Measures
+    /// what the information the replicas lack costs a policy.
+    pub shared_pending: bool,
+    /// What-if, a deployable version of `shared_pending`: every period,
+    /// each replica tells the others its pending prefill tokens and
+    /// in-flight requests per worker, and a replica counts what it last
+    /// heard from the others on top of its own (their in-flight requests
+    /// are then not counted again in the engine's waiting count).
+    pub peer_exchange: Option<Micros>,
 }
 
 impl Scenario {
@@ -125,6 +137,8 @@ impl Scenario {
             measured_path: None,
             alternate_routers: false,
             slow: SlowWorkers::default(),
+            shared_pending: false,
+            peer_exchange: None,
         }
     }
 
@@ -210,6 +224,9 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
     }
     for r in 0..scenario.routers {
         q.push(stagger(Micros::from_ms(1_000), r, scenario.routers), Event::Housekeeping(r as u32));
+        if let Some(every) = scenario.peer_exchange {
+            q.push(stagger(every, r, scenario.routers), Event::PeerExchange(r as u32));
+        }
     }
 
     let (mut progress, mut events) = (Vec::new(), Vec::new());
@@ -237,7 +254,14 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
                 } else {
                     (splitmix64(scenario.seed ^ i as u64) % scenario.routers as u64) as usize
                 };
-                let decision = routers[r].route(tokens.len(), &keys, head_hash, now);
+                let everyone = scenario.shared_pending.then(|| {
+                    let mut sum = vec![0u64; n];
+                    for router in &routers {
+                        sum.iter_mut().zip(router.pending()).for_each(|(s, p)| *s += p);
+                    }
+                    sum
+                });
+                let decision = routers[r].route(tokens.len(), &keys, head_hash, now, everyone.as_deref());
                 records[i] = RequestRecord {
                     arrival: now,
                     prompt_tokens: tokens.len() as u32,
@@ -333,6 +357,17 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
             Event::Housekeeping(r) => {
                 routers[r as usize].housekeeping(now.as_ms());
                 q.push(now + Micros::from_ms(1_000), ev);
+            }
+            Event::PeerExchange(r) => {
+                let (pending, inflight) = routers[r as usize].own_load();
+                for (o, other) in routers.iter_mut().enumerate() {
+                    if o != r as usize {
+                        other.hear_peer(r as usize, &pending, &inflight);
+                    }
+                }
+                if let Some(every) = scenario.peer_exchange {
+                    q.push(now + every, ev);
+                }
             }
         }
     }

@@ -36,6 +36,8 @@ pub fn spec(kind: WorkloadKind, seed: u64) -> MatrixSpec {
         jobs: 1,
         sidecar: SidecarModel::default(),
         slow: Default::default(),
+        shared_pending: false,
+        peer_exchange: None,
         trace_path: default_trace_path(),
         closed_loop: false,
         goodput: None,

@@ -39,6 +39,15 @@ struct Common {
     /// scale only when sessions start, and sessions are never cut short.
     #[arg(long)]
     closed_loop: bool,
+    /// What-if: every router replica knows every replica's pending prefill
+    /// on each worker (not deployable today; measures what the replicas'
+    /// missing information costs).
+    #[arg(long)]
+    shared_pending: bool,
+    /// What-if, deployable: router replicas tell each other their pending
+    /// prefill and in-flight requests per worker every this many ms.
+    #[arg(long)]
+    peer_exchange_ms: Option<u64>,
 }
 
 impl Common {
@@ -176,6 +185,9 @@ fn main() -> anyhow::Result<()> {
             let mut s = scenario_for(workload, workers, routers, common.seed, sidecar(common.loss));
             s.slow = common.slow()?;
             let (w, unit) = workload_for(workload, &s, common.requests, &common.trace, common.closed_loop)?;
+            // Calibrated as deployed, so a what-if runs at the same rate.
+            s.shared_pending = common.shared_pending;
+            s.peer_exchange = common.peer_exchange_ms.map(kvroute_lab::time::Micros::from_ms);
             let r = run(&s, &w.at_rate(load * unit), &factory(&policy)?);
             eprintln!(
                 "{} requests at {:.1} req/s (load {load} of {unit:.1} req/s) in {:.2} s wall",
@@ -217,6 +229,8 @@ fn main() -> anyhow::Result<()> {
                 jobs,
                 sidecar: sidecar(common.loss),
                 slow: common.slow()?,
+                shared_pending: common.shared_pending,
+                peer_exchange: common.peer_exchange_ms.map(kvroute_lab::time::Micros::from_ms),
                 trace_path: common.trace,
                 closed_loop: common.closed_loop,
                 goodput: goodput_slo_ms.map(|slo| GoodputSpec {

@@ -34,6 +34,10 @@ pub struct MatrixSpec {
     pub sidecar: SidecarModel,
     /// Slow engines in every scenario (none by default).
     pub slow: SlowWorkers,
+    /// [`Scenario::shared_pending`] in every scenario.
+    pub shared_pending: bool,
+    /// [`Scenario::peer_exchange`] in every scenario.
+    pub peer_exchange: Option<crate::time::Micros>,
     pub trace_path: std::path::PathBuf,
     /// Sessions' turns wait for the previous answer (`Shape::closed_loop`).
     pub closed_loop: bool,
@@ -142,7 +146,12 @@ pub fn run_matrix(spec: &MatrixSpec, mut progress: impl FnMut(&Row)) -> Result<M
                 let calibrated = par_map(&seeds, spec.jobs, |&seed| {
                     let mut s = scenario_for(kind, workers, routers, seed, spec.sidecar);
                     s.slow = spec.slow;
-                    workload_for(kind, &s, spec.requests, &spec.trace_path, spec.closed_loop).map(|(w, u)| (s, w, u))
+                    // Calibrated as deployed, so a what-if runs at the same rates.
+                    let (w, u) = workload_for(kind, &s, spec.requests, &spec.trace_path, spec.closed_loop)?;
+                    s.shared_pending = spec.shared_pending;
+                    s.peer_exchange = spec.peer_exchange;
+                    s.peer_exchange = spec.peer_exchange;
+                    Ok::<_, MatrixError>((s, w, u))
                 })
                 .into_iter()
                 .collect::<Result<Vec<_>, _>>()?;
@@ -185,6 +194,8 @@ pub fn run_matrix(spec: &MatrixSpec, mut progress: impl FnMut(&Row)) -> Result<M
             let mut s = scenario_for(kind, g.workers, 1, spec.seed, spec.sidecar);
             s.slow = spec.slow;
             let (w, unit_rate) = workload_for(kind, &s, g.requests, &spec.trace_path, spec.closed_loop)?;
+            s.shared_pending = spec.shared_pending;
+            s.peer_exchange = spec.peer_exchange;
             for (name, f) in spec.policies.iter().zip(&factories) {
                 let gp = goodput(&s, &w, f, g.slo_p90_ms, 0.5 * unit_rate, 4);
                 out.goodput.push(GoodputRow {

@@ -44,6 +44,9 @@ pub struct LabRouter {
     /// router's proxy uses its configured one).
     model: PredictedTtftParams,
     reported: Vec<EngineLoad>,
+    /// What each other replica last said it had pending and in flight per
+    /// worker (`Scenario::peer_exchange`; empty without it).
+    peers: Vec<Option<(Vec<u64>, Vec<u32>)>>,
     mean_prompt_tokens: f64,
     mean_uncached_tokens: f64,
     block_size: usize,
@@ -64,6 +67,7 @@ impl LabRouter {
             paces: vec![Pace::default(); workers],
             model: PredictedTtftParams::default(),
             reported: vec![EngineLoad::default(); workers],
+            peers: Vec::new(),
             // `AppState`'s starting estimate.
             mean_prompt_tokens: 512.0,
             mean_uncached_tokens: 512.0,
@@ -81,9 +85,39 @@ impl LabRouter {
         (&mut self.shards[worker / MAX_WORKERS], Slot((worker % MAX_WORKERS) as u16))
     }
 
+    /// This replica's pending prefill tokens per worker.
+    pub fn pending(&self) -> &[u64] {
+        &self.pending
+    }
+
+    /// This replica's pending prefill tokens and in-flight requests per
+    /// worker, as it tells its peers.
+    pub fn own_load(&self) -> (Vec<u64>, Vec<u32>) {
+        (self.pending.clone(), self.inflight.clone())
+    }
+
+    /// Replica `peer` said it has `pending` tokens and `inflight` requests
+    /// per worker.
+    pub fn hear_peer(&mut self, peer: usize, pending: &[u64], inflight: &[u32]) {
+        if self.peers.len() <= peer {
+            self.peers.resize(peer + 1, None);
+        }
+        self.peers[peer] = Some((pending.to_vec(), inflight.to_vec()));
+    }
+
     /// Routes a request (as `routing::plan` does for a live request), records
-    /// it speculatively and counts it in flight.
-    pub fn route(&mut self, prompt_tokens: usize, keys: &[BlockKey], head_hash: u64, now: Micros) -> Routed {
+    /// it speculatively and counts it in flight. `everyone_pending`
+    /// ([`crate::cluster::Scenario::shared_pending`]): every replica's
+    /// pending prefill per worker, which then replaces this replica's own
+    /// and the engine's waiting count.
+    pub fn route(
+        &mut self,
+        prompt_tokens: usize,
+        keys: &[BlockKey],
+        head_hash: u64,
+        now: Micros,
+        everyone_pending: Option<&[u64]>,
+    ) -> Routed {
         let now_ms = now.as_ms();
         let mut depth = vec![0usize; self.id_hashes.len()];
         for (s, index) in self.shards.iter().enumerate() {
@@ -94,6 +128,8 @@ impl LabRouter {
         let candidates: Vec<Candidate> = (0..self.id_hashes.len())
             .map(|w| {
                 let r = self.reported[w];
+                let heard = self.peers.iter().flatten();
+                let (peer_pending, peer_inflight) = heard.fold((0u64, 0u32), |(p, i), (pp, pi)| (p + pp[w], i + pi[w]));
                 let matched_kind =
                     self.shards[w / MAX_WORKERS].match_kind(Slot((w % MAX_WORKERS) as u16), &keys[..depth[w]]);
                 Candidate {
@@ -102,9 +138,9 @@ impl LabRouter {
                     matched_kind,
                     load: LoadView {
                         inflight: self.inflight[w],
-                        pending_prefill_tokens: self.pending[w],
+                        pending_prefill_tokens: everyone_pending.map_or(self.pending[w] + peer_pending, |p| p[w]),
                         running: r.running,
-                        waiting: r.waiting,
+                        waiting: if everyone_pending.is_some() { 0 } else { r.waiting.saturating_sub(peer_inflight) },
                         kv_usage: r.kv_usage,
                         arrival_rate: self.rates[w].at(now_ms),
                         pace: self.paces[w].get(),
@@ -190,5 +226,33 @@ impl LabRouter {
 
     pub fn entries(&self) -> usize {
         self.shards.iter().map(Index::entry_count).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn replica() -> LabRouter {
+        LabRouter::new(2, crate::policies::factory("predicted_ttft").expect("registered")(), 16, 10_000)
+    }
+
+    /// What another replica says it has pending on a worker counts as
+    /// queued there, as the engine's waiting count did before, and its
+    /// in-flight requests are not counted twice.
+    #[test]
+    fn a_peers_pending_prefill_steers_a_cold_request_away() {
+        // A cold 64-token prompt whose tie-break falls on worker 0.
+        let keys = (0u64..)
+            .map(|s| (0..4).map(|i| BlockKey(s * 100 + i)).collect::<Vec<_>>())
+            .find(|k| replica().route(64, k, k[0].0, Micros::ZERO, None).worker == 0)
+            .expect("some prompt breaks the tie towards worker 0");
+        let mut r = replica();
+        r.hear_peer(1, &[40_000, 0], &[3, 0]);
+        assert_eq!(r.route(64, &keys, keys[0].0, Micros::ZERO, None).worker, 1);
+        // The same knowledge, handed over directly (`shared_pending`).
+        assert_eq!(replica().route(64, &keys, keys[0].0, Micros::ZERO, Some(&[40_000, 0])).worker, 1);
+        // What it said is not this replica's own: it tells its peers only its own.
+        assert_eq!(r.own_load(), (vec![0, 64], vec![0, 1]));
     }
 }

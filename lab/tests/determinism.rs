@@ -47,3 +47,29 @@ fn a_pooled_matrix_does_not_depend_on_its_threads() {
     assert!(one[0].contains("\"requests\":240"), "two seeds' requests pooled: {}", one[0]);
     assert_ne!(one, matrix(1, 1));
 }
+
+/// The what-ifs (`shared_pending`, `peer_exchange`) reach the replicas'
+/// decisions, and stay deterministic.
+#[test]
+fn replicas_that_hear_each_other_decide_differently_and_reproducibly() {
+    let once = |shared: bool, peer_ms: Option<u64>| {
+        let mut s = Scenario::new(4, 3, 9);
+        s.shared_pending = shared;
+        s.peer_exchange = peer_ms.map(Micros::from_ms);
+        let shape = Shape {
+            requests: 300,
+            seed: 9,
+            cluster_kv_tokens: s.kv_tokens(),
+            trace_path: default_trace_path(),
+            closed_loop: false,
+        };
+        let w = Workload::generate(WorkloadKind::LongConv, &shape).expect("synthetic").at_rate(30.0);
+        let r = run(&s, &w, &factory("predicted_ttft").expect("registered"));
+        r.records.iter().map(|x| (x.worker, x.first_token)).collect::<Vec<_>>()
+    };
+    let alone = once(false, None);
+    let heard = once(false, Some(100));
+    assert_eq!(heard, once(false, Some(100)));
+    assert_ne!(alone, heard);
+    assert_ne!(alone, once(true, None));
+}
