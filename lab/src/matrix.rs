@@ -150,7 +150,6 @@ pub fn run_matrix(spec: &MatrixSpec, mut progress: impl FnMut(&Row)) -> Result<M
                     let (w, u) = workload_for(kind, &s, spec.requests, &spec.trace_path, spec.closed_loop)?;
                     s.shared_pending = spec.shared_pending;
                     s.peer_exchange = spec.peer_exchange;
-                    s.peer_exchange = spec.peer_exchange;
                     Ok::<_, MatrixError>((s, w, u))
                 })
                 .into_iter()

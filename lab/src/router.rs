@@ -238,8 +238,7 @@ mod tests {
     }
 
     /// What another replica says it has pending on a worker counts as
-    /// queued there, as the engine's waiting count did before, and its
-    /// in-flight requests are not counted twice.
+    /// queued there.
     #[test]
     fn a_peers_pending_prefill_steers_a_cold_request_away() {
         // A cold 64-token prompt whose tie-break falls on worker 0.
