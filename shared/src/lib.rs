@@ -6,6 +6,7 @@
 //! - [`wire`]: the `/internal/eviction` and `/internal/sync` bodies and the
 //!   OpenAI-shaped error body;
 //! - [`openai`]: the prompt-deciding parts of OpenAI request bodies;
+//! - [`resolve`]: a base URL as every address its host resolves to;
 //! - [`tokenize`]: token ids exactly as vLLM computes them (HF tokenizer + chat
 //!   template).
 //!
@@ -17,6 +18,7 @@ pub mod ids;
 pub mod keys;
 pub mod logging;
 pub mod openai;
+pub mod resolve;
 #[cfg(feature = "testdata")]
 pub mod testdata;
 pub mod tokenize;
