@@ -69,6 +69,10 @@ pub struct CompareArgs {
     /// Router replicas, comma-separated (1 or 2); clients alternate between replicas.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     pub routers: Vec<usize>,
+    /// Router replicas do not exchange their in-flight work (`--replica`):
+    /// each knows the others' only from the engines' reported queues.
+    #[arg(long)]
+    pub no_replica_exchange: bool,
     /// Divide trace timestamps by this.
     #[arg(long)]
     pub speedup: Option<f64>,

@@ -322,6 +322,7 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
         let shape = Shape {
             workers: n,
             routers,
+            replica_exchange: !args.no_replica_exchange,
             sidecars,
             policy: policy.clone(),
             num_blocks: blocks_per_worker(&p.ceiling, n, p.workload.max_output(), block_size),

@@ -131,6 +131,7 @@ pub async fn run(args: LifecycleArgs) -> Result<Vec<Step>, BenchError> {
     let shape = Shape {
         workers,
         routers: 1,
+        replica_exchange: true,
         sidecars: true,
         policy: kvroute_router::policy::DEFAULT_POLICY.into(),
         num_blocks,

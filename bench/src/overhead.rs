@@ -178,6 +178,7 @@ pub async fn run(args: OverheadArgs) -> Result<Results, BenchError> {
     let shape = Shape {
         workers: 1,
         routers: 1,
+        replica_exchange: true,
         sidecars: false,
         policy: kvroute_router::policy::DEFAULT_POLICY.into(),
         num_blocks: 8192,

@@ -56,6 +56,7 @@ pub async fn run(args: PropagationArgs) -> Result<PropagationResult, BenchError>
     let shape = Shape {
         workers: 1,
         routers: 1,
+        replica_exchange: true,
         sidecars: true,
         policy: kvroute_router::policy::DEFAULT_POLICY.into(),
         num_blocks: 65_536,

@@ -330,6 +330,7 @@ pub async fn run(args: RestartsArgs) -> Result<RestartsResult, BenchError> {
     let shape = Shape {
         workers: args.workers,
         routers: 1,
+        replica_exchange: true,
         sidecars: true,
         policy: kvroute_router::policy::DEFAULT_POLICY.into(),
         num_blocks: 8192,

@@ -41,6 +41,8 @@ pub fn ensure_all(dir: &Path) -> Result<(), BenchError> {
 pub struct Shape {
     pub workers: usize,
     pub routers: usize,
+    /// Router replicas exchange their in-flight work (`--replica`).
+    pub replica_exchange: bool,
     pub sidecars: bool,
     pub policy: String,
     pub num_blocks: u32,
@@ -57,6 +59,7 @@ pub fn spec(shape: &Shape, bin_dir: &Path) -> ClusterSpec {
     ClusterSpec {
         workers: shape.workers,
         routers: shape.routers,
+        replica_exchange: shape.replica_exchange,
         sidecars: shape.sidecars,
         port: 0,
         policy: shape.policy.clone(),

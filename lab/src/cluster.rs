@@ -111,11 +111,15 @@ pub struct Scenario {
     /// plus the engine's waiting count at the mean uncached size. Measures
     /// what the information the replicas lack costs a policy.
     pub shared_pending: bool,
-    /// What-if, a deployable version of `shared_pending`: every period,
-    /// each replica tells the others its pending prefill tokens and
-    /// in-flight requests per worker, and a replica counts what it last
-    /// heard from the others on top of its own (their in-flight requests
-    /// are then not counted again in the engine's waiting count).
+    /// The router replicas' exchange (`kvroute-router --replica`,
+    /// `kvroute_router::replicas`): every period each replica tells the
+    /// others its pending prefill tokens and in-flight requests per worker,
+    /// and its recent requests' sampled prefixes; a replica counts what it
+    /// last heard on top of its own (the others' in-flight requests are
+    /// then not counted again in the engine's waiting count) and follows a
+    /// prefix another replica just sent. Off (`None`) unless asked for, so
+    /// earlier figures and the CI gate, which modelled replicas without
+    /// it, stay comparable.
     pub peer_exchange: Option<Micros>,
 }
 
@@ -201,6 +205,9 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
         (0..n).map(|_| Sidecar::new(scenario.engine.model.as_str(), scenario.routers)).collect();
     let mut routers: Vec<LabRouter> =
         (0..scenario.routers).map(|_| LabRouter::new(n, policy(), bs.get(), scenario.speculative_ttl_ms)).collect();
+    for r in &mut routers {
+        r.tells_peers = scenario.peer_exchange.is_some();
+    }
     let policy_name = routers[0].policy_name().to_owned();
     let root = KeyRoot::new(scenario.engine.model.as_str(), None);
     let mut loss_rng = Rng::new(scenario.seed ^ 0x1055);
@@ -308,7 +315,7 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
                             rec.done = Some(now);
                             rec.cached_tokens = outcome.cached_tokens as u32;
                             if let Some((r, d)) = &routed[req as usize] {
-                                routers[*r].finished(d, true);
+                                routers[*r].finished(d, true, now);
                             }
                             next_turn(&mut q, reqs, follower[req as usize], now);
                             finished += 1;
@@ -316,7 +323,7 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
                         Progress::Rejected { req } => {
                             records[req as usize].rejected = true;
                             if let Some((r, d)) = &routed[req as usize] {
-                                routers[*r].finished(d, false);
+                                routers[*r].finished(d, false, now);
                             }
                             // A user whose turn failed sends the next one anyway.
                             next_turn(&mut q, reqs, follower[req as usize], now);
@@ -359,10 +366,10 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
                 q.push(now + Micros::from_ms(1_000), ev);
             }
             Event::PeerExchange(r) => {
-                let (pending, inflight) = routers[r as usize].own_load();
+                let told = routers[r as usize].own_load(now);
                 for (o, other) in routers.iter_mut().enumerate() {
                     if o != r as usize {
-                        other.hear_peer(r as usize, &pending, &inflight);
+                        other.hear_peer(r as usize, &told);
                     }
                 }
                 if let Some(every) = scenario.peer_exchange {

@@ -44,8 +44,9 @@ struct Common {
     /// missing information costs).
     #[arg(long)]
     shared_pending: bool,
-    /// What-if, deployable: router replicas tell each other their pending
-    /// prefill and in-flight requests per worker every this many ms.
+    /// Router replicas exchange in-flight reports every this many ms, as
+    /// `kvroute-router --replica` does (100 ms there): pending prefill and
+    /// in-flight requests per worker, and their recent requests' prefixes.
     #[arg(long)]
     peer_exchange_ms: Option<u64>,
 }

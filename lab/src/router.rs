@@ -8,8 +8,10 @@
 //! gives each 128 workers an index of their own and concatenates their match
 //! depths, which is what raising the bitset's width would do.
 
+use kvroute_router::index::MatchKind;
 use kvroute_router::index::{Index, MAX_WORKERS, Slot};
 use kvroute_router::policy::{ArrivalRate, Candidate, LoadView, Pace, Policy, PredictedTtftParams, Reason, RouteView};
+use kvroute_router::replicas::{PrefixHints, SENT_LINGER_MS, SentPrefix, prefixes};
 use kvroute_router::workers::id_hash;
 use kvroute_shared::{BlockKey, WorkerId};
 
@@ -29,6 +31,18 @@ pub struct Routed {
     /// there: the sample for that worker's [`Pace`].
     pub sent: Micros,
     pub modelled_us: Option<f64>,
+    /// Its entry in this replica's reports to the others (`sent_log`).
+    pub sent_id: u64,
+}
+
+/// What one replica tells the others (`kvroute_router::replicas::ReplicaReport`):
+/// per worker its pending prefill tokens and in-flight requests, and its
+/// recent requests' sampled prefixes.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Told {
+    pub pending: Vec<u64>,
+    pub inflight: Vec<u32>,
+    pub sent: Vec<SentPrefix>,
 }
 
 #[derive(Debug)]
@@ -44,9 +58,16 @@ pub struct LabRouter {
     /// router's proxy uses its configured one).
     model: PredictedTtftParams,
     reported: Vec<EngineLoad>,
-    /// What each other replica last said it had pending and in flight per
-    /// worker (`Scenario::peer_exchange`; empty without it).
-    peers: Vec<Option<(Vec<u64>, Vec<u32>)>>,
+    /// What each other replica last said (`Scenario::peer_exchange`; empty
+    /// without it), and the prefix hints its `sent` lists make.
+    peers: Vec<Option<Told>>,
+    hints: PrefixHints,
+    /// This replica's requests as its reports name them: id → (where and
+    /// what, virtual ms of its first token).
+    sent_log: std::collections::BTreeMap<u64, (SentPrefix, Option<u64>)>,
+    next_sent_id: u64,
+    /// Keeps `sent_log` (the scenario's replicas exchange reports).
+    pub tells_peers: bool,
     mean_prompt_tokens: f64,
     mean_uncached_tokens: f64,
     block_size: usize,
@@ -68,6 +89,10 @@ impl LabRouter {
             model: PredictedTtftParams::default(),
             reported: vec![EngineLoad::default(); workers],
             peers: Vec::new(),
+            hints: PrefixHints::default(),
+            sent_log: Default::default(),
+            next_sent_id: 0,
+            tells_peers: false,
             // `AppState`'s starting estimate.
             mean_prompt_tokens: 512.0,
             mean_uncached_tokens: 512.0,
@@ -90,19 +115,26 @@ impl LabRouter {
         &self.pending
     }
 
-    /// This replica's pending prefill tokens and in-flight requests per
-    /// worker, as it tells its peers.
-    pub fn own_load(&self) -> (Vec<u64>, Vec<u32>) {
-        (self.pending.clone(), self.inflight.clone())
+    /// What this replica tells the others at `now`: its own pending prefill
+    /// tokens and in-flight requests per worker, and its requests not yet
+    /// past their first token or past it less than `SENT_LINGER_MS` ago.
+    pub fn own_load(&mut self, now: Micros) -> Told {
+        let now_ms = now.as_ms();
+        self.sent_log.retain(|_, (_, done)| done.is_none_or(|d| now_ms.saturating_sub(d) < SENT_LINGER_MS));
+        Told {
+            pending: self.pending.clone(),
+            inflight: self.inflight.clone(),
+            sent: self.sent_log.values().map(|(p, _)| p.clone()).collect(),
+        }
     }
 
-    /// Replica `peer` said it has `pending` tokens and `inflight` requests
-    /// per worker.
-    pub fn hear_peer(&mut self, peer: usize, pending: &[u64], inflight: &[u32]) {
+    /// Replica `peer` told this one `told`.
+    pub fn hear_peer(&mut self, peer: usize, told: &Told) {
         if self.peers.len() <= peer {
             self.peers.resize(peer + 1, None);
         }
-        self.peers[peer] = Some((pending.to_vec(), inflight.to_vec()));
+        self.peers[peer] = Some(told.clone());
+        self.hints = PrefixHints::build(self.peers.iter().flatten().flat_map(|t| &t.sent));
     }
 
     /// Routes a request (as `routing::plan` does for a live request), records
@@ -125,22 +157,35 @@ impl LabRouter {
                 depth[s * MAX_WORKERS + slot.0 as usize] = d;
             }
         }
+        let mut hinted = vec![0usize; self.id_hashes.len()];
+        for (id, d) in self.hints.depths(keys) {
+            if let Some(w) = id.as_str().strip_prefix('w').and_then(|n| n.parse::<usize>().ok()) {
+                hinted[w] = d;
+            }
+        }
         let candidates: Vec<Candidate> = (0..self.id_hashes.len())
             .map(|w| {
                 let r = self.reported[w];
                 let heard = self.peers.iter().flatten();
-                let (peer_pending, peer_inflight) = heard.fold((0u64, 0u32), |(p, i), (pp, pi)| (p + pp[w], i + pi[w]));
-                let matched_kind =
-                    self.shards[w / MAX_WORKERS].match_kind(Slot((w % MAX_WORKERS) as u16), &keys[..depth[w]]);
+                let (peer_pending, peer_inflight) =
+                    heard.fold((0u64, 0u32), |(p, i), t| (p + t.pending[w], i + t.inflight[w]));
+                let (matched_blocks, matched_kind) = if hinted[w] > depth[w] {
+                    (hinted[w], MatchKind::Sent)
+                } else {
+                    let slot = Slot((w % MAX_WORKERS) as u16);
+                    (depth[w], self.shards[w / MAX_WORKERS].match_kind(slot, &keys[..depth[w]]))
+                };
                 Candidate {
                     slot: Slot(w as u16),
-                    matched_blocks: depth[w],
+                    matched_blocks,
                     matched_kind,
                     load: LoadView {
                         inflight: self.inflight[w],
                         pending_prefill_tokens: everyone_pending.map_or(self.pending[w] + peer_pending, |p| p[w]),
+                        replica_pending_prefill_tokens: peer_pending,
+                        replica_inflight: peer_inflight,
                         running: r.running,
-                        waiting: if everyone_pending.is_some() { 0 } else { r.waiting.saturating_sub(peer_inflight) },
+                        waiting: if everyone_pending.is_some() { 0 } else { r.waiting },
                         kv_usage: r.kv_usage,
                         arrival_rate: self.rates[w].at(now_ms),
                         pace: self.paces[w].get(),
@@ -171,6 +216,12 @@ impl LabRouter {
         }
         self.inflight[worker] += 1;
         self.pending[worker] += uncached;
+        let sent_id = self.next_sent_id;
+        if !keys.is_empty() && self.tells_peers {
+            self.next_sent_id += 1;
+            let prefix = SentPrefix { worker: WorkerId::new(format!("w{worker}")), keys: prefixes::sample(keys) };
+            self.sent_log.insert(sent_id, (prefix, None));
+        }
         self.rates[worker].record(now_ms);
         self.mean_prompt_tokens = self.mean_prompt_tokens * 0.95 + prompt_tokens as f64 * 0.05;
         self.mean_uncached_tokens = self.mean_uncached_tokens * 0.95 + uncached as f64 * 0.05;
@@ -181,6 +232,7 @@ impl LabRouter {
             matched_blocks: candidates[worker].matched_blocks,
             sent: now,
             modelled_us,
+            sent_id,
         }
     }
 
@@ -188,17 +240,26 @@ impl LabRouter {
     /// longer pending, and its time is a sample of the worker's pace.
     pub fn first_token(&mut self, r: &Routed, now: Micros) {
         self.pending[r.worker] -= r.uncached;
+        self.sent_done(r, now);
         if let Some(modelled) = r.modelled_us {
             self.paces[r.worker].record(now.saturating_sub(r.sent).0 as f64, modelled);
         }
     }
 
     /// The answer ended (or failed before its first byte, `first_seen` false).
-    pub fn finished(&mut self, r: &Routed, first_seen: bool) {
+    pub fn finished(&mut self, r: &Routed, first_seen: bool, now: Micros) {
         if !first_seen {
             self.pending[r.worker] -= r.uncached;
+            self.sent_done(r, now);
         }
         self.inflight[r.worker] -= 1;
+    }
+
+    /// `r`'s first token came, or it ended without one, at `now`.
+    fn sent_done(&mut self, r: &Routed, now: Micros) {
+        if let Some((_, done)) = self.sent_log.get_mut(&r.sent_id) {
+            done.get_or_insert(now.as_ms());
+        }
     }
 
     /// `/internal/eviction`.
@@ -247,11 +308,46 @@ mod tests {
             .find(|k| replica().route(64, k, k[0].0, Micros::ZERO, None).worker == 0)
             .expect("some prompt breaks the tie towards worker 0");
         let mut r = replica();
-        r.hear_peer(1, &[40_000, 0], &[3, 0]);
-        assert_eq!(r.route(64, &keys, keys[0].0, Micros::ZERO, None).worker, 1);
+        r.tells_peers = true;
+        r.hear_peer(1, &Told { pending: vec![40_000, 0], inflight: vec![3, 0], sent: Vec::new() });
+        let routed = r.route(64, &keys, keys[0].0, Micros::ZERO, None);
+        assert_eq!(routed.worker, 1);
         // The same knowledge, handed over directly (`shared_pending`).
         assert_eq!(replica().route(64, &keys, keys[0].0, Micros::ZERO, Some(&[40_000, 0])).worker, 1);
         // What it said is not this replica's own: it tells its peers only its own.
-        assert_eq!(r.own_load(), (vec![0, 64], vec![0, 1]));
+        let told = r.own_load(Micros::ZERO);
+        assert_eq!((told.pending, told.inflight), (vec![0, 64], vec![0, 1]));
+        let sent = SentPrefix { worker: WorkerId::new("w1"), keys: prefixes::sample(&keys) };
+        assert_eq!(told.sent, std::slice::from_ref(&sent));
+        // Named until a while after its first token.
+        r.first_token(&routed, Micros::from_ms(10));
+        assert_eq!(r.own_load(Micros::from_ms(10 + SENT_LINGER_MS - 1)).sent, [sent]);
+        assert!(r.own_load(Micros::from_ms(10 + SENT_LINGER_MS)).sent.is_empty());
+    }
+
+    /// A prefix another replica is prefilling on a worker: a new request
+    /// sharing it follows it there, even though that worker's queue is the
+    /// longer one, where the pending figures alone would send it away.
+    #[test]
+    fn a_prefix_another_replica_just_sent_is_followed() {
+        let doc: Vec<BlockKey> = (0..560).map(|i| BlockKey(1_000 + i)).collect();
+        let question = |q: u64| {
+            let mut k = doc.clone();
+            k.extend((0..4).map(|i| BlockKey(q * 100 + i)));
+            k
+        };
+        let prompt = (564 * 16) as usize;
+        // The other replica sent the document (+ a question) to worker 0.
+        let pending = Told { pending: vec![prompt as u64, 0], inflight: vec![1, 0], sent: Vec::new() };
+        let mut blind = replica();
+        blind.hear_peer(1, &pending);
+        let q2 = question(2);
+        assert_eq!(blind.route(prompt, &q2, q2[0].0, Micros::ZERO, None).worker, 1, "a busy worker, nothing held");
+        let sent = vec![SentPrefix { worker: WorkerId::new("w0"), keys: prefixes::sample(&question(1)) }];
+        let mut told = replica();
+        told.hear_peer(1, &Told { sent, ..pending });
+        let routed = told.route(prompt, &q2, q2[0].0, Micros::ZERO, None);
+        assert_eq!(routed.worker, 0);
+        assert!(routed.matched_blocks >= 448, "{}", routed.matched_blocks);
     }
 }

@@ -60,8 +60,9 @@ pub enum Event {
     SidecarSync(u32),
     /// Router `n` expires speculative entries.
     Housekeeping(u32),
-    /// Router `n` tells the other replicas its pending prefill and
-    /// in-flight requests per worker ([`crate::cluster::Scenario::peer_exchange`]).
+    /// Router `n` tells the other replicas its pending prefill, in-flight
+    /// requests and recent prefixes per worker
+    /// ([`crate::cluster::Scenario::peer_exchange`]).
     PeerExchange(u32),
 }
 

@@ -76,6 +76,7 @@ pub async fn debug_route(State(state): State<Arc<AppState>>, body: Body) -> Resu
             json!({
                 "id": name(i),
                 "matched_blocks": c.matched_blocks,
+                "matched_kind": c.matched_kind,
                 "matched_tokens": c.matched_blocks * plan.block_size,
                 "uncached_tokens": plan.uncached_tokens(c),
                 "load": c.load,

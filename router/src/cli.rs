@@ -70,6 +70,14 @@ pub struct ServeArgs {
     /// or repeated); each worker's id is its URL's host:port.
     #[arg(long = "worker-urls", value_name = "URL", num_args = 1..)]
     pub worker_urls: Vec<String>,
+    /// Another replica of this router (repeatable): they exchange what they
+    /// have in flight per worker every --replica-exchange-interval. One link
+    /// per pair suffices; listing every replica, this one included, works too.
+    #[arg(long = "replica", value_name = "URL")]
+    pub replicas: Vec<String>,
+    /// How often to report to each replica [default: 100ms].
+    #[arg(long, value_name = "DURATION")]
+    pub replica_exchange_interval: Option<String>,
     /// Log level or filter, e.g. `debug` or `kvroute_router=debug` [env:
     /// KVROUTE_LOG; default: info].
     #[arg(long, value_name = "FILTER")]
@@ -132,6 +140,8 @@ const ENV_KEYS: &[&str] = &[
     "listen",
     "metrics_listen",
     "workers",
+    "replicas",
+    "replica_exchange_interval",
     "tokenizer",
     "block_size",
     "policy",
@@ -205,7 +215,7 @@ impl ServeArgs {
             if !ENV_KEYS.contains(&key.as_str()) {
                 continue;
             }
-            b = if key == "workers" {
+            b = if key == "workers" || key == "replicas" {
                 b.set_override(key, v.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect::<Vec<_>>())?
             } else {
                 b.set_override(key, v)?
@@ -234,6 +244,8 @@ impl ServeArgs {
             workers.push(worker_from_url(url)?);
         }
         set("workers", (!workers.is_empty()).then(|| workers.into()))?;
+        set("replicas", (!self.replicas.is_empty()).then(|| self.replicas.clone().into()))?;
+        set("replica_exchange_interval", self.replica_exchange_interval.clone().map(Into::into))?;
         set("tokenizer", self.tokenizer.as_ref().map(|p| p.display().to_string().into()))?;
         set("block_size", self.block_size.map(|n| i64::from(n).into()))?;
         set("policy", self.policy.clone().map(Into::into))?;
@@ -338,6 +350,16 @@ mod tests {
         ];
         let raw = ServeArgs::default().load(env).unwrap();
         assert_eq!(raw.workers.len(), 2);
+        let env = [
+            ("KVROUTE_REPLICAS".to_string(), "http://r1:8080,http://r2:8080".to_string()),
+            ("KVROUTE_REPLICA_EXCHANGE_INTERVAL".into(), "250ms".into()),
+        ];
+        let listed = ServeArgs::default().load(env).unwrap();
+        assert_eq!(listed.replicas, ["http://r1:8080", "http://r2:8080"]);
+        assert_eq!(listed.replica_exchange_interval, std::time::Duration::from_millis(250));
+        let argv = ["kvroute-router", "--replica", "http://r1:8080", "--replica", "http://r2:8080"];
+        let flags = Cli::try_parse_from(argv).unwrap().serve.load(Vec::new()).unwrap();
+        assert_eq!(flags.replicas, ["http://r1:8080", "http://r2:8080"]);
         assert_eq!(raw.speculative_ttl, std::time::Duration::from_secs(3));
     }
 

@@ -53,6 +53,14 @@ pub struct RawConfig {
     /// rank R behind a URL that serves every rank (vLLM's internal load
     /// balancing; requests then carry `X-data-parallel-rank: R`).
     pub workers: Vec<String>,
+    /// Other replicas of this router, by base URL (`crate::replicas`): every
+    /// `replica_exchange_interval` this router tells each what it has in
+    /// flight per worker and hears theirs back. One link per pair suffices;
+    /// the same list on every replica, itself included, works too. Empty:
+    /// no exchange (this router still answers replicas that report to it).
+    pub replicas: Vec<String>,
+    #[serde(with = "humantime_serde")]
+    pub replica_exchange_interval: Duration,
     /// Tokenizer directory for models without their own entry in `tokenizers`.
     pub tokenizer: Option<PathBuf>,
     /// Model name → tokenizer directory.
@@ -149,6 +157,8 @@ impl Default for RawConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             metrics_listen: None,
             workers: Vec::new(),
+            replicas: Vec::new(),
+            replica_exchange_interval: Duration::from_millis(100),
             tokenizer: None,
             tokenizers: BTreeMap::new(),
             block_size: 16,
@@ -256,6 +266,8 @@ pub struct Config {
     pub raw: RawConfig,
     pub block_size: BlockSize,
     pub workers: Vec<StaticWorker>,
+    /// The other replicas' base URLs, checked, without a trailing `/`.
+    pub replicas: Vec<String>,
     pub policy: PolicyConfig,
     /// Per-worker push tokens (empty: the shared internal token authorizes
     /// pushes for any id).
@@ -290,6 +302,16 @@ impl RawConfig {
                 return Err(invalid("workers", format!("{spec:?}: worker ids must be unique and non-empty")));
             }
             workers.push(StaticWorker { id: WorkerId::new(id), url, dp_rank });
+        }
+        let mut replicas: Vec<String> = Vec::new();
+        for url in &self.replicas {
+            let url = crate::workers::checked_url(url).map_err(|e| invalid("replicas", e.to_string()))?;
+            if !replicas.contains(&url) {
+                replicas.push(url);
+            }
+        }
+        if !(Duration::from_millis(10)..=Duration::from_secs(10)).contains(&self.replica_exchange_interval) {
+            return Err(invalid("replica_exchange_interval", "must be between 10ms and 10s"));
         }
         let policy = match self.policy.as_str() {
             "cache_aware" => PolicyConfig::CacheAware(self.cache_aware),
@@ -389,6 +411,12 @@ impl RawConfig {
         if self.tls_cert.is_some() != self.tls_key.is_some() {
             return Err(invalid("tls_cert", "tls_cert and tls_key go together"));
         }
+        if !replicas.is_empty() && self.internal_token.is_none() && !worker_tokens.is_empty() {
+            return Err(invalid(
+                "replicas",
+                "replicas authenticate with internal_token, which worker_tokens_file leaves unset: set both",
+            ));
+        }
         if self.internal_token.is_none()
             && worker_tokens.is_empty()
             && !self.listen.ip().is_loopback()
@@ -396,7 +424,7 @@ impl RawConfig {
         {
             return Err(ConfigError::InsecureInternal { listen: self.listen });
         }
-        Ok(Config { block_size, workers, policy, worker_tokens, raw: self })
+        Ok(Config { block_size, workers, replicas, policy, worker_tokens, raw: self })
     }
 }
 
@@ -499,6 +527,33 @@ mod tests {
         let e =
             RawConfig { workers: many(crate::index::MAX_WORKERS + 1), ..Default::default() }.validate().unwrap_err();
         assert!(e.to_string().contains("worker slots"), "{e}");
+    }
+
+    #[test]
+    fn replicas_are_checked_urls_and_need_a_token_routers_can_share() {
+        let replicas = vec!["http://router-b:8080/".into(), "http://router-b:8080".into(), "https://10.0.0.3".into()];
+        let c = RawConfig { replicas, ..Default::default() }.validate().unwrap();
+        assert_eq!(c.replicas, ["http://router-b:8080", "https://10.0.0.3"]);
+        let e = RawConfig { replicas: vec!["router-b:8080".into()], ..Default::default() }.validate().unwrap_err();
+        assert!(e.to_string().contains("`replicas`"), "{e}");
+        for bad in [Duration::ZERO, Duration::from_secs(11)] {
+            let e = RawConfig { replica_exchange_interval: bad, ..Default::default() }.validate().unwrap_err();
+            assert!(e.to_string().contains("`replica_exchange_interval`"), "{e}");
+        }
+        let dir = std::env::temp_dir().join(format!("kvroute-replica-tokens-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("tokens");
+        std::fs::write(&file, "w1=worker-one-token-0123\n").unwrap();
+        let per_worker = RawConfig {
+            replicas: vec!["http://router-b:8080".into()],
+            worker_tokens_file: Some(file),
+            ..Default::default()
+        };
+        let e = per_worker.clone().validate().unwrap_err();
+        assert!(e.to_string().contains("`replicas`") && e.to_string().contains("internal_token"), "{e}");
+        let both = RawConfig { internal_token: Some(Secret::new("shared-router-token-01")), ..per_worker };
+        assert!(both.validate().is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -223,7 +223,9 @@ pub fn housekeeping_gauges(state: &AppState) {
         let label = WorkerLabel { worker: id.clone() };
         m.init_worker_series(&id);
         m.worker_inflight.get_or_create(&label).set(i64::from(load.inflight));
-        m.worker_pending_tokens.get_or_create(&label).set(load.pending_prefill_tokens as i64);
+        let own_pending = load.pending_prefill_tokens - load.replica_pending_prefill_tokens;
+        m.worker_pending_tokens.get_or_create(&label).set(own_pending as i64);
+        m.worker_replica_pending_tokens.get_or_create(&label).set(load.replica_pending_prefill_tokens as i64);
         m.worker_kv_usage.get_or_create(&label).set(load.kv_usage);
         if let Some(pace) = load.pace {
             m.worker_pace.get_or_create(&label).set(pace);

@@ -64,6 +64,19 @@ fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<(), RouterError
     }
 }
 
+/// Another replica's report (`crate::replicas`): only the shared internal
+/// token speaks for a router, never a worker's own token. With per-worker
+/// tokens and no shared one, no router can be authenticated (config
+/// validation refuses `replicas` then); with neither, the endpoint is open
+/// as the sidecars' are (loopback, or `allow_insecure_internal`).
+pub fn authenticate_replica(state: &AppState, headers: &HeaderMap) -> Result<(), RouterError> {
+    match &state.config.raw.internal_token {
+        Some(shared) => matches(presented(headers), shared).then_some(()).ok_or(RouterError::Unauthorized),
+        None if state.config.worker_tokens.is_empty() => Ok(()),
+        None => Err(RouterError::Unauthorized),
+    }
+}
+
 /// After decoding: with per-worker tokens, the token must be `worker`'s own.
 fn authorize_for(state: &AppState, headers: &HeaderMap, worker: &WorkerId) -> Result<(), RouterError> {
     let tokens = &state.config.worker_tokens;

@@ -1,7 +1,8 @@
 //! kvroute-router: an OpenAI-compatible proxy that sends each request to the
 //! vLLM worker holding the longest cached prefix of it, without overloading
-//! anyone. Sidecars keep its cache map true (`internal`); `routing` turns a
-//! request into keys and a decision by a `policy`; `proxy` forwards it.
+//! anyone. Sidecars keep its cache map true (`internal`); other replicas
+//! tell it what they have in flight (`replicas`); `routing` turns a request
+//! into keys and a decision by a `policy`; `proxy` forwards it.
 //!
 //! Tests and embedders call [`run`] with a listener they bound themselves (or
 //! [`run_with`] with the metrics listener too), or [`build_state`] + [`app`]
@@ -19,6 +20,7 @@ pub mod metrics;
 pub mod policy;
 pub mod process_metrics;
 pub mod proxy;
+pub mod replicas;
 pub mod routing;
 pub mod serve;
 pub mod sessions;
@@ -137,6 +139,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         )
         .route(kvroute_shared::wire::EVICTION_PATH, post(internal::eviction))
         .route(kvroute_shared::wire::SYNC_PATH, post(internal::sync))
+        .route(replicas::REPLICA_PATH, post(replicas::report))
         .with_state(state)
 }
 
@@ -193,6 +196,7 @@ pub async fn run_with(
     let state = build_state(config, token.clone())?;
     tokio::spawn(health::run_health_checks(state.clone()).instrument(tracing::info_span!("health_checks")));
     tokio::spawn(health::run_housekeeping(state.clone()).instrument(tracing::info_span!("housekeeping")));
+    tokio::spawn(replicas::run(state.clone()).instrument(tracing::info_span!("replicas")));
 
     let stop = token.clone();
     tokio::spawn(async move {

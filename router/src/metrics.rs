@@ -72,6 +72,13 @@ pub struct KindLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DirectionOutcome {
+    /// `sent` or `received`.
+    pub direction: &'static str,
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WorkerLabel {
     pub worker: String,
 }
@@ -108,6 +115,7 @@ pub struct Metrics {
     pub syncs: Family<KindLabel, Counter>,
     pub worker_inflight: Family<WorkerLabel, Gauge>,
     pub worker_pending_tokens: Family<WorkerLabel, Gauge>,
+    pub worker_replica_pending_tokens: Family<WorkerLabel, Gauge>,
     pub worker_engine_requests: Family<WorkerKind, Gauge>,
     pub worker_kv_usage: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
     pub worker_pace: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
@@ -123,6 +131,8 @@ pub struct Metrics {
     pub shed: Counter,
     pub speculative_expired: Counter,
     pub ejections: Family<WorkerLabel, Counter>,
+    pub replica_reports: Family<DirectionOutcome, Counter>,
+    pub replicas_heard: Gauge,
     /// Every `outcome` label [`Metrics::request`] has used: the (worker,
     /// outcome) series a removed worker may have.
     outcomes: RwLock<Vec<&'static str>>,
@@ -228,6 +238,12 @@ impl Metrics {
             "Prompt tokens sent by this router and not yet past first token",
             worker_pending_tokens.clone(),
         );
+        let worker_replica_pending_tokens = Family::<WorkerLabel, Gauge>::default();
+        registry.register(
+            "worker_replica_pending_prefill_tokens",
+            "Prompt tokens the other router replicas last reported sent there and not yet past first token",
+            worker_replica_pending_tokens.clone(),
+        );
         let worker_engine_requests = Family::<WorkerKind, Gauge>::default();
         registry.register(
             "worker_engine_requests",
@@ -287,6 +303,24 @@ impl Metrics {
         );
         let ejections = Family::<WorkerLabel, Counter>::default();
         registry.register("worker_ejections", "Times a worker was ejected as unhealthy", ejections.clone());
+        let replica_reports = Family::<DirectionOutcome, Counter>::default();
+        registry.register(
+            "replica_reports",
+            "In-flight reports exchanged with other router replicas, by direction and outcome",
+            replica_reports.clone(),
+        );
+        for outcome in crate::replicas::SENT_OUTCOMES {
+            let _ = replica_reports.get_or_create(&DirectionOutcome { direction: "sent", outcome });
+        }
+        for outcome in crate::replicas::RECEIVED_OUTCOMES {
+            let _ = replica_reports.get_or_create(&DirectionOutcome { direction: "received", outcome });
+        }
+        let replicas_heard = Gauge::default();
+        registry.register(
+            "replicas_heard",
+            "Other router replicas whose in-flight report is recent enough to count",
+            replicas_heard.clone(),
+        );
         Metrics {
             registry,
             process,
@@ -300,6 +334,7 @@ impl Metrics {
             syncs,
             worker_inflight,
             worker_pending_tokens,
+            worker_replica_pending_tokens,
             worker_engine_requests,
             worker_kv_usage,
             worker_pace,
@@ -314,6 +349,8 @@ impl Metrics {
             shed,
             speculative_expired,
             ejections,
+            replica_reports,
+            replicas_heard,
             outcomes: RwLock::new(Vec::new()),
             departed: Mutex::new(Vec::new()),
         }
@@ -365,6 +402,11 @@ impl Metrics {
         self.syncs.get_or_create(&KindLabel { kind }).inc();
     }
 
+    /// A report sent to or received from another replica (`crate::replicas`).
+    pub fn replica_report(&self, direction: &'static str, outcome: &'static str) {
+        self.replica_reports.get_or_create(&DirectionOutcome { direction, outcome }).inc();
+    }
+
     /// Removes a removed worker's series now, and again at each
     /// [`Metrics::sweep_departed`] until nothing can write them any more.
     pub fn retire_worker(&self, worker: &Worker) {
@@ -393,6 +435,7 @@ impl Metrics {
         let w = WorkerLabel { worker: worker.to_owned() };
         self.worker_inflight.remove(&w);
         self.worker_pending_tokens.remove(&w);
+        self.worker_replica_pending_tokens.remove(&w);
         self.worker_kv_usage.remove(&w);
         self.worker_pace.remove(&w);
         self.worker_healthy.remove(&w);
@@ -466,6 +509,7 @@ mod tests {
         m.ttft.get_or_create(&WorkerStatus { worker: "gone".into(), status: "2xx" }).observe(0.1);
         m.ejections.get_or_create(&label).inc();
         m.worker_inflight.get_or_create(&label).set(1);
+        m.worker_replica_pending_tokens.get_or_create(&label).set(1);
         m.index_worker_entries.get_or_create(&WorkerKind { worker: "gone".into(), kind: "confirmed" }).set(3);
         m.request("stays", "ok");
         m.retire_worker(&w);

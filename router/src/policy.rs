@@ -40,8 +40,14 @@ pub const DEFAULT_POLICY: &str = "predicted_ttft";
 pub struct LoadView {
     /// Requests this router has in flight there.
     pub inflight: u32,
-    /// Prompt tokens this router sent there that are not yet past first token.
+    /// Prompt tokens sent there and not yet past first token: this router's,
+    /// plus what the other replicas last reported (`replica_pending_prefill_tokens`).
     pub pending_prefill_tokens: u64,
+    /// The other replicas' part of `pending_prefill_tokens`
+    /// (`crate::replicas`; 0 without them).
+    pub replica_pending_prefill_tokens: u64,
+    /// Requests the other replicas last reported in flight there.
+    pub replica_inflight: u32,
     /// vLLM's `num_requests_running` / `num_requests_waiting` as the sidecar
     /// last reported them (all routers' traffic).
     pub running: u32,
@@ -142,7 +148,22 @@ impl LoadView {
     /// Requests on the worker: the engine's own count when the sidecar reports
     /// one (it covers other routers), never less than what this router knows.
     pub fn requests(&self) -> u64 {
-        u64::from(self.inflight.max(self.running + self.waiting))
+        u64::from(self.routed_inflight().max(self.running.saturating_add(self.waiting)))
+    }
+
+    /// Requests that this router and the replicas reporting to it have in
+    /// flight there.
+    pub fn routed_inflight(&self) -> u32 {
+        self.inflight.saturating_add(self.replica_inflight)
+    }
+
+    /// The engine's waiting requests that no router accounts for in its
+    /// pending prefill: those of replicas that do not report here, and traffic
+    /// that bypasses the routers. The engine's count includes every
+    /// router's requests, so each in flight that a router reports is taken
+    /// off (running ones too: the count cannot tell them apart).
+    pub fn foreign_waiting(&self) -> u32 {
+        self.waiting.saturating_sub(self.routed_inflight())
     }
 }
 

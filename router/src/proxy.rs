@@ -21,6 +21,8 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use crate::error::RouterError;
 use crate::metrics::{NO_WORKER, WorkerStatus};
+use crate::policy::Candidate;
+use crate::replicas::SentEntry;
 use crate::routing::{self, Plan};
 use crate::sessions::valid_session_id;
 use crate::state::{AppState, now_ms};
@@ -201,7 +203,7 @@ async fn dispatch(
                 model.pace_model_us(&cand.load, plan.uncached_tokens(cand), state.mean_uncached_tokens())
             })
             .flatten();
-        let guard = InflightGuard::new(state.clone(), worker.clone(), plan.uncached_tokens(cand), modelled, arrived);
+        let guard = InflightGuard::new(state.clone(), worker.clone(), plan, cand, modelled, arrived);
         let mut request_may_be_at_fault = false;
         match send(state, worker, endpoint, headers, body.clone()).await {
             Ok(upstream) if upstream.status().is_server_error() => {
@@ -481,6 +483,9 @@ struct InflightGuard {
     started: Instant,
     first_seen: bool,
     outcome: Option<&'static str>,
+    /// This request as the router's reports to its replicas name it, until
+    /// a while after its first token (`crate::replicas::SentEntry`).
+    sent: Option<Arc<SentEntry>>,
     /// Failed before any byte reached the client: retried elsewhere, or
     /// reported as the request's error by [`proxy`].
     failed: bool,
@@ -490,14 +495,18 @@ impl InflightGuard {
     fn new(
         state: Arc<AppState>,
         worker: Arc<Worker>,
-        pending: u64,
+        plan: &Plan,
+        cand: &Candidate,
         modelled_us: Option<f64>,
         arrived: Instant,
     ) -> Self {
+        let pending = plan.uncached_tokens(cand);
         worker.live.inflight.fetch_add(1, Ordering::Relaxed);
         worker.live.pending_prefill_tokens.fetch_add(pending, Ordering::Relaxed);
         worker.live.record_arrival(now_ms());
+        let sent = state.replicas.record_sent(&worker.id, &plan.keys);
         InflightGuard {
+            sent,
             state,
             worker,
             pending,
@@ -517,6 +526,9 @@ impl InflightGuard {
         }
         self.first_seen = true;
         self.worker.live.pending_prefill_tokens.fetch_sub(self.pending, Ordering::Relaxed);
+        if let Some(sent) = &self.sent {
+            sent.done(now_ms());
+        }
         let took = self.started.elapsed();
         if let Some(modelled) = self.modelled_us
             && status == "2xx"
@@ -551,6 +563,9 @@ impl Drop for InflightGuard {
     fn drop(&mut self) {
         if !self.first_seen {
             self.worker.live.pending_prefill_tokens.fetch_sub(self.pending, Ordering::Relaxed);
+        }
+        if let Some(sent) = &self.sent {
+            sent.done(now_ms());
         }
         self.worker.live.inflight.fetch_sub(1, Ordering::Relaxed);
         // Dropped before the stream ended: the client went away.

@@ -10,7 +10,7 @@ use kvroute_shared::tokenize::TokenizeError;
 use kvroute_shared::{BlockKey, KeyRoot, WorkerId, block_keys};
 
 use crate::error::RouterError;
-use crate::index::{Index, Slot};
+use crate::index::{Index, MatchKind, Slot};
 use crate::metrics::PolicyReason;
 use crate::policy::{Candidate, Decision, Reason, RouteView};
 use crate::state::{AppState, MapState, now_ms};
@@ -171,20 +171,24 @@ fn plan_against(
     let block_size = state.config.block_size.get();
     let pinned_at = pinned.and_then(|id| workers.iter().position(|w| &w.id == id));
     let now = now_ms();
+    // What the other replicas just sent where (`replicas::prefixes`): a
+    // prefix one of them is prefilling on a worker counts as sent there.
+    let hints = state.replicas.hints();
+    let hinted = hints.depths(&keys);
     let decide = |index: &Index| {
         let depths = index.match_depths(&keys);
         let depth_of = |slot: Slot| depths.iter().find(|(s, _)| *s == slot).map_or(0, |(_, d)| *d);
         let candidates: Vec<Candidate> = workers
             .iter()
             .map(|w| {
-                let matched_blocks = depth_of(w.slot);
-                Candidate {
-                    slot: w.slot,
-                    matched_blocks,
-                    matched_kind: index.match_kind(w.slot, &keys[..matched_blocks]),
-                    load: w.live.load(now),
-                    id_hash: w.id_hash,
-                }
+                let indexed = depth_of(w.slot);
+                let sent_by_others = hinted.iter().find(|(id, _)| **id == w.id).map_or(0, |(_, d)| *d);
+                let (matched_blocks, matched_kind) = if sent_by_others > indexed {
+                    (sent_by_others, MatchKind::Sent)
+                } else {
+                    (indexed, index.match_kind(w.slot, &keys[..indexed]))
+                };
+                Candidate { slot: w.slot, matched_blocks, matched_kind, load: w.live.load(now), id_hash: w.id_hash }
             })
             .collect();
         let view = RouteView {

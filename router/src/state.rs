@@ -25,6 +25,7 @@ use crate::config::Config;
 use crate::index::{Index, Slot};
 use crate::metrics::Metrics;
 use crate::policy::Policy;
+use crate::replicas::Replicas;
 use crate::sessions::Sessions;
 use crate::workers::{Registry, RegistryError, Source, Target, Upsert, Worker};
 
@@ -208,6 +209,8 @@ pub struct AppState {
     pub policy: Box<dyn Policy>,
     pub metrics: Metrics,
     pub sessions: Sessions,
+    /// What the other replicas last reported (`crate::replicas`).
+    pub replicas: Replicas,
     pub client: reqwest::Client,
     /// Random per process start: sidecars resync at once when it changes.
     pub router_epoch: String,
@@ -243,6 +246,7 @@ impl AppState {
             policy,
             metrics,
             sessions,
+            replicas: Replicas::new(config.raw.replica_exchange_interval),
             client,
             router_epoch: format!("{:016x}", rand::random::<u64>()),
             concurrency,

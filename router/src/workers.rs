@@ -64,8 +64,13 @@ impl Worker {
 /// Figures that change per request; shared by every snapshot of a worker.
 #[derive(Debug)]
 pub struct WorkerLive {
+    /// This router's own requests there, and their not-yet-prefilled tokens.
     pub inflight: AtomicU32,
     pub pending_prefill_tokens: AtomicU64,
+    /// What the other replicas last reported of theirs, summed
+    /// (`crate::replicas::Replicas::publish`).
+    pub replica_inflight: AtomicU32,
+    pub replica_pending_prefill_tokens: AtomicU64,
     running: AtomicU32,
     waiting: AtomicU32,
     kv_usage_bits: AtomicU64,
@@ -89,6 +94,8 @@ impl Default for WorkerLive {
         WorkerLive {
             inflight: AtomicU32::new(0),
             pending_prefill_tokens: AtomicU64::new(0),
+            replica_inflight: AtomicU32::new(0),
+            replica_pending_prefill_tokens: AtomicU64::new(0),
             running: AtomicU32::new(0),
             waiting: AtomicU32::new(0),
             kv_usage_bits: AtomicU64::new(0f64.to_bits()),
@@ -122,11 +129,15 @@ impl WorkerLive {
         self.pace.lock().record(measured_us, predicted_us);
     }
 
-    /// The worker's load as of `now_ms` (unix ms).
+    /// The worker's load as of `now_ms` (unix ms): this router's figures
+    /// with the other replicas' added.
     pub fn load(&self, now_ms: u64) -> LoadView {
+        let others_pending = self.replica_pending_prefill_tokens.load(Ordering::Relaxed);
         LoadView {
             inflight: self.inflight.load(Ordering::Relaxed),
-            pending_prefill_tokens: self.pending_prefill_tokens.load(Ordering::Relaxed),
+            pending_prefill_tokens: self.pending_prefill_tokens.load(Ordering::Relaxed).saturating_add(others_pending),
+            replica_pending_prefill_tokens: others_pending,
+            replica_inflight: self.replica_inflight.load(Ordering::Relaxed),
             running: self.running.load(Ordering::Relaxed),
             waiting: self.waiting.load(Ordering::Relaxed),
             kv_usage: f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed)),

@@ -240,7 +240,9 @@ pub trait Validate {
     fn validate(&self) -> Result<(), DecodeError>;
 }
 
-fn validate_worker_id(id: &WorkerId) -> Result<(), DecodeError> {
+/// A worker id as every push and report must carry it: 1 to
+/// [`MAX_WORKER_ID_LEN`] bytes of ASCII letters, digits and `- _ . :`.
+pub fn validate_worker_id(id: &WorkerId) -> Result<(), DecodeError> {
     let s = id.as_str();
     if s.is_empty() || s.len() > MAX_WORKER_ID_LEN {
         return Err(DecodeError::new("worker_id", format!("must be 1 to {MAX_WORKER_ID_LEN} bytes")));

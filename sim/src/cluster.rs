@@ -44,6 +44,10 @@ pub enum ClusterError {
 pub struct ClusterSpec {
     pub workers: usize,
     pub routers: usize,
+    /// Router replicas exchange what they have in flight per worker
+    /// (`--replica`): each router is given every router started before it,
+    /// so every pair has one link.
+    pub replica_exchange: bool,
     /// Sidecars push engine events; without them routers index approximately.
     pub sidecars: bool,
     /// Port of the first router (0 = any free port).
@@ -69,6 +73,7 @@ impl Default for ClusterSpec {
         ClusterSpec {
             workers: 3,
             routers: 1,
+            replica_exchange: true,
             sidecars: true,
             port: 0,
             policy: "predicted_ttft".into(),
@@ -332,7 +337,7 @@ impl Cluster {
             engines.push(Engine::announced(proc, spec.data_parallel_size).await?);
         }
 
-        let mut routers = Vec::new();
+        let mut routers: Vec<RouterProc> = Vec::new();
         for r in 0..spec.routers {
             let port = if r == 0 { spec.port } else { 0 };
             let mut args: Vec<String> = vec![
@@ -357,6 +362,11 @@ impl Cluster {
                     } else {
                         args.extend(["--worker".into(), format!("{}={}", worker_id(i), e.url)]);
                     }
+                }
+            }
+            if spec.replica_exchange {
+                for earlier in &routers {
+                    args.extend(["--replica".into(), earlier.url.clone()]);
                 }
             }
             args.extend(spec.router_args.iter().cloned());
@@ -529,7 +539,8 @@ pub struct ClusterArgs {
     /// Port of the (first) router; 0 picks a free one.
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
-    /// Router replicas fed by the same sidecars.
+    /// Router replicas fed by the same sidecars; they exchange what they
+    /// have in flight per worker (`--replica`).
     #[arg(long, default_value_t = 1)]
     pub routers: usize,
     #[arg(long, default_value = "predicted_ttft")]

@@ -1,6 +1,7 @@
 //! Router restarts and router replicas: the map lives in the sidecars' pushes,
 //! so a restarted router is whole again after one sync, and two routers fed by
-//! the same sidecars make the same decisions.
+//! the same sidecars make the same decisions and hear each other's in-flight
+//! work.
 
 use std::time::Duration;
 
@@ -69,5 +70,18 @@ async fn two_router_replicas_agree() {
     })
     .await;
     assert_eq!(c.complete(&r2, &prompt, 2).await.0, holder);
+
+    // The cluster links the replicas (`--replica`): each hears the other's
+    // in-flight reports.
+    for r in [&r1, &r2] {
+        eventually("each replica to hear the other", WAIT, || {
+            let (c, r) = (c.clone(), r.clone());
+            async move {
+                let text = c.http.get(format!("{r}/metrics")).send().await.ok()?.text().await.ok()?;
+                text.lines().any(|l| l == "kvroute_replicas_heard 1").then_some(())
+            }
+        })
+        .await;
+    }
     cluster.shutdown().await;
 }

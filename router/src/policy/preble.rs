@@ -43,10 +43,10 @@ impl Preble {
     /// Work already on the worker, in prefill tokens.
     fn load(&self, view: &RouteView<'_>, i: usize) -> f64 {
         let c = &view.candidates[i].load;
-        let foreign = f64::from(c.waiting.saturating_sub(c.inflight)) * view.mean_prompt_tokens;
+        let foreign = f64::from(c.foreign_waiting()) * view.mean_prompt_tokens;
         c.pending_prefill_tokens as f64
             + foreign
-            + f64::from(c.running.max(c.inflight)) * self.params.decode_token_weight
+            + f64::from(c.running.max(c.routed_inflight())) * self.params.decode_token_weight
     }
 }
 

@@ -193,12 +193,12 @@ impl Default for PredictedTtftParams {
 }
 
 impl PredictedTtftParams {
-    /// Prefill tokens queued ahead on a worker with `load`: this router's
-    /// own not-yet-prefilled tokens, and the engine-reported waiting
-    /// requests that are not this router's at the mean uncached size.
+    /// Prefill tokens queued ahead on a worker with `load`: the
+    /// not-yet-prefilled tokens of this router and of its peers, and the
+    /// engine-reported waiting requests no router accounts for, at the mean
+    /// uncached size.
     fn queued_tokens(&self, load: &LoadView, mean_uncached_tokens: f64) -> f64 {
-        let foreign_waiting = load.waiting.saturating_sub(load.inflight);
-        load.pending_prefill_tokens as f64 + f64::from(foreign_waiting) * mean_uncached_tokens
+        load.pending_prefill_tokens as f64 + f64::from(load.foreign_waiting()) * mean_uncached_tokens
     }
 
     /// The timing model's time to first token, µs, for `uncached` tokens
@@ -222,7 +222,7 @@ impl PredictedTtftParams {
     fn model_after_us(&self, load: &LoadView, queued: f64, uncached: u64) -> f64 {
         let tokens = queued + uncached as f64;
         let steps = (tokens / self.max_batched_tokens.max(1) as f64).ceil().max(1.0);
-        let decoders = f64::from(load.running.max(load.inflight));
+        let decoders = f64::from(load.running.max(load.routed_inflight()));
         let t =
             tokens * self.prefill_us_per_token + steps * (self.step_overhead_us + decoders * self.decode_us_per_seq);
         t * (1.0 + 10.0 * (load.kv_usage - self.kv_knee).max(0.0))

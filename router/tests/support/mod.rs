@@ -28,8 +28,14 @@ pub async fn router(workers: &[(&str, &str)], tweak: impl FnOnce(&mut RawConfig)
         ..Default::default()
     };
     tweak(&mut raw);
+    serve(TcpListener::bind("127.0.0.1:0").await.unwrap(), raw)
+}
+
+/// Starts a router with `raw` on a listener the caller bound (to know its
+/// own URL before the router starts).
+#[allow(dead_code)] // not every test file needs it
+pub fn serve(listener: TcpListener, raw: RawConfig) -> TestRouter {
     let config = raw.validate().unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let (stop, stopped) = oneshot::channel::<()>();
     tokio::spawn(kvroute_router::run(listener, config, async move {

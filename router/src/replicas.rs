@@ -1,0 +1,683 @@
+//! Router replicas tell each other what they have in flight on each worker.
+//!
+//! A replica knows its own pending prefill exactly, but another replica's
+//! only as the engine's waiting count, reported once a second, priced at its
+//! own mean uncached size; a prefill already running there it does not see
+//! at all. In the lab that costs 3 replicas about a fifth of their TTFT
+//! (BENCHMARKS.md, "what router replicas do not know"). So every
+//! `replica_exchange_interval` (100 ms) each replica POSTs to each configured
+//! replica, at [`REPLICA_PATH`], a [`ReplicaReport`]: per worker, its own
+//! pending prefill tokens and in-flight requests. The other answers with its
+//! own report, so one configured link exchanges both ways; listing every
+//! other replica on every replica works too, and so does the same list on
+//! every replica, itself included (a replica recognises its own report by
+//! its epoch and stops sending there). A URL's host stands for every address
+//! it resolves to, re-resolved every [`RESOLVE_EVERY`]: in Kubernetes, the
+//! routers' headless service names every replica.
+//!
+//! What a replica heard from the others is added to its own figures when it
+//! routes (`WorkerLive::load`): their pending tokens to its pending prefill,
+//! their in-flight requests to its count of the engine's requests that a
+//! router accounts for. A report is full state, not a delta: the newest one
+//! from a replica replaces the last, a lost one costs nothing, and a
+//! replica not heard from for [`Replicas::expiry`] is forgotten (one that
+//! died took its requests with it).
+//!
+//! Replicas authenticate with the shared internal token (a worker's own
+//! token from `worker_tokens_file` may not speak for a router). Reports are
+//! bounded: at most [`MAX_REPLICAS`] replicas heard at once, [`MAX_WORKERS`]
+//! workers per report, [`MAX_REPORT_BODY_BYTES`], and figures no larger
+//! than a router can have.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use axum::Json;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use kvroute_shared::wire::{DecodeError, Validate, decode_valid, validate_worker_id};
+use kvroute_shared::{BlockKey, WorkerId};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tracing::Instrument;
+
+use crate::error::RouterError;
+use crate::index::MAX_WORKERS;
+use crate::proxy::read_body_within;
+use crate::state::{AppState, now_ms};
+use crate::workers::Worker;
+
+pub mod prefixes;
+pub use prefixes::{PrefixHints, SentPrefix};
+
+/// Where replicas send their reports.
+pub const REPLICA_PATH: &str = "/internal/replica";
+/// Largest report accepted: [`MAX_WORKERS`] load entries of ~200 bytes and
+/// [`MAX_SENT`] requests of at most [`prefixes::MAX_SAMPLED_KEYS`] keys of
+/// 19 bytes (about 35 keys in practice).
+pub const MAX_REPORT_BODY_BYTES: usize = 4 << 20;
+/// Other replicas (distinct epochs) remembered at once; past it a new one
+/// is refused until one expires.
+pub const MAX_REPLICAS: usize = 64;
+/// Pending prefill tokens one report may give for one worker: a router
+/// holds at most `max_concurrent_requests` prompts of `max_prompt_tokens`,
+/// far below this; larger figures are forged or corrupt.
+pub const MAX_REPORTED_PENDING_TOKENS: u64 = 1 << 40;
+
+/// Requests one report names in `sent` at most (the newest).
+pub const MAX_SENT: usize = 1024;
+/// How long a request stays in `sent` after its first token: until the
+/// sidecar's report of its stored blocks has reached every replica (100 ms
+/// batches, and the push itself).
+pub const SENT_LINGER_MS: u64 = 1_000;
+
+/// One replica's figures, `POST`ed to another and answered with the other's.
+/// Unknown fields are ignored, so replicas of two releases keep exchanging
+/// during a rolling upgrade.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaReport {
+    /// The sender's `router_epoch`: random per process start.
+    pub router_epoch: String,
+    /// Increases with every report the sender makes (to any replica).
+    pub seq: u64,
+    /// Workers where the sender has anything in flight; any other worker
+    /// is 0.
+    #[serde(default)]
+    pub workers: Vec<ReplicaLoad>,
+    /// The requests the sender has sent and not yet seen a first token of,
+    /// or saw one less than [`SENT_LINGER_MS`] ago: where each went, and
+    /// its prompt's sampled block keys ([`prefixes`]).
+    #[serde(default)]
+    pub sent: Vec<SentPrefix>,
+}
+
+/// One worker's figures in a [`ReplicaReport`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaLoad {
+    pub id: WorkerId,
+    /// Prompt tokens the sender sent there, not yet past first token.
+    pub pending_prefill_tokens: u64,
+    /// Requests the sender has in flight there.
+    pub inflight: u32,
+}
+
+impl Validate for ReplicaReport {
+    fn validate(&self) -> Result<(), DecodeError> {
+        if self.router_epoch.is_empty() || self.router_epoch.len() > 64 {
+            return Err(DecodeError::new("router_epoch", "must be 1 to 64 bytes"));
+        }
+        if self.workers.len() > MAX_WORKERS {
+            return Err(DecodeError::new("workers", format!("at most {MAX_WORKERS} entries")));
+        }
+        let mut seen = std::collections::HashSet::with_capacity(self.workers.len());
+        for (i, w) in self.workers.iter().enumerate() {
+            validate_worker_id(&w.id).map_err(|e| DecodeError::new(format!("workers[{i}].id"), e.message))?;
+            if !seen.insert(&w.id) {
+                return Err(DecodeError::new(format!("workers[{i}].id"), format!("{} appears twice", w.id)));
+            }
+            if w.pending_prefill_tokens > MAX_REPORTED_PENDING_TOKENS {
+                return Err(DecodeError::new(
+                    format!("workers[{i}].pending_prefill_tokens"),
+                    format!("at most {MAX_REPORTED_PENDING_TOKENS}"),
+                ));
+            }
+        }
+        if self.sent.len() > MAX_SENT {
+            return Err(DecodeError::new("sent", format!("at most {MAX_SENT} entries")));
+        }
+        for (i, sent) in self.sent.iter().enumerate() {
+            validate_worker_id(&sent.worker).map_err(|e| DecodeError::new(format!("sent[{i}].worker"), e.message))?;
+            if sent.keys.len() > prefixes::MAX_SAMPLED_KEYS {
+                return Err(DecodeError::new(
+                    format!("sent[{i}].keys"),
+                    format!("at most {} sampled keys", prefixes::MAX_SAMPLED_KEYS),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What became of a report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Heard {
+    /// That replica's newest: it replaces what it said before.
+    Applied,
+    /// Not newer than the last one from that replica (reordered): dropped.
+    Stale,
+    /// This router's own report, come back (it was listed as a replica of
+    /// itself).
+    OwnEcho,
+    /// [`MAX_REPLICAS`] others are heard already: refused.
+    Full,
+}
+
+impl Heard {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Heard::Applied => "applied",
+            Heard::Stale => "stale",
+            Heard::OwnEcho => "self",
+            Heard::Full => "full",
+        }
+    }
+}
+
+/// The `outcome` labels of received reports, created at 0 at start.
+pub const RECEIVED_OUTCOMES: [&str; 4] = ["applied", "stale", "self", "full"];
+/// The `outcome` labels of sent reports: answered, failed (network, status
+/// or body), or answered by this router itself.
+pub const SENT_OUTCOMES: [&str; 3] = ["ok", "error", "self"];
+
+#[derive(Debug)]
+struct Latest {
+    seq: u64,
+    at: Instant,
+    workers: Vec<ReplicaLoad>,
+    sent: Vec<SentPrefix>,
+}
+
+/// A request this router sent, as its reports name it until
+/// [`SENT_LINGER_MS`] after its first token.
+#[derive(Debug)]
+pub struct SentEntry {
+    prefix: SentPrefix,
+    /// Unix ms of its first token (or of its end without one); 0 before.
+    done_ms: AtomicU64,
+}
+
+impl SentEntry {
+    /// Its first token came (or it ended without one) at `now_ms`.
+    pub fn done(&self, now_ms: u64) {
+        let _ = self.done_ms.compare_exchange(0, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed);
+    }
+}
+
+/// What the other replicas last said, by their epoch.
+#[derive(Debug)]
+pub struct Replicas {
+    heard: Mutex<HashMap<String, Latest>>,
+    /// What the others' `sent` lists say, rebuilt when they change.
+    hints: ArcSwap<PrefixHints>,
+    /// This router's own recent requests, oldest first.
+    sent: Mutex<VecDeque<Arc<SentEntry>>>,
+    seq: AtomicU64,
+    /// A replica not heard from for this long is forgotten.
+    pub expiry: Duration,
+}
+
+impl Replicas {
+    /// Forgets a replica after 10 exchange periods without a report, and never
+    /// sooner than 1 s (a busy replica's report may be late).
+    pub fn new(interval: Duration) -> Replicas {
+        Replicas {
+            heard: Mutex::new(HashMap::new()),
+            hints: ArcSwap::from_pointee(PrefixHints::default()),
+            sent: Mutex::new(VecDeque::new()),
+            seq: AtomicU64::new(0),
+            expiry: (interval * 10).max(Duration::from_secs(1)),
+        }
+    }
+
+    /// Takes another replica's report, unless it is this router's own
+    /// (`own_epoch`), older than what that replica said last, or from one
+    /// replica too many.
+    pub fn hear(&self, report: ReplicaReport, own_epoch: &str, now: Instant) -> Heard {
+        if report.router_epoch == own_epoch {
+            return Heard::OwnEcho;
+        }
+        let mut heard = self.heard.lock();
+        heard.retain(|_, l| now.saturating_duration_since(l.at) < self.expiry);
+        let full = heard.len() >= MAX_REPLICAS;
+        let latest = Latest { seq: report.seq, at: now, workers: report.workers, sent: report.sent };
+        match heard.get_mut(&report.router_epoch) {
+            Some(l) if latest.seq <= l.seq => Heard::Stale,
+            Some(l) => {
+                *l = latest;
+                Heard::Applied
+            }
+            None if full => Heard::Full,
+            None => {
+                heard.insert(report.router_epoch, latest);
+                Heard::Applied
+            }
+        }
+    }
+
+    /// Forgets silent replicas and stores the sum of what the others said
+    /// into each of `workers`' live figures (a worker none named gets 0),
+    /// and rebuilds the prefix hints from their `sent` lists. Returns how
+    /// many replicas are heard. Everything is written under the lock that
+    /// reports are taken under, so two publishes cannot interleave.
+    pub fn publish(&self, workers: &[Arc<Worker>], now: Instant) -> usize {
+        let mut heard = self.heard.lock();
+        heard.retain(|_, l| now.saturating_duration_since(l.at) < self.expiry);
+        let mut sums: HashMap<&WorkerId, (u64, u32)> = HashMap::new();
+        for l in heard.values() {
+            for w in &l.workers {
+                let s = sums.entry(&w.id).or_default();
+                s.0 = s.0.saturating_add(w.pending_prefill_tokens);
+                s.1 = s.1.saturating_add(w.inflight);
+            }
+        }
+        for w in workers {
+            let (pending, inflight) = sums.get(&w.id).copied().unwrap_or_default();
+            w.live.replica_pending_prefill_tokens.store(pending, Ordering::Relaxed);
+            w.live.replica_inflight.store(inflight, Ordering::Relaxed);
+        }
+        let hints = PrefixHints::build(heard.values().flat_map(|l| &l.sent));
+        if !(hints.is_empty() && self.hints.load().is_empty()) {
+            self.hints.store(Arc::new(hints));
+        }
+        heard.len()
+    }
+
+    /// The prefix hints as of the last publish.
+    pub fn hints(&self) -> Arc<PrefixHints> {
+        self.hints.load_full()
+    }
+
+    /// This router sends a request with block keys `keys` to `worker`: its
+    /// reports name it until [`SENT_LINGER_MS`] after the entry is
+    /// [`SentEntry::done`]. `None` for a prompt without a full block.
+    pub fn record_sent(&self, worker: &WorkerId, keys: &[BlockKey]) -> Option<Arc<SentEntry>> {
+        if keys.is_empty() {
+            return None;
+        }
+        let entry = Arc::new(SentEntry {
+            prefix: SentPrefix { worker: worker.clone(), keys: prefixes::sample(keys) },
+            done_ms: AtomicU64::new(0),
+        });
+        let mut sent = self.sent.lock();
+        if sent.len() == MAX_SENT {
+            sent.pop_front();
+        }
+        sent.push_back(entry.clone());
+        Some(entry)
+    }
+
+    /// This router's own figures, for the others: every worker where it has
+    /// something in flight, and its recent requests as of `now_ms`.
+    pub fn own_report(&self, epoch: &str, workers: &[Arc<Worker>], now_ms: u64) -> ReplicaReport {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        let loads = workers
+            .iter()
+            .filter_map(|w| {
+                let pending_prefill_tokens = w.live.pending_prefill_tokens.load(Ordering::Relaxed);
+                let inflight = w.live.inflight.load(Ordering::Relaxed);
+                (pending_prefill_tokens > 0 || inflight > 0).then(|| ReplicaLoad {
+                    id: w.id.clone(),
+                    pending_prefill_tokens,
+                    inflight,
+                })
+            })
+            .collect();
+        let live = |e: &SentEntry| {
+            let done = e.done_ms.load(Ordering::Relaxed);
+            done == 0 || now_ms.saturating_sub(done) < SENT_LINGER_MS
+        };
+        let mut log = self.sent.lock();
+        log.retain(|e| live(e));
+        let sent = log.iter().map(|e| e.prefix.clone()).collect();
+        ReplicaReport { router_epoch: epoch.to_owned(), seq, workers: loads, sent }
+    }
+}
+
+/// Takes `report` and brings the workers' figures up to date.
+fn take(state: &AppState, report: ReplicaReport) -> Heard {
+    let now = Instant::now();
+    let heard = state.replicas.hear(report, &state.router_epoch, now);
+    if heard == Heard::Applied {
+        let n = state.replicas.publish(&state.workers.snapshot(), now);
+        state.metrics.replicas_heard.set(n as i64);
+    }
+    heard
+}
+
+/// `POST /internal/replica`: another replica's report, answered with this
+/// router's.
+pub async fn report(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<ReplicaReport>, RouterError> {
+    crate::internal::authenticate_replica(&state, &headers)?;
+    let body = read_body_within(body, MAX_REPORT_BODY_BYTES).await?;
+    let report: ReplicaReport = decode_valid(&body)?;
+    let heard = take(&state, report);
+    state.metrics.replica_report("received", heard.as_str());
+    if heard == Heard::Full {
+        return Err(RouterError::Unavailable(format!(
+            "this router already hears {MAX_REPLICAS} replicas; a new one is taken when one of them falls silent"
+        )));
+    }
+    Ok(Json(state.replicas.own_report(&state.router_epoch, &state.workers.snapshot(), now_ms())))
+}
+
+/// How often the configured replica URLs are resolved again: a name (a
+/// headless Kubernetes service) stands for every address it resolves to,
+/// and replicas come and go.
+pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
+
+/// Exchanges with every address the configured replica URLs resolve to,
+/// and forgets silent replicas, until shutdown.
+pub async fn run(state: Arc<AppState>) {
+    let mut resolved: HashMap<String, Vec<String>> = HashMap::new();
+    let mut exchanges: HashMap<String, tokio::task::JoinHandle<()>> = HashMap::new();
+    let mut next_resolve = Instant::now();
+    let mut tick = tokio::time::interval(state.config.raw.replica_exchange_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = state.shutdown.cancelled() => return,
+        }
+        if !state.config.replicas.is_empty() && Instant::now() >= next_resolve {
+            next_resolve = Instant::now() + RESOLVE_EVERY;
+            for url in &state.config.replicas {
+                match resolve(url).await {
+                    Ok(addresses) => {
+                        resolved.insert(url.clone(), addresses);
+                    }
+                    // Keep the last good addresses through a DNS hiccup.
+                    Err(e) => tracing::warn!(error = %e, "replica resolution failed"),
+                }
+            }
+            let targets: std::collections::BTreeSet<&String> = resolved.values().flatten().collect();
+            exchanges.retain(|address, task| {
+                let keep = targets.contains(address);
+                if !keep {
+                    tracing::info!(replica = %address, "replica address gone");
+                    task.abort();
+                }
+                keep
+            });
+            for address in targets {
+                if !exchanges.contains_key(address) {
+                    let span = tracing::info_span!("replica_exchange", replica = %address);
+                    let task = tokio::spawn(exchange_with(state.clone(), address.clone()).instrument(span));
+                    exchanges.insert(address.clone(), task);
+                }
+            }
+        }
+        let n = state.replicas.publish(&state.workers.snapshot(), Instant::now());
+        state.metrics.replicas_heard.set(n as i64);
+    }
+}
+
+/// The addresses `url` stands for (the lookup on the blocking pool).
+async fn resolve(url: &str) -> Result<Vec<String>, kvroute_shared::resolve::ResolveError> {
+    let owned = url.to_owned();
+    match tokio::task::spawn_blocking(move || kvroute_shared::resolve::resolve(&owned)).await {
+        Ok(resolved) => resolved,
+        Err(e) => {
+            Err(kvroute_shared::resolve::ResolveError::Lookup { url: url.to_owned(), source: std::io::Error::other(e) })
+        }
+    }
+}
+
+/// One replica address: a report every interval, the answer taken as that
+/// replica's. One exchange at a time, so a slow replica is asked less
+/// often, never by a pile of requests. An address that turns out to be
+/// this router itself is left alone until shutdown (or until it is no
+/// longer resolved).
+async fn exchange_with(state: Arc<AppState>, base: String) {
+    let url = format!("{base}{REPLICA_PATH}");
+    let mut tick = tokio::time::interval(state.config.raw.replica_exchange_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut failing = false;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = state.shutdown.cancelled() => return,
+        }
+        let report = state.replicas.own_report(&state.router_epoch, &state.workers.snapshot(), now_ms());
+        match send(&state, &url, &report).await {
+            Ok(answer) if answer.router_epoch == state.router_epoch => {
+                state.metrics.replica_report("sent", "self");
+                tracing::info!("this address is this router itself: not exchanging with it");
+                state.shutdown.cancelled().await;
+                return;
+            }
+            Ok(answer) => {
+                state.metrics.replica_report("sent", "ok");
+                take(&state, answer);
+                if failing {
+                    tracing::info!("replica exchange works again");
+                }
+                failing = false;
+            }
+            Err(e) => {
+                state.metrics.replica_report("sent", "error");
+                if !failing {
+                    tracing::warn!(error = %e, "replica exchange failed; retrying every interval");
+                }
+                failing = true;
+            }
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum SendError {
+    #[error("{0}")]
+    Http(#[from] reqwest::Error),
+    #[error("answered {status}: {body}")]
+    Status { status: reqwest::StatusCode, body: String },
+    #[error("answered an invalid report: {0}")]
+    Invalid(#[from] DecodeError),
+    #[error("answered more than {MAX_REPORT_BODY_BYTES} bytes")]
+    TooLarge,
+}
+
+async fn send(state: &AppState, url: &str, report: &ReplicaReport) -> Result<ReplicaReport, SendError> {
+    let mut req = state.client.post(url).json(report).timeout(state.replicas.expiry);
+    if let Some(token) = &state.config.raw.internal_token {
+        req = req.bearer_auth(token.expose());
+    }
+    let mut resp = req.send().await?;
+    let status = resp.status();
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await? {
+        if body.len() + chunk.len() > MAX_REPORT_BODY_BYTES {
+            return Err(SendError::TooLarge);
+        }
+        body.extend_from_slice(&chunk);
+    }
+    if !status.is_success() {
+        let body = String::from_utf8_lossy(&body).chars().take(300).collect();
+        return Err(SendError::Status { status, body });
+    }
+    Ok(decode_valid(&body)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::Slot;
+    use crate::workers::{Source, WorkerLive, id_hash};
+
+    fn worker(id: &str) -> Arc<Worker> {
+        let id = WorkerId::new(id);
+        Arc::new(Worker {
+            id_hash: id_hash(&id),
+            id,
+            slot: Slot(0),
+            generation: 0,
+            url: "http://w".into(),
+            dp_rank: None,
+            models: Vec::new(),
+            source: Source::Sidecar,
+            live: Arc::new(WorkerLive::default()),
+        })
+    }
+
+    fn report(epoch: &str, seq: u64, loads: &[(&str, u64, u32)]) -> ReplicaReport {
+        ReplicaReport {
+            router_epoch: epoch.into(),
+            seq,
+            workers: loads
+                .iter()
+                .map(|&(id, pending_prefill_tokens, inflight)| ReplicaLoad {
+                    id: WorkerId::new(id),
+                    pending_prefill_tokens,
+                    inflight,
+                })
+                .collect(),
+            sent: Vec::new(),
+        }
+    }
+
+    fn figures(w: &Worker) -> (u64, u32) {
+        let load = w.live.load(0);
+        (load.replica_pending_prefill_tokens, load.replica_inflight)
+    }
+
+    #[test]
+    fn other_replicas_figures_are_summed_per_worker_and_replaced_by_each_newer_report() {
+        let replicas = Replicas::new(Duration::from_millis(100));
+        let (a, b) = (worker("a"), worker("b"));
+        let t0 = Instant::now();
+        assert_eq!(replicas.hear(report("p1", 1, &[("a", 1_000, 2)]), "me", t0), Heard::Applied);
+        assert_eq!(replicas.hear(report("p2", 7, &[("a", 500, 1), ("b", 40, 1)]), "me", t0), Heard::Applied);
+        assert_eq!(replicas.publish(&[a.clone(), b.clone()], t0), 2);
+        assert_eq!(figures(&a), (1_500, 3));
+        assert_eq!(figures(&b), (40, 1));
+        // The own figures stay apart, and routing sees both.
+        a.live.pending_prefill_tokens.store(100, Ordering::Relaxed);
+        assert_eq!(a.live.load(0).pending_prefill_tokens, 1_600);
+        // p1's requests there finished: its next report leaves `a` out.
+        assert_eq!(replicas.hear(report("p1", 2, &[]), "me", t0), Heard::Applied);
+        // A report overtaken by a newer one changes nothing.
+        assert_eq!(replicas.hear(report("p1", 1, &[("a", 9_999, 9)]), "me", t0), Heard::Stale);
+        replicas.publish(&[a.clone(), b.clone()], t0);
+        assert_eq!(figures(&a), (500, 1));
+    }
+
+    #[test]
+    fn a_silent_replica_is_forgotten_and_its_own_echo_never_counts() {
+        let replicas = Replicas::new(Duration::from_millis(100));
+        assert_eq!(replicas.expiry, Duration::from_secs(1));
+        let a = worker("a");
+        let t0 = Instant::now();
+        assert_eq!(replicas.hear(report("me", 1, &[("a", 1_000, 1)]), "me", t0), Heard::OwnEcho);
+        assert_eq!(replicas.publish(std::slice::from_ref(&a), t0), 0);
+        assert_eq!(figures(&a), (0, 0));
+        replicas.hear(report("p1", 1, &[("a", 1_000, 1)]), "me", t0);
+        assert_eq!(replicas.publish(std::slice::from_ref(&a), t0 + Duration::from_millis(999)), 1);
+        assert_eq!(figures(&a), (1_000, 1));
+        assert_eq!(replicas.publish(std::slice::from_ref(&a), t0 + Duration::from_secs(1)), 0);
+        assert_eq!(figures(&a), (0, 0));
+    }
+
+    #[test]
+    fn no_more_than_max_replicas_are_remembered() {
+        let replicas = Replicas::new(Duration::from_millis(100));
+        let t0 = Instant::now();
+        for p in 0..MAX_REPLICAS {
+            assert_eq!(replicas.hear(report(&format!("p{p}"), 1, &[]), "me", t0), Heard::Applied);
+        }
+        assert_eq!(replicas.hear(report("one-too-many", 1, &[]), "me", t0), Heard::Full);
+        // Known replicas still report; once the others expire a newcomer fits.
+        assert_eq!(replicas.hear(report("p0", 2, &[]), "me", t0), Heard::Applied);
+        let later = t0 + replicas.expiry;
+        assert_eq!(replicas.hear(report("one-too-many", 1, &[]), "me", later), Heard::Applied);
+    }
+
+    #[test]
+    fn figures_that_would_overflow_saturate() {
+        let replicas = Replicas::new(Duration::from_millis(100));
+        let a = worker("a");
+        let t0 = Instant::now();
+        for p in 0..3 {
+            replicas.hear(report(&format!("p{p}"), 1, &[("a", MAX_REPORTED_PENDING_TOKENS, u32::MAX)]), "me", t0);
+        }
+        replicas.publish(std::slice::from_ref(&a), t0);
+        assert_eq!(figures(&a), (3 * MAX_REPORTED_PENDING_TOKENS, u32::MAX));
+        a.live.inflight.store(5, Ordering::Relaxed);
+        let load = a.live.load(0);
+        assert_eq!(load.routed_inflight(), u32::MAX);
+        assert_eq!(load.requests(), u64::from(u32::MAX));
+    }
+
+    #[test]
+    fn hostile_reports_are_refused_naming_the_field() {
+        let refused = |body: &str| decode_valid::<ReplicaReport>(body.as_bytes()).unwrap_err().field;
+        assert_eq!(refused(r#"{"router_epoch":"","seq":1}"#), "router_epoch");
+        let long = "e".repeat(65);
+        assert_eq!(refused(&format!(r#"{{"router_epoch":"{long}","seq":1}}"#)), "router_epoch");
+        assert_eq!(refused(r#"{"router_epoch":"e","seq":-1}"#), "seq");
+        let w = |id: &str, p: u64| format!(r#"{{"id":"{id}","pending_prefill_tokens":{p},"inflight":1}}"#);
+        let body = |ws: &[String]| format!(r#"{{"router_epoch":"e","seq":1,"workers":[{}]}}"#, ws.join(","));
+        assert_eq!(refused(&body(&[w("a b", 1)])), "workers[0].id");
+        assert_eq!(refused(&body(&[w("a", 1), w("a", 2)])), "workers[1].id");
+        assert_eq!(refused(&body(&[w("a", MAX_REPORTED_PENDING_TOKENS + 1)])), "workers[0].pending_prefill_tokens");
+        let many: Vec<String> = (0..=MAX_WORKERS).map(|i| w(&format!("w{i}"), 1)).collect();
+        assert_eq!(refused(&body(&many)), "workers");
+        let sent = |worker: &str, keys: usize| {
+            let keys: Vec<String> = (0..keys).map(|i| format!("\"{i:016x}\"")).collect();
+            format!(r#"{{"router_epoch":"e","seq":1,"sent":[{{"worker":"{worker}","keys":[{}]}}]}}"#, keys.join(","))
+        };
+        assert!(decode_valid::<ReplicaReport>(sent("w1", 30).as_bytes()).is_ok());
+        assert_eq!(refused(&sent("w/1", 3)), "sent[0].worker");
+        assert_eq!(refused(&sent("w1", prefixes::MAX_SAMPLED_KEYS + 1)), "sent[0].keys");
+        // Fields of a later release are ignored.
+        let newer = r#"{"router_epoch":"e","seq":1,"workers":[],"queued_decode_tokens":5}"#;
+        assert!(decode_valid::<ReplicaReport>(newer.as_bytes()).is_ok());
+    }
+
+    #[test]
+    fn the_own_report_names_only_workers_with_something_in_flight() {
+        let replicas = Replicas::new(Duration::from_millis(100));
+        let (a, b) = (worker("a"), worker("b"));
+        a.live.pending_prefill_tokens.store(300, Ordering::Relaxed);
+        a.live.inflight.store(2, Ordering::Relaxed);
+        // Another replica's figures are never passed on as this router's own.
+        b.live.replica_pending_prefill_tokens.store(5_000, Ordering::Relaxed);
+        let first = replicas.own_report("me", &[a.clone(), b.clone()], 0);
+        assert_eq!(first, report("me", 1, &[("a", 300, 2)]));
+        assert_eq!(replicas.own_report("me", &[a, b], 0).seq, 2);
+    }
+
+    #[test]
+    fn a_sent_request_is_reported_until_a_while_after_its_first_token() {
+        let replicas = Replicas::new(Duration::from_millis(100));
+        let keys: Vec<BlockKey> = (0..40).map(BlockKey).collect();
+        assert!(replicas.record_sent(&WorkerId::new("a"), &[]).is_none(), "no full block, nothing to name");
+        let first = replicas.record_sent(&WorkerId::new("a"), &keys).unwrap();
+        let second = replicas.record_sent(&WorkerId::new("b"), &keys[..3]).unwrap();
+        let sent = |now_ms| replicas.own_report("me", &[], now_ms).sent;
+        assert_eq!(sent(5_000), [first.prefix.clone(), second.prefix.clone()]);
+        assert_eq!(first.prefix.keys, prefixes::sample(&keys));
+        first.done(5_000);
+        first.done(9_000); // the first time counts
+        assert_eq!(sent(5_999).len(), 2);
+        assert_eq!(sent(6_000), std::slice::from_ref(&second.prefix));
+        // Pending requests stay however long their prefill takes.
+        assert_eq!(sent(60_000), std::slice::from_ref(&second.prefix));
+        for _ in 0..MAX_SENT + 10 {
+            replicas.record_sent(&WorkerId::new("a"), &keys);
+        }
+        assert_eq!(sent(60_000).len(), MAX_SENT, "the newest only");
+    }
+
+    #[test]
+    fn the_others_sent_requests_become_prefix_hints_and_leave_with_them() {
+        let replicas = Replicas::new(Duration::from_millis(100));
+        let keys: Vec<BlockKey> = (0..40).map(BlockKey).collect();
+        let t0 = Instant::now();
+        let mut r = report("p1", 1, &[]);
+        r.sent = vec![SentPrefix { worker: WorkerId::new("w2"), keys: prefixes::sample(&keys) }];
+        replicas.hear(r, "me", t0);
+        assert!(replicas.hints().is_empty(), "not before the next publish");
+        replicas.publish(&[], t0);
+        let hints = replicas.hints();
+        assert_eq!(hints.depths(&keys).iter().map(|(w, d)| (w.as_str(), *d)).collect::<Vec<_>>(), [("w2", 40)]);
+        replicas.publish(&[], t0 + replicas.expiry);
+        assert!(replicas.hints().is_empty());
+    }
+}

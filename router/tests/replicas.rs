@@ -1,0 +1,195 @@
+//! Router replicas exchanging what they have in flight (`/internal/replica`),
+//! over HTTP between in-process routers on loopback, in front of fake
+//! engines that never answer (so a prefill stays pending).
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::{get, post};
+use kvroute_router::config::{RawConfig, Secret};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+
+mod support;
+use support::{TOKEN, TestRouter, router, serve};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// An engine that takes every completion and never answers it.
+async fn hanging_engine() -> String {
+    let app = Router::new()
+        .route("/v1/completions", post(futures::future::pending::<&'static str>))
+        .route("/health", get(|| async { "ok" }));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    url
+}
+
+/// Polls `check` every 20 ms until it yields a value, for at most `WAIT`.
+async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn words(seed: u64, n: usize) -> String {
+    (0..n).map(|i| format!("w{}", (seed * 7919 + i as u64 * 104_729) % 100_000)).collect::<Vec<_>>().join(" ")
+}
+
+impl TestRouter {
+    async fn route(&self, prompt: &str) -> Value {
+        let body = json!({"model": "m", "prompt": prompt});
+        let resp = self.http.post(format!("{}/debug/route", self.url)).json(&body).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        resp.json().await.unwrap()
+    }
+
+    /// `/admin/workers`' row for worker `id`.
+    async fn worker(&self, id: &str) -> Value {
+        let all: Value =
+            self.http.get(format!("{}/admin/workers", self.url)).send().await.unwrap().json().await.unwrap();
+        all["workers"].as_array().unwrap().iter().find(|w| w["id"] == id).unwrap().clone()
+    }
+
+    async fn metric(&self, line_start: &str) -> Option<f64> {
+        let text = self.http.get(format!("{}/metrics", self.url)).send().await.unwrap().text().await.unwrap();
+        text.lines().find_map(|l| l.strip_prefix(line_start)?.trim().parse().ok())
+    }
+}
+
+/// A prompt of `words` words that `r` would send to `worker` on an idle
+/// cluster (where a new prompt goes is a hash of it).
+async fn prompt_routed_to(r: &TestRouter, worker: &str, n: usize) -> String {
+    for seed in 0..200 {
+        let p = words(seed, n);
+        if r.route(&p).await["decision"]["worker"] == worker {
+            return p;
+        }
+    }
+    panic!("no prompt of 200 goes to {worker}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_routes_around_the_prefill_another_replica_sent() {
+    let (e1, e2) = (hanging_engine().await, hanging_engine().await);
+    let engines = [("w1", e1.as_str()), ("w2", e2.as_str())];
+    let a = router(&engines, |_| {}).await;
+    // One link, configured on b alone: a's answers carry a's figures back.
+    let b = router(&engines, |c| c.replicas = vec![a.url.clone()]).await;
+
+    let small = prompt_routed_to(&b, "w1", 40).await;
+    let long = prompt_routed_to(&a, "w1", 1_500).await;
+    let sent = a.http.post(format!("{}/v1/completions", a.url)).json(&json!({"model": "m", "prompt": long}));
+    let _hanging = tokio::spawn(sent.send());
+
+    // a's pending prefill on w1 (the whole uncached prompt) reaches b.
+    let own = eventually("a to count its request pending", || async {
+        let n = a.worker("w1").await["load"]["pending_prefill_tokens"].as_u64().unwrap();
+        (n > 0).then_some(n)
+    })
+    .await;
+    eventually("b to hear a's pending prefill on w1", || async {
+        let load = b.worker("w1").await["load"].clone();
+        (load["replica_pending_prefill_tokens"] == own && load["replica_inflight"] == 1).then_some(())
+    })
+    .await;
+    let w2 = b.worker("w2").await["load"].clone();
+    assert_eq!((w2["replica_pending_prefill_tokens"].as_u64(), w2["replica_inflight"].as_u64()), (Some(0), Some(0)));
+    // b's own figures stay its own: it sent nothing.
+    assert_eq!(b.worker("w1").await["load"]["inflight"], 0);
+
+    // Before, b sent this prompt to w1; now w1 has a long prefill queued.
+    let d = b.route(&small).await;
+    assert_eq!(d["decision"]["worker"], "w2", "{d}");
+    // But a prompt that continues a's follows it to w1: a's reports name
+    // the prefix it is prefilling there, which no sidecar has reported yet.
+    let d = b.route(&format!("{long} and one more question")).await;
+    assert_eq!(d["decision"]["worker"], "w1", "{} {}", d["decision"], d["workers"]);
+    let w1 = d["workers"].as_array().unwrap().iter().find(|w| w["id"] == "w1").unwrap().clone();
+    assert_eq!(w1["matched_kind"], "sent", "{w1}");
+    assert!(w1["matched_blocks"].as_u64().unwrap() * 16 >= own * 4 / 5, "{w1}");
+
+    // Both count the exchange; a reports nothing of b's (b has nothing in flight).
+    assert!(b.metric("kvroute_replica_reports_total{direction=\"sent\",outcome=\"ok\"}").await.unwrap() > 0.0);
+    assert!(a.metric("kvroute_replica_reports_total{direction=\"received\",outcome=\"applied\"}").await.unwrap() > 0.0);
+    assert_eq!(b.metric("kvroute_replicas_heard").await, Some(1.0));
+    assert_eq!(a.metric("kvroute_replicas_heard").await, Some(1.0));
+    assert_eq!(a.worker("w1").await["load"]["replica_pending_prefill_tokens"], 0);
+    let gauge = format!("kvroute_worker_replica_pending_prefill_tokens{{worker=\"w1\"}} {own}");
+    let text = b.http.get(format!("{}/metrics", b.url)).send().await.unwrap().text().await.unwrap();
+    assert!(text.lines().any(|l| l == gauge), "no {gauge} in\n{text}");
+}
+
+/// The same replica list on every replica, each one included (a headless
+/// service's name): a router hears its own report, recognises it, stops
+/// sending to itself, and never counts its own work twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_listed_as_its_own_replica_stops_reporting_to_itself() {
+    let engine = hanging_engine().await;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    // By name: a URL stands for every address its host resolves to.
+    let url = format!("http://localhost:{}", listener.local_addr().unwrap().port());
+    let raw = RawConfig {
+        workers: vec![format!("w1={engine}")],
+        internal_token: Some(Secret::new(TOKEN)),
+        health_check_interval: Duration::from_secs(3600),
+        replicas: vec![url],
+        ..Default::default()
+    };
+    let r = serve(listener, raw);
+    let _hanging = tokio::spawn(
+        r.http.post(format!("{}/v1/completions", r.url)).json(&json!({"model": "m", "prompt": words(1, 300)})).send(),
+    );
+    eventually("the router to find it is its own replica", || async {
+        let sent = r.metric("kvroute_replica_reports_total{direction=\"sent\",outcome=\"self\"}").await;
+        (sent == Some(1.0)).then_some(())
+    })
+    .await;
+    assert_eq!(r.metric("kvroute_replica_reports_total{direction=\"received\",outcome=\"self\"}").await, Some(1.0));
+    assert_eq!(r.metric("kvroute_replicas_heard").await, Some(0.0));
+    let load = eventually("the request to be pending", || async {
+        let load = r.worker("w1").await["load"].clone();
+        (load["inflight"] == 1).then_some(load)
+    })
+    .await;
+    assert_eq!(load["replica_pending_prefill_tokens"], 0, "{load}");
+    assert_eq!(load["replica_inflight"], 0, "{load}");
+}
+
+#[tokio::test]
+async fn replica_reports_need_the_internal_token_and_a_valid_body() {
+    let r = router(&[], |_| {}).await;
+    let url = format!("{}/internal/replica", r.url);
+    let report = json!({"router_epoch": "other", "seq": 1, "workers": [
+        {"id": "w1", "pending_prefill_tokens": 10, "inflight": 1}]});
+    assert_eq!(r.http.post(&url).json(&report).send().await.unwrap().status(), 401);
+    let wrong = r.http.post(&url).bearer_auth("not-the-internal-token").json(&report).send().await.unwrap();
+    assert_eq!(wrong.status(), 401);
+    let forged = json!({"router_epoch": "other", "seq": 2, "workers": [
+        {"id": "w1", "pending_prefill_tokens": 10, "inflight": 1},
+        {"id": "w1", "pending_prefill_tokens": 10, "inflight": 1}]});
+    let bad = r.http.post(&url).bearer_auth(TOKEN).json(&forged).send().await.unwrap();
+    assert_eq!(bad.status(), 400);
+    let body: Value = bad.json().await.unwrap();
+    assert_eq!(body["error"]["param"], "workers[1].id", "{body}");
+    // A valid report is answered with the router's own.
+    let ok = r.http.post(&url).bearer_auth(TOKEN).json(&report).send().await.unwrap();
+    assert_eq!(ok.status(), 200);
+    let answer: Value = ok.json().await.unwrap();
+    let epoch = r.http.get(format!("{}/admin/workers", r.url)).send().await.unwrap().json::<Value>().await.unwrap()
+        ["router_epoch"]
+        .clone();
+    assert_eq!(answer["router_epoch"], epoch);
+    assert_eq!(answer["workers"], json!([]));
+    assert_eq!(r.metric("kvroute_replicas_heard").await, Some(1.0));
+}
