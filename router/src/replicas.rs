@@ -7,7 +7,8 @@
 //! (BENCHMARKS.md, "what router replicas do not know"). So every
 //! `replica_exchange_interval` (100 ms) each replica POSTs to each configured
 //! replica, at [`REPLICA_PATH`], a [`ReplicaReport`]: per worker, its own
-//! pending prefill tokens and in-flight requests. The other answers with its
+//! pending prefill tokens and in-flight requests, and the prefixes it has
+//! just sent where ([`prefixes`]). The other answers with its
 //! own report, so one configured link exchanges both ways; listing every
 //! other replica on every replica works too, and so does the same list on
 //! every replica, itself included (a replica recognises its own report by
@@ -18,7 +19,8 @@
 //! What a replica heard from the others is added to its own figures when it
 //! routes (`WorkerLive::load`): their pending tokens to its pending prefill,
 //! their in-flight requests to its count of the engine's requests that a
-//! router accounts for. A report is full state, not a delta: the newest one
+//! router accounts for, and a prefix one of them just sent to a worker
+//! counts as sent there (`routing.rs`). A report is full state, not a delta: the newest one
 //! from a replica replaces the last, a lost one costs nothing, and a
 //! replica not heard from for [`Replicas::expiry`] is forgotten (one that
 //! died took its requests with it).
@@ -31,7 +33,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
@@ -201,10 +203,14 @@ impl SentEntry {
 #[derive(Debug)]
 pub struct Replicas {
     heard: Mutex<HashMap<String, Latest>>,
-    /// What the others' `sent` lists say, rebuilt when they change.
+    /// What the others' `sent` lists say, rebuilt when they change
+    /// (`hints_stale`: a report was taken since the last rebuild).
     hints: ArcSwap<PrefixHints>,
-    /// This router's own recent requests, oldest first.
+    hints_stale: AtomicBool,
+    /// This router's own recent requests, oldest first, kept once it
+    /// exchanges reports with anyone (`exchanging`).
     sent: Mutex<VecDeque<Arc<SentEntry>>>,
+    exchanging: AtomicBool,
     seq: AtomicU64,
     /// A replica not heard from for this long is forgotten.
     pub expiry: Duration,
@@ -217,7 +223,9 @@ impl Replicas {
         Replicas {
             heard: Mutex::new(HashMap::new()),
             hints: ArcSwap::from_pointee(PrefixHints::default()),
+            hints_stale: AtomicBool::new(false),
             sent: Mutex::new(VecDeque::new()),
+            exchanging: AtomicBool::new(false),
             seq: AtomicU64::new(0),
             expiry: (interval * 10).max(Duration::from_secs(1)),
         }
@@ -238,11 +246,13 @@ impl Replicas {
             Some(l) if latest.seq <= l.seq => Heard::Stale,
             Some(l) => {
                 *l = latest;
+                self.hints_stale.store(true, Ordering::Relaxed);
                 Heard::Applied
             }
             None if full => Heard::Full,
             None => {
                 heard.insert(report.router_epoch, latest);
+                self.hints_stale.store(true, Ordering::Relaxed);
                 Heard::Applied
             }
         }
@@ -255,7 +265,9 @@ impl Replicas {
     /// reports are taken under, so two publishes cannot interleave.
     pub fn publish(&self, workers: &[Arc<Worker>], now: Instant) -> usize {
         let mut heard = self.heard.lock();
+        let before = heard.len();
         heard.retain(|_, l| now.saturating_duration_since(l.at) < self.expiry);
+        let forgot = heard.len() < before;
         let mut sums: HashMap<&WorkerId, (u64, u32)> = HashMap::new();
         for l in heard.values() {
             for w in &l.workers {
@@ -269,9 +281,8 @@ impl Replicas {
             w.live.replica_pending_prefill_tokens.store(pending, Ordering::Relaxed);
             w.live.replica_inflight.store(inflight, Ordering::Relaxed);
         }
-        let hints = PrefixHints::build(heard.values().flat_map(|l| &l.sent));
-        if !(hints.is_empty() && self.hints.load().is_empty()) {
-            self.hints.store(Arc::new(hints));
+        if self.hints_stale.swap(false, Ordering::Relaxed) || forgot {
+            self.hints.store(Arc::new(PrefixHints::build(heard.values().flat_map(|l| &l.sent))));
         }
         heard.len()
     }
@@ -281,11 +292,18 @@ impl Replicas {
         self.hints.load_full()
     }
 
+    /// From now on this router's requests are kept for its reports: it has
+    /// replicas configured, or one reported to it.
+    pub fn start_exchanging(&self) {
+        self.exchanging.store(true, Ordering::Relaxed);
+    }
+
     /// This router sends a request with block keys `keys` to `worker`: its
     /// reports name it until [`SENT_LINGER_MS`] after the entry is
-    /// [`SentEntry::done`]. `None` for a prompt without a full block.
+    /// [`SentEntry::done`]. `None` for a prompt without a full block, or
+    /// while this router exchanges with no one.
     pub fn record_sent(&self, worker: &WorkerId, keys: &[BlockKey]) -> Option<Arc<SentEntry>> {
-        if keys.is_empty() {
+        if keys.is_empty() || !self.exchanging.load(Ordering::Relaxed) {
             return None;
         }
         let entry = Arc::new(SentEntry {
@@ -332,6 +350,7 @@ fn take(state: &AppState, report: ReplicaReport) -> Heard {
     let now = Instant::now();
     let heard = state.replicas.hear(report, &state.router_epoch, now);
     if heard == Heard::Applied {
+        state.replicas.start_exchanging();
         let n = state.replicas.publish(&state.workers.snapshot(), now);
         state.metrics.replicas_heard.set(n as i64);
     }
@@ -366,6 +385,9 @@ pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
 /// Exchanges with every address the configured replica URLs resolve to,
 /// and forgets silent replicas, until shutdown.
 pub async fn run(state: Arc<AppState>) {
+    if !state.config.replicas.is_empty() {
+        state.replicas.start_exchanging();
+    }
     let mut resolved: HashMap<String, Vec<String>> = HashMap::new();
     let mut exchanges: HashMap<String, tokio::task::JoinHandle<()>> = HashMap::new();
     let mut next_resolve = Instant::now();
@@ -647,6 +669,8 @@ mod tests {
     fn a_sent_request_is_reported_until_a_while_after_its_first_token() {
         let replicas = Replicas::new(Duration::from_millis(100));
         let keys: Vec<BlockKey> = (0..40).map(BlockKey).collect();
+        assert!(replicas.record_sent(&WorkerId::new("a"), &keys).is_none(), "kept only while exchanging");
+        replicas.start_exchanging();
         assert!(replicas.record_sent(&WorkerId::new("a"), &[]).is_none(), "no full block, nothing to name");
         let first = replicas.record_sent(&WorkerId::new("a"), &keys).unwrap();
         let second = replicas.record_sent(&WorkerId::new("b"), &keys[..3]).unwrap();

@@ -87,6 +87,8 @@ async fn a_replica_routes_around_the_prefill_another_replica_sent() {
     // One link, configured on b alone: a's answers carry a's figures back.
     let b = router(&engines, |c| c.replicas = vec![a.url.clone()]).await;
 
+    // a keeps its requests for its reports once a replica reports to it.
+    eventually("a to hear b", || async { (a.metric("kvroute_replicas_heard").await == Some(1.0)).then_some(()) }).await;
     let small = prompt_routed_to(&b, "w1", 40).await;
     let long = prompt_routed_to(&a, "w1", 1_500).await;
     let sent = a.http.post(format!("{}/v1/completions", a.url)).json(&json!({"model": "m", "prompt": long}));

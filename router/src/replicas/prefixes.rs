@@ -66,24 +66,31 @@ pub struct SentPrefix {
 }
 
 /// What the other replicas' recent requests say about prefixes: sampled
-/// key → the workers they were sent to.
+/// key → the workers they were sent to (indices into `workers`, so a
+/// rebuild allocates no id per key).
 #[derive(Debug, Default)]
 pub struct PrefixHints {
-    by_key: HashMap<BlockKey, Vec<WorkerId>>,
+    workers: Vec<WorkerId>,
+    by_key: HashMap<BlockKey, Vec<u32>>,
 }
 
 impl PrefixHints {
     pub fn build<'a>(sent: impl IntoIterator<Item = &'a SentPrefix>) -> PrefixHints {
-        let mut by_key: HashMap<BlockKey, Vec<WorkerId>> = HashMap::new();
+        let mut hints = PrefixHints::default();
+        let mut index_of: HashMap<&WorkerId, u32> = HashMap::new();
         for s in sent {
+            let w = *index_of.entry(&s.worker).or_insert_with(|| {
+                hints.workers.push(s.worker.clone());
+                (hints.workers.len() - 1) as u32
+            });
             for key in &s.keys {
-                let workers = by_key.entry(*key).or_default();
-                if !workers.contains(&s.worker) {
-                    workers.push(s.worker.clone());
+                let workers = hints.by_key.entry(*key).or_default();
+                if !workers.contains(&w) {
+                    workers.push(w);
                 }
             }
         }
-        PrefixHints { by_key }
+        hints
     }
 
     pub fn is_empty(&self) -> bool {
@@ -99,9 +106,10 @@ impl PrefixHints {
         }
         let indices: Vec<usize> = sampled_indices(keys.len()).collect();
         for &i in indices.iter().rev() {
-            for w in self.by_key.get(&keys[i]).into_iter().flatten() {
-                if !found.iter().any(|(f, _)| *f == w) {
-                    found.push((w, i + 1));
+            for &w in self.by_key.get(&keys[i]).into_iter().flatten() {
+                let id = &self.workers[w as usize];
+                if !found.iter().any(|(f, _)| *f == id) {
+                    found.push((id, i + 1));
                 }
             }
         }
