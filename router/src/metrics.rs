@@ -472,25 +472,10 @@ impl Metrics {
 
 #[cfg(test)]
 mod tests {
-    use kvroute_shared::WorkerId;
-
     use super::*;
-    use crate::index::Slot;
-    use crate::workers::{Source, id_hash};
 
     fn worker(id: &str) -> Arc<Worker> {
-        let id = WorkerId::new(id);
-        Arc::new(Worker {
-            id_hash: id_hash(&id),
-            id,
-            slot: Slot(0),
-            generation: 0,
-            url: "http://w".into(),
-            dp_rank: None,
-            models: Vec::new(),
-            source: Source::Sidecar,
-            live: Arc::new(WorkerLive::default()),
-        })
+        Worker::for_test(id)
     }
 
     fn series_of(m: &Metrics, id: &str) -> usize {

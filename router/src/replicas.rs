@@ -520,22 +520,9 @@ async fn send(state: &AppState, url: &str, report: &ReplicaReport) -> Result<Rep
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::index::Slot;
-    use crate::workers::{Source, WorkerLive, id_hash};
 
     fn worker(id: &str) -> Arc<Worker> {
-        let id = WorkerId::new(id);
-        Arc::new(Worker {
-            id_hash: id_hash(&id),
-            id,
-            slot: Slot(0),
-            generation: 0,
-            url: "http://w".into(),
-            dp_rank: None,
-            models: Vec::new(),
-            source: Source::Sidecar,
-            live: Arc::new(WorkerLive::default()),
-        })
+        Worker::for_test(id)
     }
 
     fn report(epoch: &str, seq: u64, loads: &[(&str, u64, u32)]) -> ReplicaReport {

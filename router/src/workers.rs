@@ -61,6 +61,26 @@ impl Worker {
     }
 }
 
+#[cfg(test)]
+impl Worker {
+    /// A sidecar-registered worker in slot 0 with nothing in flight, for
+    /// unit tests.
+    pub fn for_test(id: &str) -> Arc<Worker> {
+        let id = WorkerId::new(id);
+        Arc::new(Worker {
+            id_hash: id_hash(&id),
+            id,
+            slot: Slot(0),
+            generation: 0,
+            url: "http://w".into(),
+            dp_rank: None,
+            models: Vec::new(),
+            source: Source::Sidecar,
+            live: Arc::new(WorkerLive::default()),
+        })
+    }
+}
+
 /// Figures that change per request; shared by every snapshot of a worker.
 #[derive(Debug)]
 pub struct WorkerLive {
