@@ -545,6 +545,9 @@ impl InflightGuard {
 
     fn failed(mut self, outcome: &'static str) {
         self.failed = true;
+        if let Some(sent) = &self.sent {
+            sent.abandon();
+        }
         self.finish(outcome);
     }
 }

@@ -197,6 +197,12 @@ impl SentEntry {
     pub fn done(&self, now_ms: u64) {
         let _ = self.done_ms.compare_exchange(0, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed);
     }
+
+    /// Its worker failed it before any answer (it is retried elsewhere, or
+    /// failed): no longer named from the next report on.
+    pub fn abandon(&self) {
+        self.done_ms.store(1, Ordering::Relaxed);
+    }
 }
 
 /// What the other replicas last said, by their epoch.
@@ -666,6 +672,8 @@ mod tests {
         assert_eq!(first.prefix.keys, prefixes::sample(&keys));
         first.done(5_000);
         first.done(9_000); // the first time counts
+        let failed = replicas.record_sent(&WorkerId::new("c"), &keys).unwrap();
+        failed.abandon();
         assert_eq!(sent(5_999).len(), 2);
         assert_eq!(sent(6_000), std::slice::from_ref(&second.prefix));
         // Pending requests stay however long their prefill takes.
