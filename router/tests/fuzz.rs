@@ -1,6 +1,7 @@
-//! Bounded fuzzing of everything a client or sidecar can send the router
-//! (proptest-driven, so it runs in CI): no input panics, bad input gets a 4xx
-//! naming the field, and a rejected internal push changes nothing.
+//! Bounded fuzzing of everything a client, a sidecar or another router
+//! replica can send the router (proptest-driven, so it runs in CI): no input
+//! panics, bad input gets a 4xx naming the field, and a rejected internal
+//! push or report changes nothing.
 //! Longer runs: `PROPTEST_CASES=100000 cargo test -p kvroute-router --test fuzz`.
 
 use std::sync::Arc;
@@ -68,6 +69,12 @@ fn json_value() -> impl Strategy<Value = Value> {
                     Just("messages".to_string()),
                     Just("role".to_string()),
                     Just("content".to_string()),
+                    Just("router_epoch".to_string()),
+                    Just("workers".to_string()),
+                    Just("sent".to_string()),
+                    Just("keys".to_string()),
+                    Just("id".to_string()),
+                    Just("pending_prefill_tokens".to_string()),
                     "[a-z_]{1,8}",
                 ],
                 inner,
@@ -78,8 +85,15 @@ fn json_value() -> impl Strategy<Value = Value> {
     })
 }
 
-const PATHS: &[&str] =
-    &["/internal/sync", "/internal/eviction", "/v1/completions", "/v1/chat/completions", "/debug/route", "/v1/context"];
+const PATHS: &[&str] = &[
+    "/internal/sync",
+    "/internal/eviction",
+    "/internal/replica",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/debug/route",
+    "/v1/context",
+];
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
@@ -105,9 +119,10 @@ proptest! {
             prop_assert!(body["error"]["param"].is_string() || body["error"]["message"].is_string(), "{body}");
         }
         if !status.is_success() {
-            // A rejected push leaves no trace.
+            // A rejected push or report leaves no trace.
             prop_assert_eq!(s.map.read().index.entry_count(), 0);
             prop_assert_eq!(s.workers.snapshot().len(), 0);
+            prop_assert_eq!(s.replicas.publish(&[], std::time::Instant::now()), 0);
         }
     }
 }
