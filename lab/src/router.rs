@@ -159,7 +159,9 @@ impl LabRouter {
         }
         let mut hinted = vec![0usize; self.id_hashes.len()];
         for (id, d) in self.hints.depths(keys) {
-            if let Some(w) = id.as_str().strip_prefix('w').and_then(|n| n.parse::<usize>().ok()) {
+            if let Some(w) = id.as_str().strip_prefix('w').and_then(|n| n.parse::<usize>().ok())
+                && w < hinted.len()
+            {
                 hinted[w] = d;
             }
         }
@@ -217,8 +219,8 @@ impl LabRouter {
         self.inflight[worker] += 1;
         self.pending[worker] += uncached;
         let sent_id = self.next_sent_id;
+        self.next_sent_id += 1;
         if !keys.is_empty() && self.tells_peers {
-            self.next_sent_id += 1;
             let prefix = SentPrefix { worker: WorkerId::new(format!("w{worker}")), keys: prefixes::sample(keys) };
             self.sent_log.insert(sent_id, (prefix, None));
         }
