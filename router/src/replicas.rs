@@ -245,7 +245,11 @@ impl Replicas {
             return Heard::OwnEcho;
         }
         let mut heard = self.heard.lock();
+        let before = heard.len();
         heard.retain(|_, l| now.saturating_duration_since(l.at) < self.expiry);
+        if heard.len() < before {
+            self.hints_stale.store(true, Ordering::Relaxed);
+        }
         let full = heard.len() >= MAX_REPLICAS;
         let latest = Latest { seq: report.seq, at: now, workers: report.workers, sent: report.sent };
         match heard.get_mut(&report.router_epoch) {
@@ -696,7 +700,14 @@ mod tests {
         replicas.publish(&[], t0);
         let hints = replicas.hints();
         assert_eq!(hints.depths(&keys).iter().map(|(w, d)| (w.as_str(), *d)).collect::<Vec<_>>(), [("w2", 40)]);
-        replicas.publish(&[], t0 + replicas.expiry);
+        // p1 falls silent. It is forgotten while a stale report from p2 is
+        // taken, before any publish: the hints go with it all the same.
+        let half = replicas.expiry / 2;
+        replicas.hear(report("p2", 5, &[]), "me", t0 + half);
+        replicas.publish(&[], t0 + half);
+        assert!(!replicas.hints().is_empty());
+        assert_eq!(replicas.hear(report("p2", 3, &[]), "me", t0 + replicas.expiry), Heard::Stale);
+        assert_eq!(replicas.publish(&[], t0 + replicas.expiry), 1);
         assert!(replicas.hints().is_empty());
     }
 }
