@@ -112,7 +112,7 @@ async fn a_replica_routes_around_the_prefill_another_replica_sent() {
 
     // Before, b sent this prompt to w1; now w1 has a long prefill queued.
     let d = b.route(&small).await;
-    assert_eq!(d["decision"]["worker"], "w2", "{d}");
+    assert_eq!(d["decision"]["worker"], "w2", "{} {}", d["decision"], d["workers"]);
     // But a prompt that continues a's follows it to w1: a's reports name
     // the prefix it is prefilling there, which no sidecar has reported yet.
     let d = b.route(&format!("{long} and one more question")).await;
