@@ -11,7 +11,7 @@
 use kvroute_router::index::MatchKind;
 use kvroute_router::index::{Index, MAX_WORKERS, Slot};
 use kvroute_router::policy::{ArrivalRate, Candidate, LoadView, Pace, Policy, PredictedTtftParams, Reason, RouteView};
-use kvroute_router::replicas::{PrefixHints, SENT_LINGER_MS, SentPrefix, prefixes};
+use kvroute_router::replicas::{PrefixHints, SentPrefix, prefixes, still_reported};
 use kvroute_router::workers::id_hash;
 use kvroute_shared::{BlockKey, WorkerId};
 
@@ -120,7 +120,7 @@ impl LabRouter {
     /// past their first token or past it less than `SENT_LINGER_MS` ago.
     pub fn own_load(&mut self, now: Micros) -> Told {
         let now_ms = now.as_ms();
-        self.sent_log.retain(|_, (_, done)| done.is_none_or(|d| now_ms.saturating_sub(d) < SENT_LINGER_MS));
+        self.sent_log.retain(|_, (_, done)| still_reported(*done, now_ms));
         Told {
             pending: self.pending.clone(),
             inflight: self.inflight.clone(),
@@ -294,6 +294,8 @@ impl LabRouter {
 
 #[cfg(test)]
 mod tests {
+    use kvroute_router::replicas::SENT_LINGER_MS;
+
     use super::*;
 
     fn replica() -> LabRouter {

@@ -223,7 +223,7 @@ pub fn housekeeping_gauges(state: &AppState) {
         let label = WorkerLabel { worker: id.clone() };
         m.init_worker_series(&id);
         m.worker_inflight.get_or_create(&label).set(i64::from(load.inflight));
-        let own_pending = load.pending_prefill_tokens - load.replica_pending_prefill_tokens;
+        let own_pending = w.live.pending_prefill_tokens.load(Ordering::Relaxed);
         m.worker_pending_tokens.get_or_create(&label).set(own_pending as i64);
         m.worker_replica_pending_tokens.get_or_create(&label).set(load.replica_pending_prefill_tokens as i64);
         m.worker_kv_usage.get_or_create(&label).set(load.kv_usage);

@@ -77,6 +77,13 @@ pub const MAX_SENT: usize = 1024;
 /// batches, and the push itself).
 pub const SENT_LINGER_MS: u64 = 1_000;
 
+/// Is a request still named in reports at `now_ms`: not yet past its first
+/// token (`done_ms` `None`), or past it less than [`SENT_LINGER_MS`] ago?
+/// (The router's and the lab's sent logs both ask this.)
+pub fn still_reported(done_ms: Option<u64>, now_ms: u64) -> bool {
+    done_ms.is_none_or(|d| now_ms.saturating_sub(d) < SENT_LINGER_MS)
+}
+
 /// One replica's figures, `POST`ed to another and answered with the other's.
 /// Unknown fields are ignored, so replicas of two releases keep exchanging
 /// during a rolling upgrade.
@@ -344,12 +351,8 @@ impl Replicas {
                 })
             })
             .collect();
-        let live = |e: &SentEntry| {
-            let done = e.done_ms.load(Ordering::Relaxed);
-            done == 0 || now_ms.saturating_sub(done) < SENT_LINGER_MS
-        };
         let mut log = self.sent.lock();
-        log.retain(|e| live(e));
+        log.retain(|e| still_reported(Some(e.done_ms.load(Ordering::Relaxed)).filter(|d| *d != 0), now_ms));
         let sent = log.iter().map(|e| e.prefix.clone()).collect();
         ReplicaReport { router_epoch: epoch.to_owned(), seq, workers: loads, sent }
     }
