@@ -49,12 +49,16 @@
 //!   chooses among candidates whose own cost is within `imposed_band` of
 //!   the best: a request gives up at most that much to spare the others;
 //! - candidates within `near_best` (+ `near_best_us`) of the best are equal,
-//!   broken by rendezvous hashing of the block where the prompt leaves the
-//!   cache, so independent replicas agree and a new conversation's later
-//!   turns follow its first one (the arrival rates are each replica's own,
-//!   so they only part replicas where the imposed delays differ by more
-//!   than that band). The idle pull below breaks its ties by the same
-//!   hash, the burst spread by the new prefix's first block;
+//!   broken first by what they hold beyond the hot prefix (the only copy of
+//!   a conversation stays where it is rather than being prefilled again
+//!   next door), then by rendezvous hashing of the block where the prompt
+//!   leaves the cache, so independent replicas agree and a new
+//!   conversation's later turns follow its first one (the arrival rates
+//!   are each replica's own, so they only part replicas where the imposed
+//!   delays differ by more than that band). The idle pull below breaks its
+//!   ties by the same hash, the burst spread by the new prefix's first
+//!   block. The hot prefix is what two workers hold, a second copy counted
+//!   only once confirmed or sent more than once;
 //! - idle pull: a per-request TTFT minimum never spends one request's
 //!   prefill to make a new replica of a hot prefix, so a worker that holds
 //!   none of a shared tool prompt can sit idle while the holders queue (the
@@ -341,6 +345,32 @@ impl PredictedTtft {
     }
 }
 
+/// The depth at least two workers hold: the prompt's hot prefix. Beyond
+/// it, the deepest holder has the cluster's only copy.
+///
+/// A second copy counts only if it is confirmed or was sent more than once
+/// ([`MatchKind::Sent`] does not count): a conversation whose turn one
+/// replica sent to another worker before it heard where the last went has
+/// two unconfirmed copies, and counting them as a hot prefix made the idle
+/// pull copy it again, turn after turn (lab, 256 workers, 3 exchanging
+/// routers: long_conv's hit rate 0.63 → 0.46).
+fn hot_depth(view: &RouteView<'_>) -> usize {
+    let credible = |c: &super::Candidate| if c.matched_kind == MatchKind::Sent { 0 } else { c.matched_blocks };
+    // The deepest holder; of equally deep ones, a credible one, so that the
+    // others' claims are the ones judged.
+    let deepest = (0..view.candidates.len()).max_by_key(|&i| {
+        let c = &view.candidates[i];
+        (c.matched_blocks, c.matched_kind != MatchKind::Sent)
+    });
+    let top = deepest.map_or(0, |i| view.candidates[i].matched_blocks);
+    (0..view.candidates.len())
+        .filter(|&i| Some(i) != deepest)
+        .map(|i| credible(&view.candidates[i]))
+        .max()
+        .unwrap_or(0)
+        .min(top)
+}
+
 impl Policy for PredictedTtft {
     fn name(&self) -> &'static str {
         "predicted_ttft"
@@ -349,12 +379,8 @@ impl Policy for PredictedTtft {
     fn choose(&self, view: &RouteView<'_>) -> Decision {
         let p = &self.params;
         let n = view.candidates.len();
-        let mut depths: Vec<usize> = view.candidates.iter().map(|c| c.matched_blocks).collect();
-        depths.sort_unstable_by(|a, b| b.cmp(a));
-        let deepest = depths.first().copied().unwrap_or(0);
-        // The depth at least two workers hold: the prompt's hot prefix.
-        // Beyond it, the deepest holder has the cluster's only copy.
-        let hot_depth = depths.get(1).copied().unwrap_or(0);
+        let deepest = view.candidates.iter().map(|c| c.matched_blocks).max().unwrap_or(0);
+        let hot_depth = hot_depth(view);
         // Where the prompt leaves the cache (the head hash for a prompt
         // shorter than a block): equal on every replica, and equal for a
         // conversation's next turn on a replica that has not yet heard
@@ -434,11 +460,20 @@ impl Policy for PredictedTtft {
             (0..n).map(|i| if own[i] <= own_bound { own[i] + imposed[i] } else { f64::INFINITY }).collect();
         let best = eligible.iter().map(|&i| score[i]).fold(f64::INFINITY, f64::min);
         let bound = best * (1.0 + p.near_best) + p.near_best_us;
+        // Equal candidates: the one holding the most beyond the hot prefix
+        // (the only copy of a conversation or document: another equal
+        // worker would prefill a second one), then the hash. Depths within
+        // the hot prefix are equal here: preferring them herded replicas
+        // that cannot see each other's queues onto the few workers holding
+        // a shared first block (lab, 256 workers, 3 routers: p50 × 1.85).
         let chosen = eligible
             .iter()
             .copied()
             .filter(|&i| score[i] <= bound)
-            .max_by_key(|&i| rendezvous(anchor, view.candidates[i].id_hash))
+            .max_by_key(|&i| {
+                let c = &view.candidates[i];
+                (c.matched_blocks.max(hot_depth), rendezvous(anchor, c.id_hash))
+            })
             .unwrap_or(0);
         let pulled = self.idle_pull(view, &eligible, Paced { queued: &queued, pace: &pace }, chosen, anchor, hot_depth);
         let chosen = pulled.map_or(chosen, |(i, _)| i);
@@ -711,6 +746,53 @@ mod tests {
         let c = [a, cand(1, 0, 1), cand(2, 0, 0)];
         let d = PredictedTtft::default().choose(&view(&k, &c));
         assert_eq!((d.chosen(), d.reason), (Some(0), Reason::BestCost));
+    }
+
+    #[test]
+    fn two_unconfirmed_copies_of_a_conversation_are_not_a_hot_prefix() {
+        // A conversation's turn went to worker 0 and, from a replica that
+        // had not heard of it yet, to worker 1: both copies speculative.
+        // Worker 2 is idle. Counted as a prefix two workers hold, 2,500
+        // queued tokens ≥ 0.25 × 6,000 + 2 × 245 would pull it there and
+        // prefill a third copy.
+        let k = keys(390);
+        let mut a = cand(0, 375, 6);
+        a.load.pending_prefill_tokens = 2_500;
+        a.matched_kind = MatchKind::Sent;
+        let mut b = cand(1, 375, 6);
+        b.load.pending_prefill_tokens = 3_000;
+        b.matched_kind = MatchKind::Sent;
+        let c = [a, b, cand(2, 0, 0)];
+        let d = PredictedTtft::default().choose(&view(&k, &c));
+        assert_eq!(d.chosen(), Some(0), "{d:?}");
+        // Once sidecars confirm both copies, it is a hot prefix.
+        let mut c = c;
+        c[0].matched_kind = MatchKind::Held;
+        c[1].matched_kind = MatchKind::Held;
+        let d = PredictedTtft::default().choose(&view(&k, &c));
+        assert_eq!((d.chosen(), d.reason), (Some(2), Reason::IdlePull));
+    }
+
+    #[test]
+    fn of_equal_candidates_the_only_copy_of_the_prompt_wins() {
+        // Worker 0 was sent 8,000 tokens of a 10,000-token prompt (its
+        // previous turn, still prefilling) and has 10,000 tokens queued:
+        // past the stick slack, and its predicted time is within
+        // `near_best` of recomputing everything on an empty worker. The
+        // hash alone sent 50 of these 64 turns to an empty worker, which
+        // prefilled a second copy of the conversation (lab, long_conv).
+        let mut moved = 0;
+        for s in 0..64u64 {
+            let k: Vec<_> = (0..625).map(|i| kvroute_shared::BlockKey(s * 1000 + i)).collect();
+            let mut holder = cand(0, 500, 1);
+            holder.matched_kind = MatchKind::Sent;
+            holder.load.pending_prefill_tokens = 10_000;
+            let c = [holder, cand(1, 0, 0), cand(2, 0, 0), cand(3, 0, 0)];
+            let d = PredictedTtft::default().choose(&view(&k, &c));
+            assert_eq!(d.reason, Reason::BestCost);
+            moved += usize::from(d.chosen() != Some(0));
+        }
+        assert_eq!(moved, 0);
     }
 
     #[test]
