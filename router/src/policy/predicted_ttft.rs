@@ -81,7 +81,7 @@
 
 use serde::Deserialize;
 
-use super::{Decision, LoadView, Policy, Reason, RouteView, rendezvous};
+use super::{Candidate, Decision, LoadView, Policy, Reason, RouteView, rendezvous};
 use crate::index::MatchKind;
 
 #[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
@@ -354,21 +354,20 @@ impl PredictedTtft {
 /// two unconfirmed copies, and counting them as a hot prefix made the idle
 /// pull copy it again, turn after turn (lab, 256 workers, 3 exchanging
 /// routers: long_conv's hit rate 0.63 → 0.46).
-fn hot_depth(view: &RouteView<'_>) -> usize {
-    let credible = |c: &super::Candidate| if c.matched_kind == MatchKind::Sent { 0 } else { c.matched_blocks };
+fn hot_depth(candidates: &[Candidate]) -> usize {
     // The deepest holder; of equally deep ones, a credible one, so that the
     // others' claims are the ones judged.
-    let deepest = (0..view.candidates.len()).max_by_key(|&i| {
-        let c = &view.candidates[i];
+    let deepest = (0..candidates.len()).max_by_key(|&i| {
+        let c = &candidates[i];
         (c.matched_blocks, c.matched_kind != MatchKind::Sent)
     });
-    let top = deepest.map_or(0, |i| view.candidates[i].matched_blocks);
-    (0..view.candidates.len())
-        .filter(|&i| Some(i) != deepest)
-        .map(|i| credible(&view.candidates[i]))
+    candidates
+        .iter()
+        .enumerate()
+        .filter(|&(i, c)| Some(i) != deepest && c.matched_kind != MatchKind::Sent)
+        .map(|(_, c)| c.matched_blocks)
         .max()
         .unwrap_or(0)
-        .min(top)
 }
 
 impl Policy for PredictedTtft {
@@ -380,7 +379,7 @@ impl Policy for PredictedTtft {
         let p = &self.params;
         let n = view.candidates.len();
         let deepest = view.candidates.iter().map(|c| c.matched_blocks).max().unwrap_or(0);
-        let hot_depth = hot_depth(view);
+        let hot_depth = hot_depth(view.candidates);
         // Where the prompt leaves the cache (the head hash for a prompt
         // shorter than a block): equal on every replica, and equal for a
         // conversation's next turn on a replica that has not yet heard
@@ -498,7 +497,6 @@ impl Policy for PredictedTtft {
 
 #[cfg(test)]
 mod tests {
-    use super::super::Candidate;
     use super::super::testkit::{cand, keys, view};
     use super::*;
 
