@@ -338,6 +338,7 @@ impl RawConfig {
             || t.max_batched_tokens == 0
             || !(t.near_best >= 0.0 && t.spill_factor >= 1.0 && t.miss_weight >= 0.0 && t.stick_factor >= 1.0)
             || !(0.0..=1.0).contains(&t.stick_ratio)
+            || !(t.imposed_cap_us >= 0.0)
             || ![
                 t.pull_ratio,
                 t.pull_unique_ratio,
@@ -354,7 +355,7 @@ impl RawConfig {
                 "predicted_ttft",
                 "costs must be ≥ 0 (prefill_us_per_token > 0), max_batched_tokens ≥ 1, \
                  spill_factor and stick_factor ≥ 1, stick_ratio within 0..=1, the pull, burst, \
-                 imposed-delay and pace parameters finite and ≥ 0",
+                 imposed-delay and pace parameters finite and ≥ 0 (imposed_cap_us may be inf)",
             ));
         }
         if self.max_connections == 0 {

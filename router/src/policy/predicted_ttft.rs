@@ -40,14 +40,17 @@
 //! - otherwise, a token another worker holds costs `1 + miss_weight` where it
 //!   would be recomputed: recomputing delays whoever queues behind it and
 //!   spends cache on a second copy;
-//! - a spill gate drops candidates carrying far more requests than the mean
-//!   (stale reports and other replicas' bursts can make a holder look idle);
+//! - a spill gate drops candidates carrying more than 2.5 × the mean
+//!   number of requests (stale reports and other replicas' bursts can make
+//!   a holder look idle); at twice the mean it also dropped the holders of
+//!   popular documents, whose many requests are cheap hits;
 //! - the delay a placement imposes on others counts too: requests reach a
 //!   worker at its recent arrival rate, and each that arrives before this
 //!   request's prefill is done waits for it, so a long cold prefill goes
 //!   where fewer requests will queue behind it (`imposed_weight`). It only
 //!   chooses among candidates whose own cost is within `imposed_band` of
-//!   the best: a request gives up at most that much to spare the others;
+//!   the best, and at most `imposed_cap_us` worse: a request gives up at
+//!   most that much to spare the others;
 //! - candidates within `near_best` (+ `near_best_us`) of the best are equal,
 //!   broken first by what they hold beyond the hot prefix (the only copy of
 //!   a conversation stays where it is rather than being prefilled again
@@ -156,6 +159,11 @@ pub struct PredictedTtftParams {
     /// within this fraction of the best: a request gives up at most that
     /// much of its own time to first token to spare the others.
     pub imposed_band: f64,
+    /// ... and at most this much, µs: a long prompt (seconds of prefill)
+    /// would otherwise give up seconds, and those requests are the p99
+    /// (lab, the public trace: p99 up to 10 % behind Preble's least-load
+    /// placement with the band alone). `inf` removes the cap.
+    pub imposed_cap_us: f64,
     /// Measured pace: a worker whose first tokens come slower (or faster)
     /// than the median worker's, against the timing model, by more than
     /// `pace_band` (a ratio above 1 + `pace_band` or below its inverse) has
@@ -176,7 +184,7 @@ impl Default for PredictedTtftParams {
             max_batched_tokens: 8_192,
             near_best: 0.10,
             near_best_us: 1_000.0,
-            spill_factor: 2.0,
+            spill_factor: 2.5,
             spill_slack: 8.0,
             kv_knee: 0.9,
             miss_weight: 0.25,
@@ -190,6 +198,7 @@ impl Default for PredictedTtftParams {
             burst_idle_share: 0.5,
             imposed_weight: 0.5,
             imposed_band: 0.5,
+            imposed_cap_us: 300_000.0,
             pace_weight: 1.0,
             pace_band: 0.75,
         }
@@ -454,7 +463,7 @@ impl Policy for PredictedTtft {
             })
             .collect();
         let own_best = eligible.iter().map(|&i| own[i]).fold(f64::INFINITY, f64::min);
-        let own_bound = own_best * (1.0 + p.imposed_band) + p.near_best_us;
+        let own_bound = own_best + (own_best * p.imposed_band).min(p.imposed_cap_us) + p.near_best_us;
         let score: Vec<f64> =
             (0..n).map(|i| if own[i] <= own_bound { own[i] + imposed[i] } else { f64::INFINITY }).collect();
         let best = eligible.iter().map(|&i| score[i]).fold(f64::INFINITY, f64::min);
@@ -679,9 +688,33 @@ mod tests {
         let k = keys(100);
         let mut holder = cand(0, 100, 40);
         holder.load.pending_prefill_tokens = 0;
-        let c = [holder, cand(1, 0, 1), cand(2, 0, 1)];
+        let mut c = vec![holder];
+        c.extend((1..6).map(|i| cand(i, 0, 1)));
         let d = PredictedTtft::default().choose(&view(&k, &c));
         assert_ne!(d.chosen(), Some(0));
+        // Only past 2.5 × the mean + 8 (17.2 here): a popular document's
+        // holder keeps 17 requests, mostly cheap hits, where twice the mean
+        // + 8 (15.3) moved them.
+        c[0].load.inflight = 17;
+        let d = PredictedTtft::default().choose(&view(&k, &c));
+        assert_eq!(d.chosen(), Some(0));
+    }
+
+    #[test]
+    fn a_long_prompt_gives_up_at_most_the_cap_for_the_others() {
+        // A cold 60,000-token prompt: worker 0 is idle but receives 20
+        // requests a second; worker 1 has 20,000 tokens queued and receives
+        // none. Within the band (5.6 s against 4.2 s), the imposed delay
+        // would send it to worker 1: 1.4 s of its own TTFT for the others.
+        let k: Vec<_> = (0..3_750).map(kvroute_shared::BlockKey).collect();
+        let mut busy = cand(0, 0, 0);
+        busy.load.arrival_rate = 20.0;
+        let mut queued = cand(1, 0, 1);
+        queued.load.pending_prefill_tokens = 20_000;
+        let c = [busy, queued];
+        let uncapped = PredictedTtftParams { imposed_cap_us: f64::INFINITY, ..Default::default() };
+        assert_eq!(PredictedTtft { params: uncapped }.choose(&view(&k, &c)).chosen(), Some(1));
+        assert_eq!(PredictedTtft::default().choose(&view(&k, &c)).chosen(), Some(0));
     }
 
     #[test]
