@@ -338,7 +338,8 @@ impl RawConfig {
             || t.max_batched_tokens == 0
             || !(t.near_best >= 0.0 && t.spill_factor >= 1.0 && t.miss_weight >= 0.0 && t.stick_factor >= 1.0)
             || !(0.0..=1.0).contains(&t.stick_ratio)
-            || !(t.imposed_cap_us >= 0.0)
+            || t.imposed_cap_us.is_nan()
+            || t.imposed_cap_us < 0.0
             || ![
                 t.pull_ratio,
                 t.pull_unique_ratio,
@@ -500,10 +501,15 @@ mod tests {
             PredictedTtftParams { imposed_weight: -1.0, ..Default::default() },
             PredictedTtftParams { pace_weight: f64::INFINITY, ..Default::default() },
             PredictedTtftParams { pace_band: -0.5, ..Default::default() },
+            PredictedTtftParams { imposed_cap_us: -1.0, ..Default::default() },
+            PredictedTtftParams { imposed_cap_us: f64::NAN, ..Default::default() },
         ] {
             let e = RawConfig { predicted_ttft: bad, ..Default::default() }.validate().unwrap_err();
             assert!(e.to_string().contains("`predicted_ttft`"), "{e}");
         }
+        // No cap is a setting, not a mistake.
+        let uncapped = PredictedTtftParams { imposed_cap_us: f64::INFINITY, ..Default::default() };
+        assert!(RawConfig { predicted_ttft: uncapped, ..Default::default() }.validate().is_ok());
         let e = RawConfig { block_size: 0, ..Default::default() }.validate().unwrap_err();
         assert!(e.to_string().contains("`block_size`"), "{e}");
     }
