@@ -161,7 +161,7 @@ pub struct PredictedTtftParams {
     pub imposed_band: f64,
     /// ... and at most this much, µs: a long prompt (seconds of prefill)
     /// would otherwise give up seconds, and those requests are the p99
-    /// (lab, the public trace: p99 up to 10 % behind Preble's least-load
+    /// (lab, the public trace: p99 4–8 % behind Preble's least-load
     /// placement with the band alone). `inf` removes the cap.
     pub imposed_cap_us: f64,
     /// Measured pace: a worker whose first tokens come slower (or faster)
