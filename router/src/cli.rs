@@ -328,7 +328,8 @@ mod tests {
         let file = dir.join("router.toml");
         std::fs::write(
             &file,
-            "policy = \"round_robin\"\nretries = 5\nblock_size = 32\n[cache_aware]\nload_weight = 2.0\n",
+            "policy = \"round_robin\"\nretries = 5\nblock_size = 32\n[cache_aware]\nload_weight = 2.0\n\
+             [predicted_ttft]\nimposed_cap_us = inf\n",
         )
         .unwrap();
         let args = ServeArgs { config: Some(file), policy: Some("least_loaded".into()), ..Default::default() };
@@ -338,6 +339,9 @@ mod tests {
         assert_eq!(raw.retries, 7);
         assert_eq!(raw.block_size, 32);
         assert_eq!(raw.cache_aware.load_weight, 2.0);
+        // README: `inf` removes the cap.
+        assert_eq!(raw.predicted_ttft.imposed_cap_us, f64::INFINITY);
+        raw.validate().unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
