@@ -336,10 +336,12 @@ impl RawConfig {
         let t = &self.predicted_ttft;
         if !(t.prefill_us_per_token > 0.0 && t.step_overhead_us >= 0.0 && t.decode_us_per_seq >= 0.0)
             || t.max_batched_tokens == 0
-            || !(t.near_best >= 0.0 && t.spill_factor >= 1.0 && t.miss_weight >= 0.0 && t.stick_factor >= 1.0)
+            || !(t.near_best >= 0.0
+                && t.spill_factor >= 1.0
+                && t.miss_weight >= 0.0
+                && t.stick_factor >= 1.0
+                && t.imposed_cap_us >= 0.0)
             || !(0.0..=1.0).contains(&t.stick_ratio)
-            || t.imposed_cap_us.is_nan()
-            || t.imposed_cap_us < 0.0
             || ![
                 t.pull_ratio,
                 t.pull_unique_ratio,
