@@ -188,6 +188,10 @@ pub struct RunResult {
     /// counts a preempted request's second lookup again, where
     /// `summary.hit_rate` counts each request once.
     pub engine_hit_rate: f64,
+    /// Load reports, summed over routers, whose engine counted requests that
+    /// router could not account for: other replicas' when they do not
+    /// exchange (kvroute_router::policy::ForeignTraffic).
+    pub foreign_reports: u64,
     #[serde(skip)]
     pub records: Vec<RequestRecord>,
     /// Wall-clock seconds the run took (never part of a comparison).
@@ -345,7 +349,7 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
                     if sc.loss > 0.0 && loss_rng.chance(sc.loss) {
                         sidecars[e as usize].mark_stale(r);
                     } else {
-                        router.apply_batch(e as usize, &batch);
+                        router.apply_batch(e as usize, &batch, now);
                     }
                 }
                 q.push(now + sc.batch_every, ev);
@@ -394,6 +398,7 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
         summary: summarize(&records, &prefill, preemptions, scenario.step_model()),
         reasons,
         engine_hit_rate: if queries == 0 { 0.0 } else { hits as f64 / queries as f64 },
+        foreign_reports: routers.iter().map(|r| r.foreign_reports).sum(),
         records,
         wall_s: wall.elapsed().as_secs_f64(),
     }
@@ -449,6 +454,27 @@ mod tests {
         let alternating: Vec<u32> = run(&s, &w, &policy).records.iter().map(|r| r.router).collect();
         assert_eq!(alternating, (0..12).map(|i| i % 3).collect::<Vec<u32>>());
         assert_ne!(random, alternating, "by default a seeded random replica");
+    }
+
+    /// A replica that hears no other finds their requests on the engines
+    /// (and stops counting itself the sole router); a router alone accounts
+    /// for every request the engines report.
+    #[test]
+    fn replicas_that_do_not_exchange_see_each_others_requests_on_the_engines() {
+        let foreign = |routers: usize| {
+            let s = Scenario::new(4, routers, 3);
+            let shape = crate::workload::Shape {
+                requests: 400,
+                seed: 3,
+                cluster_kv_tokens: s.kv_tokens(),
+                trace_path: crate::workload::default_trace_path(),
+                closed_loop: false,
+            };
+            let w = Workload::generate(WorkloadKind::Chat, &shape).expect("synthetic").at_rate(30.0);
+            run(&s, &w, &factory("predicted_ttft").expect("registered")).foreign_reports
+        };
+        assert_eq!(foreign(1), 0);
+        assert!(foreign(3) > 0);
     }
 
     #[test]

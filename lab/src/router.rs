@@ -10,7 +10,9 @@
 
 use kvroute_router::index::MatchKind;
 use kvroute_router::index::{Index, MAX_WORKERS, Slot};
-use kvroute_router::policy::{ArrivalRate, Candidate, LoadView, Pace, Policy, PredictedTtftParams, Reason, RouteView};
+use kvroute_router::policy::{
+    ArrivalRate, Candidate, ForeignTraffic, LoadView, Pace, Policy, PredictedTtftParams, Reason, ReportWatch, RouteView,
+};
 use kvroute_router::replicas::{PrefixHints, SentPrefix, prefixes, still_reported};
 use kvroute_router::workers::id_hash;
 use kvroute_shared::{BlockKey, WorkerId};
@@ -74,6 +76,12 @@ pub struct LabRouter {
     speculative_ttl_ms: u64,
     /// Decisions by reason, for the report.
     pub reasons: std::collections::BTreeMap<&'static str, u64>,
+    /// Each worker's load reports against this replica's requests there,
+    /// and what they counted beyond its and its peers' ([`ForeignTraffic`]).
+    watches: Vec<ReportWatch>,
+    foreign: ForeignTraffic,
+    /// Load reports that counted requests no router this one hears sent.
+    pub foreign_reports: u64,
 }
 
 impl LabRouter {
@@ -99,6 +107,9 @@ impl LabRouter {
             block_size,
             speculative_ttl_ms,
             reasons: Default::default(),
+            watches: vec![ReportWatch::default(); workers],
+            foreign: ForeignTraffic::default(),
+            foreign_reports: 0,
         }
     }
 
@@ -206,6 +217,7 @@ impl LabRouter {
             mean_uncached_tokens: self.mean_uncached_tokens,
             prefix_hint: None,
             dry_run: false,
+            sole_router: self.peers.iter().all(Option::is_none) && !self.foreign.seen(now_ms),
         };
         let decision = self.policy.choose(&view);
         let worker = decision.chosen().unwrap_or(0);
@@ -255,6 +267,7 @@ impl LabRouter {
             self.sent_done(r, now);
         }
         self.inflight[r.worker] -= 1;
+        self.watches[r.worker].ended(now.as_ms());
     }
 
     /// `r`'s first token came, or it ended without one, at `now`.
@@ -265,11 +278,18 @@ impl LabRouter {
     }
 
     /// `/internal/eviction`.
-    pub fn apply_batch(&mut self, worker: usize, batch: &Batch) {
+    pub fn apply_batch(&mut self, worker: usize, batch: &Batch, now: Micros) {
         let (index, slot) = self.shard(worker);
         index.apply_events(slot, batch.cleared, &batch.evicted, &batch.stored);
         if let Some(load) = batch.load {
             self.reported[worker] = load;
+            let now_ms = now.as_ms();
+            let routed = self.inflight[worker] + self.peers.iter().flatten().map(|t| t.inflight[worker]).sum::<u32>();
+            let unaccounted = self.watches[worker].report(load.running, load.waiting, load.kv_usage, routed, now_ms);
+            if unaccounted > 0 {
+                self.foreign_reports += 1;
+                self.foreign.observe(unaccounted, now_ms);
+            }
         }
     }
 

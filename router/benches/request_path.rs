@@ -210,6 +210,7 @@ fn after_tokens(ids: &[u32], runs: usize) -> (Stages, Stages) {
             mean_uncached_tokens: ids.len() as f64 / 2.0,
             prefix_hint: None,
             dry_run: false,
+            sole_router: false,
         };
         black_box(policy.choose(&view));
     });

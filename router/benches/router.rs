@@ -159,6 +159,7 @@ fn report(_: &mut Criterion) {
                 mean_uncached_tokens: 1000.0,
                 prefix_hint: None,
                 dry_run: false,
+                sole_router: false,
             };
             black_box(policy.choose(&view));
             t.elapsed()

@@ -91,6 +91,7 @@ pub async fn debug_route(State(state): State<Arc<AppState>>, body: Body) -> Resu
         "exact_tokenizer": plan.exact_tokenizer,
         "block_size": plan.block_size,
         "block_keys": plan.keys,
+        "sole_router": plan.sole_router,
         "decision": {
             "worker": plan.decision.chosen().map(name),
             "reason": plan.decision.reason,

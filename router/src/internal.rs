@@ -206,7 +206,8 @@ pub async fn eviction(
         tracing::info!(worker.id = %worker.id, "digest mismatch: asking the sidecar for a full sync");
     }
     if let Some(load) = &batch.load {
-        worker.live.set_reported(load);
+        let unaccounted = worker.live.set_reported(load, now_ms());
+        state.observe_foreign(&worker.id, unaccounted);
     }
     Ok(ack(&state, AckOutcome::Applied, acked))
 }
@@ -311,7 +312,8 @@ pub async fn sync(
     state.metrics.sync("applied");
     tracing::debug!(worker.id = %worker.id, added = outcome.added, removed = outcome.removed, kept = outcome.kept_speculative, "sync applied");
     if let Some(load) = &snap.load {
-        worker.live.set_reported(load);
+        let unaccounted = worker.live.set_reported(load, now_ms());
+        state.observe_foreign(&worker.id, unaccounted);
     }
     Ok(ack(&state, AckOutcome::Applied, acked))
 }

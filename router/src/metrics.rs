@@ -133,6 +133,9 @@ pub struct Metrics {
     pub ejections: Family<WorkerLabel, Counter>,
     pub replica_reports: Family<DirectionOutcome, Counter>,
     pub replicas_heard: Gauge,
+    /// Load reports whose engine counted requests no router this one hears
+    /// from sent ([`crate::policy::ForeignTraffic`]).
+    pub foreign_reports: Counter,
     /// Every `outcome` label [`Metrics::request`] has used: the (worker,
     /// outcome) series a removed worker may have.
     outcomes: RwLock<Vec<&'static str>>,
@@ -321,6 +324,12 @@ impl Metrics {
             "Other router replicas whose in-flight report is recent enough to count",
             replicas_heard.clone(),
         );
+        let foreign_reports = Counter::default();
+        registry.register(
+            "foreign_traffic_reports",
+            "Load reports whose engine counted requests that neither this router nor a replica it hears from sent (another router, or clients bypassing the routers)",
+            foreign_reports.clone(),
+        );
         Metrics {
             registry,
             process,
@@ -351,6 +360,7 @@ impl Metrics {
             ejections,
             replica_reports,
             replicas_heard,
+            foreign_reports,
             outcomes: RwLock::new(Vec::new()),
             departed: Mutex::new(Vec::new()),
         }

@@ -16,6 +16,7 @@ mod prefix_threshold;
 mod sticky;
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvroute_shared::BlockKey;
 use serde::Serialize;
@@ -59,6 +60,118 @@ pub struct LoadView {
     /// the timing model predicted for them ([`Pace`]); `None` until it has
     /// enough samples.
     pub pace: Option<f64>,
+}
+
+/// Requests reaching the workers that this router does not know of: those of
+/// another router that does not exchange with it, or of clients that bypass
+/// the routers ([`ReportWatch`] finds them in a worker's load reports). For
+/// [`ForeignTraffic::HOLD_MS`] after the last sighting the router does not
+/// count itself the [sole router](RouteView::sole_router).
+#[derive(Debug, Default)]
+pub struct ForeignTraffic {
+    /// Unix (or virtual) ms of the last report with unaccounted requests; 0: none.
+    last_seen_ms: AtomicU64,
+}
+
+impl ForeignTraffic {
+    /// How long unaccounted requests keep a router from counting itself the
+    /// only one.
+    pub const HOLD_MS: u64 = 60_000;
+
+    /// A worker's report showed `unaccounted` requests at `now_ms`. True
+    /// when that is news: none was seen in the last [`Self::HOLD_MS`].
+    pub fn observe(&self, unaccounted: u32, now_ms: u64) -> bool {
+        if unaccounted == 0 {
+            return false;
+        }
+        let before = self.last_seen_ms.swap(now_ms.max(1), Ordering::Relaxed);
+        before == 0 || now_ms.saturating_sub(before) >= Self::HOLD_MS
+    }
+
+    /// Were unaccounted requests seen in the last [`Self::HOLD_MS`] before `now_ms`?
+    pub fn seen(&self, now_ms: u64) -> bool {
+        let at = self.last_seen_ms.load(Ordering::Relaxed);
+        at != 0 && now_ms.saturating_sub(at) < Self::HOLD_MS
+    }
+}
+
+/// One worker's load reports against this router's requests there.
+///
+/// The engine's count (`running + waiting`) is of a scrape (once a second)
+/// that the sidecar resends with every push (every 100 ms) until the next.
+/// The router can account for its own requests in flight there, its
+/// replicas', and its own that ended since the scrape. It does not know
+/// when the scrape was, only when it first saw these figures: at most
+/// [`Self::FIRST_SEEN_SLACK_MS`] after the scrape, unless the figures did
+/// not change from one scrape to the next, and then earlier still, which
+/// only counts more requests as possibly ended. A report it cannot judge
+/// (figures first seen longer ago than the ends it remembers) it leaves.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ReportWatch {
+    ends: RecentEnds,
+    /// The last figures reported (running, waiting, KV usage bits), and when
+    /// they were first seen.
+    last: Option<((u32, u32, u64), u64)>,
+}
+
+impl ReportWatch {
+    /// Between a scrape and the first push that carries it: the sidecar's
+    /// 100 ms push interval, the push itself, and room for a busy machine.
+    pub const FIRST_SEEN_SLACK_MS: u64 = 1_000;
+
+    /// One of this router's requests there ended at `now_ms`.
+    pub fn ended(&mut self, now_ms: u64) {
+        self.ends.record(now_ms);
+    }
+
+    /// A report of `running`, `waiting` and `kv_usage` at `now_ms`, while
+    /// this router and the replicas it hears have `routed_inflight` requests
+    /// there: how many of the engine's requests are someone else's.
+    pub fn report(&mut self, running: u32, waiting: u32, kv_usage: f64, routed_inflight: u32, now_ms: u64) -> u32 {
+        let figures = (running, waiting, kv_usage.to_bits());
+        let first_seen = match self.last {
+            Some((f, at)) if f == figures => at,
+            _ => now_ms,
+        };
+        self.last = Some((figures, first_seen));
+        let window = now_ms.saturating_sub(first_seen) + Self::FIRST_SEEN_SLACK_MS;
+        if window > RecentEnds::SPAN_MS {
+            return 0;
+        }
+        let accounted = u64::from(routed_inflight).saturating_add(self.ends.since(now_ms, window));
+        u64::from(running.saturating_add(waiting)).saturating_sub(accounted).try_into().unwrap_or(u32::MAX)
+    }
+}
+
+/// A worker's requests that ended lately, in [`RecentEnds::BUCKET_MS`]
+/// buckets over [`RecentEnds::SPAN_MS`]; [`RecentEnds::since`] may count up
+/// to one bucket more than asked, never less.
+#[derive(Clone, Copy, Debug, Default)]
+struct RecentEnds {
+    /// (bucket number, requests ended in it), by bucket number modulo the length.
+    buckets: [(u64, u32); RecentEnds::BUCKETS],
+}
+
+impl RecentEnds {
+    const BUCKET_MS: u64 = 250;
+    /// The longest window [`Self::since`] answers for.
+    const SPAN_MS: u64 = 3_000;
+    const BUCKETS: usize = (Self::SPAN_MS / Self::BUCKET_MS) as usize + 2;
+
+    /// A request ended at `now_ms`.
+    fn record(&mut self, now_ms: u64) {
+        let n = now_ms / Self::BUCKET_MS;
+        let b = &mut self.buckets[(n % Self::BUCKETS as u64) as usize];
+        *b = if b.0 == n { (n, b.1.saturating_add(1)) } else { (n, 1) };
+    }
+
+    /// Requests that ended in the `window_ms` (at most [`Self::SPAN_MS`])
+    /// before `now_ms`.
+    fn since(&self, now_ms: u64, window_ms: u64) -> u64 {
+        let now = now_ms / Self::BUCKET_MS;
+        let first = now_ms.saturating_sub(window_ms) / Self::BUCKET_MS;
+        self.buckets.iter().filter(|(n, _)| (first..=now).contains(n)).map(|&(_, c)| u64::from(c)).sum()
+    }
 }
 
 /// A worker's recent request rate: a count that decays exponentially with a
@@ -203,6 +316,13 @@ pub struct RouteView<'a> {
     /// advance its own state (round-robin's turn), so explaining a request
     /// never changes where the next one goes.
     pub dry_run: bool,
+    /// This router is, as far as it can tell, the only one sending requests
+    /// to these workers: it hears from no other replica, and no engine has
+    /// lately reported requests it cannot account for
+    /// ([`ForeignTraffic`]). Its figures are then current as it routes, and
+    /// a policy may break near-ties by them rather than by a hash that
+    /// keeps replicas with lagging views from herding onto one worker.
+    pub sole_router: bool,
 }
 
 impl RouteView<'_> {
@@ -412,6 +532,7 @@ pub(crate) mod testkit {
             mean_uncached_tokens: 1000.0,
             prefix_hint: None,
             dry_run: false,
+            sole_router: false,
         }
     }
 
@@ -422,7 +543,7 @@ pub(crate) mod testkit {
 
 #[cfg(test)]
 mod tests {
-    use super::{ArrivalRate, Pace};
+    use super::{ArrivalRate, ForeignTraffic, Pace, RecentEnds, ReportWatch};
 
     #[test]
     fn the_pace_is_a_low_quantile_of_measured_over_modelled_first_tokens() {
@@ -463,5 +584,53 @@ mod tests {
         assert!((r.at(3_000) - 2.0 / std::f64::consts::E).abs() < 1e-9);
         // A clock that steps back reads the latest value, never more.
         assert!((r.at(500) - 2.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn recent_ends_count_the_window_and_forget_what_is_older() {
+        let mut e = RecentEnds::default();
+        for t in [10_000, 10_100, 11_900, 12_400] {
+            e.record(t);
+        }
+        // 10.1–12.1 s: the window starts in the bucket of 10.0–10.25 s,
+        // which counts whole (the end at 10.0 s too: never less).
+        assert_eq!(e.since(12_100, 2_000), 3);
+        // 10.5–12.5 s, 12.0–12.5 s.
+        assert_eq!(e.since(12_500, 2_000), 2);
+        assert_eq!(e.since(12_500, 500), 1);
+        // Much later, none; and a bucket reused for a later time starts over.
+        assert_eq!(e.since(30_000, 2_000), 0);
+        e.record(30_000);
+        assert_eq!(e.since(30_000, 2_000), 1);
+    }
+
+    #[test]
+    fn a_report_counts_what_the_router_cannot_account_for() {
+        let mut w = ReportWatch::default();
+        // 5 on the engine: 3 in flight here or at a replica, 1 ended just now.
+        w.ended(10_000);
+        assert_eq!(w.report(4, 1, 0.5, 3, 10_050), 1);
+        assert_eq!(w.report(3, 1, 0.4, 3, 10_150), 0);
+        // The same figures pushed again for a while: the scrape may be older,
+        // so ends before it count too; past what the ends span, no verdict.
+        w.ended(10_600);
+        assert_eq!(w.report(3, 1, 0.4, 1, 10_900), 1);
+        assert_eq!(w.report(3, 1, 0.4, 0, 12_100), 2);
+        assert_eq!(w.report(3, 1, 0.4, 0, 12_500), 0, "first seen 2.35 s ago: not judged");
+        // New figures are judged again, against the ends of the last second.
+        assert_eq!(w.report(5, 0, 0.4, 0, 12_600), 5);
+    }
+
+    #[test]
+    fn foreign_traffic_is_news_once_and_held_for_a_while() {
+        let f = ForeignTraffic::default();
+        assert!(!f.seen(1_000));
+        assert!(!f.observe(0, 1_000), "nothing unaccounted is no news");
+        assert!(!f.seen(1_000));
+        assert!(f.observe(2, 1_000), "the first sighting is news");
+        assert!(!f.observe(1, 2_000), "a second within the hold is not");
+        assert!(f.seen(2_000 + ForeignTraffic::HOLD_MS - 1));
+        assert!(!f.seen(2_000 + ForeignTraffic::HOLD_MS));
+        assert!(f.observe(1, 2_000 + ForeignTraffic::HOLD_MS), "news again after the hold");
     }
 }

@@ -570,7 +570,7 @@ impl Drop for InflightGuard {
         if let Some(sent) = &self.sent {
             sent.done(now_ms());
         }
-        self.worker.live.inflight.fetch_sub(1, Ordering::Relaxed);
+        self.worker.live.record_end(now_ms());
         // Dropped before the stream ended: the client went away.
         let outcome = self.outcome.unwrap_or("client_cancelled");
         self.state.metrics.request(self.worker.id.as_str(), outcome);

@@ -33,7 +33,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
@@ -224,6 +224,8 @@ pub struct Replicas {
     /// exchanges reports with anyone (`exchanging`).
     sent: Mutex<VecDeque<Arc<SentEntry>>>,
     exchanging: AtomicBool,
+    /// `heard.len()` as of the last publish, read without the lock.
+    heard_count: AtomicUsize,
     seq: AtomicU64,
     /// A replica not heard from for this long is forgotten.
     pub expiry: Duration,
@@ -239,6 +241,7 @@ impl Replicas {
             hints_stale: AtomicBool::new(false),
             sent: Mutex::new(VecDeque::new()),
             exchanging: AtomicBool::new(false),
+            heard_count: AtomicUsize::new(0),
             seq: AtomicU64::new(0),
             expiry: (interval * 10).max(Duration::from_secs(1)),
         }
@@ -301,6 +304,7 @@ impl Replicas {
         if self.hints_stale.swap(false, Ordering::Relaxed) || forgot {
             self.hints.store(Arc::new(PrefixHints::build(heard.values().flat_map(|l| &l.sent))));
         }
+        self.heard_count.store(heard.len(), Ordering::Relaxed);
         heard.len()
     }
 
@@ -313,6 +317,16 @@ impl Replicas {
     /// replicas configured, or one reported to it.
     pub fn start_exchanging(&self) {
         self.exchanging.store(true, Ordering::Relaxed);
+    }
+
+    /// Has this router replicas configured, or has one reported to it?
+    pub fn exchanging(&self) -> bool {
+        self.exchanging.load(Ordering::Relaxed)
+    }
+
+    /// Other replicas heard as of the last [`Self::publish`].
+    pub fn heard(&self) -> usize {
+        self.heard_count.load(Ordering::Relaxed)
     }
 
     /// This router sends a request with block keys `keys` to `worker`: its

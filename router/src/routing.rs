@@ -28,6 +28,8 @@ pub struct Plan {
     pub candidates: Vec<Candidate>,
     pub decision: Decision,
     pub exact_tokenizer: bool,
+    /// [`RouteView::sole_router`] as the decision saw it.
+    pub sole_router: bool,
 }
 
 impl Plan {
@@ -171,6 +173,7 @@ fn plan_against(
     let block_size = state.config.block_size.get();
     let pinned_at = pinned.and_then(|id| workers.iter().position(|w| &w.id == id));
     let now = now_ms();
+    let sole_router = state.sole_router(now);
     // What the other replicas just sent where (`replicas::prefixes`): a
     // prefix one of them is prefilling on a worker counts as sent there.
     let hints = state.replicas.hints();
@@ -201,6 +204,7 @@ fn plan_against(
             mean_uncached_tokens: state.mean_uncached_tokens(),
             prefix_hint,
             dry_run: !live,
+            sole_router,
         };
         let decision = match pinned_at {
             Some(i) if !overloaded(&view, i, state) => Decision::with_fallbacks(&view, i, Reason::Session),
@@ -224,7 +228,17 @@ fn plan_against(
     };
 
     if !live {
-        return Ok(Plan { model, tokens, keys, block_size, workers, candidates, decision, exact_tokenizer });
+        return Ok(Plan {
+            model,
+            tokens,
+            keys,
+            block_size,
+            workers,
+            candidates,
+            decision,
+            exact_tokenizer,
+            sole_router,
+        });
     }
     let m = &state.metrics;
     m.decisions.get_or_create(&PolicyReason { policy: state.policy.name(), reason: decision.reason.as_str() }).inc();
@@ -239,7 +253,7 @@ fn plan_against(
     });
     state.observe_prompt_tokens(tokens.len(), uncached);
     m.routing_seconds.observe(started.elapsed().as_secs_f64());
-    Ok(Plan { model, tokens, keys, block_size, workers, candidates, decision, exact_tokenizer })
+    Ok(Plan { model, tokens, keys, block_size, workers, candidates, decision, exact_tokenizer, sole_router })
 }
 
 /// A pinned worker is skipped when it carries far more than its share.

@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Config;
 use crate::index::{Index, Slot};
 use crate::metrics::Metrics;
-use crate::policy::Policy;
+use crate::policy::{ForeignTraffic, Policy};
 use crate::replicas::Replicas;
 use crate::sessions::Sessions;
 use crate::workers::{Registry, RegistryError, Source, Target, Upsert, Worker};
@@ -211,6 +211,8 @@ pub struct AppState {
     pub sessions: Sessions,
     /// What the other replicas last reported (`crate::replicas`).
     pub replicas: Replicas,
+    /// Requests the workers report that no router this one hears from sent.
+    pub foreign: ForeignTraffic,
     pub client: reqwest::Client,
     /// Random per process start: sidecars resync at once when it changes.
     pub router_epoch: String,
@@ -247,6 +249,7 @@ impl AppState {
             metrics,
             sessions,
             replicas: Replicas::new(config.raw.replica_exchange_interval),
+            foreign: ForeignTraffic::default(),
             client,
             router_epoch: format!("{:016x}", rand::random::<u64>()),
             concurrency,
@@ -272,6 +275,29 @@ impl AppState {
 
     pub fn mean_prompt_tokens(&self) -> f64 {
         f64::from_bits(self.mean_prompt_tokens.load(Ordering::Relaxed))
+    }
+
+    /// Is this router, as far as it knows at `now_ms`, the only one sending
+    /// to its workers ([`crate::policy::RouteView::sole_router`])?
+    pub fn sole_router(&self, now_ms: u64) -> bool {
+        self.replicas.heard() == 0 && !self.foreign.seen(now_ms)
+    }
+
+    /// A worker's engine reported `unaccounted` requests no router this one
+    /// hears from sent. The first time in a while, it says so: replicas
+    /// that do not exchange route on views that lag.
+    pub fn observe_foreign(&self, worker: &WorkerId, unaccounted: u32) {
+        if unaccounted == 0 {
+            return;
+        }
+        self.metrics.foreign_reports.inc();
+        if self.foreign.observe(unaccounted, now_ms()) && !self.replicas.exchanging() {
+            tracing::warn!(
+                worker.id = %worker,
+                unaccounted,
+                "the engine reports requests this router did not send: another router (configure replicas so that they exchange) or clients that bypass the routers"
+            );
+        }
     }
 
     pub fn mean_uncached_tokens(&self) -> f64 {

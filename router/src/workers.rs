@@ -18,7 +18,7 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 use crate::index::{MAX_WORKERS, Slot};
-use crate::policy::{ArrivalRate, LoadView, Pace};
+use crate::policy::{ArrivalRate, LoadView, Pace, ReportWatch};
 
 /// Where a worker came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -103,6 +103,9 @@ pub struct WorkerLive {
     pub last_probe_ok_ms: AtomicU64,
     /// Is a sidecar reporting for this worker (exact index)?
     pub has_sidecar: AtomicBool,
+    /// Its load reports against this router's requests there
+    /// ([`crate::policy::ForeignTraffic`]).
+    watch: Mutex<ReportWatch>,
     /// Requests this router sent there lately.
     arrivals: Mutex<ArrivalRate>,
     /// Its first tokens' measured time against the model's ([`Pace`]).
@@ -125,6 +128,7 @@ impl Default for WorkerLive {
             last_sync_ms: AtomicU64::new(0),
             last_probe_ok_ms: AtomicU64::new(0),
             has_sidecar: AtomicBool::new(false),
+            watch: Mutex::new(ReportWatch::default()),
             arrivals: Mutex::new(ArrivalRate::default()),
             pace: Mutex::new(Pace::default()),
         }
@@ -132,10 +136,22 @@ impl Default for WorkerLive {
 }
 
 impl WorkerLive {
-    pub fn set_reported(&self, load: &Load) {
+    /// Takes the engine's reported load at `now_ms`; returns how many of its
+    /// requests no router this one hears from accounts for
+    /// ([`crate::policy::ForeignTraffic`]).
+    pub fn set_reported(&self, load: &Load, now_ms: u64) -> u32 {
         self.running.store(load.running, Ordering::Relaxed);
         self.waiting.store(load.waiting, Ordering::Relaxed);
         self.kv_usage_bits.store(load.kv_usage.to_bits(), Ordering::Relaxed);
+        let routed =
+            self.inflight.load(Ordering::Relaxed).saturating_add(self.replica_inflight.load(Ordering::Relaxed));
+        self.watch.lock().report(load.running, load.waiting, load.kv_usage, routed, now_ms)
+    }
+
+    /// One of this router's requests there ended at `now_ms`.
+    pub fn record_end(&self, now_ms: u64) {
+        self.watch.lock().ended(now_ms);
+        self.inflight.fetch_sub(1, Ordering::Relaxed);
     }
 
     /// A request was sent there at `now_ms`.

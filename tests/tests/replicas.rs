@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use kvroute_tests::{Client, eventually, matched, spec, start, text};
+use serde_json::json;
 
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -82,6 +83,59 @@ async fn two_router_replicas_agree() {
             }
         })
         .await;
+    }
+    cluster.shutdown().await;
+}
+
+/// A router tells its own requests from others' in the engine's real load
+/// reports (scraped once a second, pushed every 100 ms): its own in flight
+/// leave it the sole router; requests sent straight to the engine (as a
+/// router that does not exchange with it would) do not, and are counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_tells_its_own_requests_from_others_in_the_engine_reports() {
+    let mut s = spec(1);
+    // Real-time decode: a 600-token answer runs for seconds, across scrapes.
+    s.sim_args = vec!["--time-scale".into(), "1".into()];
+    let cluster = start(s).await;
+    let c = Client::default();
+    let r = cluster.router_url(0).to_owned();
+    let engine = cluster.engines[0].url.clone();
+    let foreign = |c: Client, r: String| async move {
+        let text = c.http.get(format!("{r}/metrics")).send().await.ok()?.text().await.ok()?;
+        text.lines().find_map(|l| l.strip_prefix("kvroute_foreign_traffic_reports_total ")?.parse::<f64>().ok())
+    };
+
+    let own = {
+        let (c, r) = (c.clone(), r.clone());
+        tokio::spawn(async move { c.complete(&r, &text(1, 50), 600).await })
+    };
+    eventually("the engine to report the router's request running", WAIT, || {
+        let (c, r) = (c.clone(), r.clone());
+        async move {
+            let all = c.get(&format!("{r}/admin/workers")).await;
+            (all["workers"][0]["load"]["running"].as_u64() == Some(1)).then_some(())
+        }
+    })
+    .await;
+    assert_eq!(foreign(c.clone(), r.clone()).await, Some(0.0), "its own request counted as someone else's");
+    assert_eq!(c.debug_route(&r, &text(2, 50)).await["sole_router"], true);
+
+    let body = json!({"model": "sim-model", "prompt": text(3, 50), "max_tokens": 600});
+    let direct: Vec<_> = (0..2)
+        .map(|_| {
+            let (c, url, body) = (c.clone(), format!("{engine}/v1/completions"), body.clone());
+            tokio::spawn(async move { c.post(&url, body).await.status() })
+        })
+        .collect();
+    eventually("the router to see requests it did not send", WAIT, || {
+        let (c, r) = (c.clone(), r.clone());
+        async move { (foreign(c.clone(), r.clone()).await? > 0.0).then_some(()) }
+    })
+    .await;
+    assert_eq!(c.debug_route(&r, &text(2, 50)).await["sole_router"], false);
+    assert!(own.await.is_ok());
+    for d in direct {
+        assert!(d.await.expect("joins").is_success());
     }
     cluster.shutdown().await;
 }

@@ -54,14 +54,17 @@
 //! - candidates within `near_best` (+ `near_best_us`) of the best are equal,
 //!   broken first by what they hold beyond the hot prefix (the only copy of
 //!   a conversation stays where it is rather than being prefilled again
-//!   next door), then by rendezvous hashing of the block where the prompt
-//!   leaves the cache, so independent replicas agree and a new
-//!   conversation's later turns follow its first one (the arrival rates
-//!   are each replica's own, so they only part replicas where the imposed
-//!   delays differ by more than that band). The idle pull below breaks its
-//!   ties by the same hash, the burst spread by the new prefix's first
-//!   block. The hot prefix is what two workers hold, a second copy counted
-//!   only once confirmed or sent more than once;
+//!   next door). Of the equals, the [sole router](RouteView::sole_router)
+//!   takes the lowest score, its figures being current; a replica takes the
+//!   better score of the two that rendezvous hashing of the block where the
+//!   prompt leaves the cache ranks first, so that replicas, whose views lag,
+//!   agree and spread rather than herd onto the same minimum, and a new
+//!   conversation's later turns mostly follow its first one (the arrival
+//!   rates are each replica's own, so they only part replicas where the
+//!   imposed delays differ by more than that band). The idle pull below
+//!   breaks its ties by the same hash, the burst spread by the new prefix's
+//!   first block. The hot prefix is what two workers hold, a
+//!   second copy counted only once confirmed or sent more than once;
 //! - idle pull: a per-request TTFT minimum never spends one request's
 //!   prefill to make a new replica of a hot prefix, so a worker that holds
 //!   none of a shared tool prompt can sit idle while the holders queue (the
@@ -468,20 +471,31 @@ impl Policy for PredictedTtft {
             (0..n).map(|i| if own[i] <= own_bound { own[i] + imposed[i] } else { f64::INFINITY }).collect();
         let best = eligible.iter().map(|&i| score[i]).fold(f64::INFINITY, f64::min);
         let bound = best * (1.0 + p.near_best) + p.near_best_us;
-        // Equal candidates: the one holding the most beyond the hot prefix
+        // Equal candidates: those holding the most beyond the hot prefix
         // (the only copy of a conversation or document: another equal
-        // worker would prefill a second one), then the hash. Depths within
-        // the hot prefix are equal here: preferring them herded replicas
-        // that cannot see each other's queues onto the few workers holding
-        // a shared first block (lab, 256 workers, 3 routers: p50 × 1.85).
-        let chosen = eligible
-            .iter()
-            .copied()
-            .filter(|&i| score[i] <= bound)
-            .max_by_key(|&i| {
-                let c = &view.candidates[i];
-                (c.matched_blocks.max(hot_depth), rendezvous(anchor, c.id_hash))
-            })
+        // worker would prefill a second one). Depths within the hot prefix
+        // are equal here: preferring them herded replicas that cannot see
+        // each other's queues onto the few workers holding a shared first
+        // block (lab, 256 workers, 3 routers: p50 × 1.85). Of those, the
+        // sole router takes the lowest score: its figures are current (lab,
+        // 1 router, eviction: p50 × 0.88 against the hash alone). Replicas'
+        // views lag, and the same minimum on each herded them (64 workers,
+        // long_conv: p50 × 1.4–2), so a replica takes the better of the two
+        // the hash ranks first: the hash spreads requests and keeps replicas
+        // agreeing, the score picks between two (3 exchanging replicas, 4 and
+        // 16 workers: 40 of 42 cases within 3 % of the best, 38 by hash).
+        let depth = |i: usize| view.candidates[i].matched_blocks.max(hot_depth);
+        let near: Vec<usize> = eligible.iter().copied().filter(|&i| score[i] <= bound).collect();
+        let top = near.iter().map(|&i| depth(i)).max();
+        let mut equal: Vec<usize> = near.into_iter().filter(|&i| Some(depth(i)) == top).collect();
+        let hashed = |i: usize| rendezvous(anchor, view.candidates[i].id_hash);
+        if !view.sole_router {
+            equal.sort_unstable_by_key(|&i| std::cmp::Reverse(hashed(i)));
+            equal.truncate(2);
+        }
+        let chosen = equal
+            .into_iter()
+            .min_by(|&a, &b| score[a].total_cmp(&score[b]).then(hashed(b).cmp(&hashed(a))))
             .unwrap_or(0);
         let pulled = self.idle_pull(view, &eligible, Paced { queued: &queued, pace: &pace }, chosen, anchor, hot_depth);
         let chosen = pulled.map_or(chosen, |(i, _)| i);
@@ -844,6 +858,42 @@ mod tests {
         holder.load.arrival_rate = 20.0;
         let c = [holder, cand(1, 0, 0)];
         assert_eq!(PredictedTtft::default().choose(&view(&k, &c)).chosen(), Some(0));
+    }
+
+    #[test]
+    fn the_sole_router_takes_the_best_of_near_ties_and_a_replica_the_better_of_two_hashed() {
+        // Four idle workers that hold nothing of a 2,000-token prompt; worker
+        // 3 receives one request a second, the others 2, 2.5 and 3. The
+        // delays a prefill imposes on workers 0, 1 and 3 differ by less than
+        // the near-best band; worker 2's is beyond it.
+        let c: Vec<Candidate> = [2.0, 2.5, 3.0, 1.0]
+            .iter()
+            .enumerate()
+            .map(|(i, &rate)| {
+                let mut w = cand(i as u16, 0, 0);
+                w.load.arrival_rate = rate;
+                w
+            })
+            .collect();
+        let mut replica_chose = std::collections::BTreeMap::new();
+        for s in 0..64u64 {
+            let k: Vec<_> = (0..125).map(|i| kvroute_shared::BlockKey(s * 1_000 + i)).collect();
+            // The sole router's figures are current: the quietest worker, always.
+            let sole = RouteView { sole_router: true, ..view(&k, &c) };
+            assert_eq!(PredictedTtft::default().choose(&sole).chosen(), Some(3), "prompt {s}");
+            // A replica: the quieter of the two the hash ranks first.
+            let d = PredictedTtft::default().choose(&view(&k, &c));
+            let mut ranked = [0, 1, 3];
+            ranked.sort_by_key(|&i| std::cmp::Reverse(rendezvous(k[0].0, c[i].id_hash)));
+            let expected =
+                ranked[..2].iter().copied().min_by(|&a, &b| c[a].load.arrival_rate.total_cmp(&c[b].load.arrival_rate));
+            assert_eq!(d.chosen(), expected, "prompt {s}");
+            *replica_chose.entry(d.chosen()).or_insert(0) += 1;
+        }
+        // So replicas spread near-ties, but never onto the worst of the
+        // three, which loses every pair (nor onto worker 2).
+        let chose: Vec<_> = replica_chose.keys().copied().collect();
+        assert_eq!(chose, [Some(0), Some(3)], "{replica_chose:?}");
     }
 
     #[test]
