@@ -63,8 +63,8 @@
 //!   rates are each replica's own, so they only part replicas where the
 //!   imposed delays differ by more than that band). The idle pull below
 //!   breaks its ties by the same hash, the burst spread by the new prefix's
-//!   first block. The hot prefix is what two workers hold, a
-//!   second copy counted only once confirmed or sent more than once;
+//!   first block. The hot prefix is what two workers hold, a second copy
+//!   counted only once confirmed or sent more than once;
 //! - idle pull: a per-request TTFT minimum never spends one request's
 //!   prefill to make a new replica of a hot prefix, so a worker that holds
 //!   none of a shared tool prompt can sit idle while the holders queue (the
@@ -483,7 +483,8 @@ impl Policy for PredictedTtft {
         // long_conv: p50 × 1.4–2), so a replica takes the better of the two
         // the hash ranks first: the hash spreads requests and keeps replicas
         // agreeing, the score picks between two (3 exchanging replicas, 4 and
-        // 16 workers: 40 of 42 cases within 3 % of the best, 38 by hash).
+        // 16 workers, same rates: 40 of 42 cases within 3 % of the best, 38
+        // by hash).
         let depth = |i: usize| view.candidates[i].matched_blocks.max(hot_depth);
         let near: Vec<usize> = eligible.iter().copied().filter(|&i| score[i] <= bound).collect();
         let top = near.iter().map(|&i| depth(i)).max();
