@@ -130,6 +130,19 @@ impl Client {
     pub async fn post(&self, url: &str, body: Value) -> reqwest::Response {
         self.http.post(url).json(&body).send().await.expect("answers")
     }
+
+    /// A metric from `base`'s Prometheus text, summed over its label sets
+    /// (series exist at 0 from the start, so the first line is not
+    /// necessarily the one that moved); NaN when absent.
+    pub async fn metric(&self, base: &str, name: &str) -> f64 {
+        let text = self.http.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+        let values: Vec<f64> = text
+            .lines()
+            .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' ')))
+            .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+            .collect();
+        if values.is_empty() { f64::NAN } else { values.iter().sum() }
+    }
 }
 
 /// An engine's cached blocks as router keys (`GET /sim/cache`): the truth.

@@ -141,19 +141,6 @@ async fn a_worker_killed_mid_stream_is_ejected_and_readmitted() {
     cluster.shutdown().await;
 }
 
-/// A metric's value from Prometheus text (first sample whose line starts with `name`).
-/// A metric summed over its label sets (series exist at 0 from the start, so
-/// the first line is not necessarily the one that moved); NaN when absent.
-async fn metric(c: &Client, url: &str, name: &str) -> f64 {
-    let text = c.http.get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
-    let values: Vec<f64> = text
-        .lines()
-        .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' ')))
-        .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
-        .collect();
-    if values.is_empty() { f64::NAN } else { values.iter().sum() }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_down_while_events_flow_is_exact_after_its_first_sync() {
     let mut s = spec(1);
@@ -189,10 +176,10 @@ async fn a_router_down_while_events_flow_is_exact_after_its_first_sync() {
         }
     }
     // The sidecar keeps the engine's state, not a queue of what it missed.
-    let tracked = metric(&c, &sidecar, "kvroute_sidecar_tracked_blocks").await;
+    let tracked = c.metric(&sidecar, "kvroute_sidecar_tracked_blocks").await;
     assert!(tracked <= 64.0, "the sidecar tracks {tracked} blocks for a 64-block engine");
     assert!(
-        metric(&c, &sidecar, "kvroute_sidecar_push_failures_total").await > 0.0,
+        c.metric(&sidecar, "kvroute_sidecar_push_failures_total").await > 0.0,
         "pushes failed while the router was down"
     );
 
@@ -223,7 +210,7 @@ async fn a_restarted_sidecar_rebuilds_from_the_engines_replay_buffer() {
     // No further traffic: the new sidecar must rebuild from the replay buffer.
     converge(&c, &r, &engines, WAIT, "the map to equal the engine after a sidecar restart").await;
     let sidecar = cluster.sidecars[0].url.clone();
-    assert!(metric(&c, &sidecar, "kvroute_sidecar_replays_total").await >= 1.0);
+    assert!(c.metric(&sidecar, "kvroute_sidecar_replays_total").await >= 1.0);
     cluster.shutdown().await;
 }
 
@@ -259,7 +246,7 @@ async fn a_gap_beyond_the_replay_buffer_clears_without_phantoms() {
         let (c, sidecar) = (c.clone(), sidecar.clone());
         async move {
             let text = c.http.get(format!("{sidecar}/metrics")).send().await.unwrap().text().await.unwrap();
-            (metric(&c, &sidecar, "kvroute_sidecar_seq_gaps_total").await >= 1.0 && text.contains("outcome=\"lost\""))
+            (c.metric(&sidecar, "kvroute_sidecar_seq_gaps_total").await >= 1.0 && text.contains("outcome=\"lost\""))
                 .then_some(())
         }
     })

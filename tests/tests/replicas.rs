@@ -100,10 +100,7 @@ async fn a_router_tells_its_own_requests_from_others_in_the_engine_reports() {
     let c = Client::default();
     let r = cluster.router_url(0).to_owned();
     let engine = cluster.engines[0].url.clone();
-    let foreign = |c: Client, r: String| async move {
-        let text = c.http.get(format!("{r}/metrics")).send().await.ok()?.text().await.ok()?;
-        text.lines().find_map(|l| l.strip_prefix("kvroute_foreign_traffic_reports_total ")?.parse::<f64>().ok())
-    };
+    const FOREIGN: &str = "kvroute_foreign_traffic_reports_total";
 
     let own = {
         let (c, r) = (c.clone(), r.clone());
@@ -117,7 +114,7 @@ async fn a_router_tells_its_own_requests_from_others_in_the_engine_reports() {
         }
     })
     .await;
-    assert_eq!(foreign(c.clone(), r.clone()).await, Some(0.0), "its own request counted as someone else's");
+    assert_eq!(c.metric(&r, FOREIGN).await, 0.0, "its own request counted as someone else's");
     assert_eq!(c.debug_route(&r, &text(2, 50)).await["sole_router"], true);
 
     let body = json!({"model": "sim-model", "prompt": text(3, 50), "max_tokens": 600});
@@ -129,7 +126,7 @@ async fn a_router_tells_its_own_requests_from_others_in_the_engine_reports() {
         .collect();
     eventually("the router to see requests it did not send", WAIT, || {
         let (c, r) = (c.clone(), r.clone());
-        async move { (foreign(c.clone(), r.clone()).await? > 0.0).then_some(()) }
+        async move { (c.metric(&r, FOREIGN).await > 0.0).then_some(()) }
     })
     .await;
     assert_eq!(c.debug_route(&r, &text(2, 50)).await["sole_router"], false);
