@@ -50,7 +50,9 @@
 //!   where fewer requests will queue behind it (`imposed_weight`). It only
 //!   chooses among candidates whose own cost is within `imposed_band` of
 //!   the best, and at most `imposed_cap_us` worse: a request gives up at
-//!   most that much to spare the others;
+//!   most that much to spare the others. A burst's new prefix (see burst
+//!   spread below) imposes `pull_ratio` per token: a copy of it serves the
+//!   burst's later followers too;
 //! - candidates within `near_best` (+ `near_best_us`) of the best are equal,
 //!   broken first by what they hold beyond the hot prefix (the only copy of
 //!   a conversation stays where it is rather than being prefilled again
@@ -141,6 +143,8 @@ pub struct PredictedTtftParams {
     /// already hold them (a hot prefix: one more replica serves many later
     /// requests) and `pull_unique_ratio` elsewhere (a conversation or
     /// document only this request's successors reuse). 0 turns it off.
+    /// A burst's new prefix imposes `pull_ratio` per token on the others
+    /// (the imposed delay, `imposed_weight`).
     pub pull_ratio: f64,
     pub pull_unique_ratio: f64,
     /// Burst spread: while at least this share of the eligible workers has
@@ -382,6 +386,18 @@ fn hot_depth(candidates: &[Candidate]) -> usize {
         .unwrap_or(0)
 }
 
+/// The depth of a burst's new prefix: the deepest match, when every worker
+/// holding that deep has it only speculatively and one of them was sent it
+/// more than once ([`MatchKind::SentAgain`]: several requests want it at
+/// once); 0 otherwise.
+fn burst_depth(candidates: &[Candidate]) -> usize {
+    let deepest = candidates.iter().map(|c| c.matched_blocks).max().unwrap_or(0);
+    let mut holders = candidates.iter().filter(|c| c.matched_blocks == deepest);
+    let new = holders.clone().all(|c| c.matched_kind != MatchKind::Held)
+        && holders.any(|c| c.matched_kind == MatchKind::SentAgain);
+    if deepest > 0 && new { deepest } else { 0 }
+}
+
 impl Policy for PredictedTtft {
     fn name(&self) -> &'static str {
         "predicted_ttft"
@@ -458,10 +474,20 @@ impl Policy for PredictedTtft {
             .collect();
         // Imposed delay: arrivals there until this request's prefill is
         // done (rate × predicted TTFT), each waiting for that prefill.
+        // A burst's new prefix, copied there, serves the burst's later
+        // followers there too: its tokens impose `pull_ratio` each, as a hot
+        // prefix's do in the idle pull. Counted in full, a copy's delay to
+        // others kept a whole burst on its one holder while that holder's
+        // predicted TTFT ran 250 ms past the others' (lab, bursts, 1 router,
+        // 4 and 16 workers: p99 7–8 % behind Preble).
+        let burst = burst_depth(view.candidates);
         let imposed: Vec<f64> = (0..n)
             .map(|i| {
                 let c = &view.candidates[i];
-                let prefill = view.uncached_tokens(c) as f64 * p.prefill_us_per_token * pace[i];
+                let uncached = view.uncached_tokens(c);
+                let burst_tokens = ((burst.saturating_sub(c.matched_blocks)) * view.block_size).min(uncached as usize);
+                let counted = (uncached as usize - burst_tokens) as f64 + p.pull_ratio * burst_tokens as f64;
+                let prefill = counted * p.prefill_us_per_token * pace[i];
                 p.imposed_weight * c.load.arrival_rate * 1e-6 * predicted[i] * prefill
             })
             .collect();
@@ -941,5 +967,38 @@ mod tests {
         // And off.
         let off = PredictedTtftParams { burst_idle_share: 2.0, ..Default::default() };
         assert_eq!(PredictedTtft { params: off }.choose(&view(&k, &c)).chosen(), Some(0));
+    }
+
+    #[test]
+    fn a_burst_moves_off_its_one_busy_holder_though_a_copy_delays_others() {
+        // A 4,800-token prefix (300 blocks) sent to worker 0 many times, all
+        // still queued there (11,000 tokens); the others have 2,000 tokens
+        // queued each and take 6 requests a second, so none is idle and the
+        // burst spread does not apply. Predicted: 0.78 s on the holder,
+        // 0.49 s elsewhere.
+        let k = keys(308);
+        let mut holder = cand(0, 300, 40);
+        holder.matched_kind = MatchKind::SentAgain;
+        holder.load.pending_prefill_tokens = 11_000;
+        holder.load.arrival_rate = 6.0;
+        let busy = |slot| {
+            let mut c = cand(slot, 0, 4);
+            c.load.pending_prefill_tokens = 2_000;
+            c.load.arrival_rate = 6.0;
+            c
+        };
+        let c = [holder, busy(1), busy(2), busy(3)];
+        // Counted in full, the 4,800 tokens a copy prefills would delay that
+        // worker's next requests by 0.5 s, and the whole burst queued on
+        // worker 0; a copy serves the burst's later followers too.
+        let d = PredictedTtft::default().choose(&view(&k, &c));
+        assert_ne!(d.chosen(), Some(0), "{d:?}");
+        // The same queue for a prefix a sidecar confirmed (a document, no
+        // burst): the copy's whole delay to others counts, and it stays.
+        let mut held = c;
+        held[0].matched_kind = MatchKind::Held;
+        held[0].load.pending_prefill_tokens = 9_000;
+        let d = PredictedTtft::default().choose(&view(&k, &held));
+        assert_eq!(d.chosen(), Some(0), "{d:?}");
     }
 }
