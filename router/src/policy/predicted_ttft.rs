@@ -51,8 +51,8 @@
 //!   chooses among candidates whose own cost is within `imposed_band` of
 //!   the best, and at most `imposed_cap_us` worse: a request gives up at
 //!   most that much to spare the others. A burst's new prefix (see burst
-//!   spread below) imposes `pull_ratio` per token: a copy of it serves the
-//!   burst's later followers too;
+//!   spread below), while at most two workers hold it, imposes `pull_ratio`
+//!   per token: a copy of it serves the burst's later followers too;
 //! - candidates within `near_best` (+ `near_best_us`) of the best are equal,
 //!   broken first by what they hold beyond the hot prefix (the only copy of
 //!   a conversation stays where it is rather than being prefilled again
