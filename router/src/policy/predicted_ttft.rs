@@ -143,8 +143,9 @@ pub struct PredictedTtftParams {
     /// already hold them (a hot prefix: one more replica serves many later
     /// requests) and `pull_unique_ratio` elsewhere (a conversation or
     /// document only this request's successors reuse). 0 turns it off.
-    /// A burst's new prefix imposes `pull_ratio` per token on the others
-    /// (the imposed delay, `imposed_weight`).
+    /// A burst's new prefix, while at most two workers hold it, imposes
+    /// `pull_ratio` per token on the others (the imposed delay,
+    /// `imposed_weight`).
     pub pull_ratio: f64,
     pub pull_unique_ratio: f64,
     /// Burst spread: while at least this share of the eligible workers has
@@ -1017,11 +1018,10 @@ mod tests {
         // worker 0; a copy serves the burst's later followers too.
         let d = PredictedTtft::default().choose(&view(&k, &c));
         assert_ne!(d.chosen(), Some(0), "{d:?}");
-        // The same queue for a prefix a sidecar confirmed (a document, no
-        // burst): the copy's whole delay to others counts, and it stays.
+        // The same queue for a prefix its sidecar confirmed, the cluster's
+        // only copy (a document, not a burst's): it holds.
         let mut held = c;
         held[0].matched_kind = MatchKind::Held;
-        held[0].load.pending_prefill_tokens = 9_000;
         let d = PredictedTtft::default().choose(&view(&k, &held));
         assert_eq!(d.chosen(), Some(0), "{d:?}");
     }
