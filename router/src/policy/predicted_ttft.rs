@@ -348,8 +348,7 @@ impl PredictedTtft {
                     _ => return None,
                 };
                 let uncached = view.uncached_tokens(o);
-                let hot =
-                    ((hot_depth.saturating_sub(o.matched_blocks)) * view.block_size).min(uncached as usize) as u64;
+                let hot = uncached_up_to(view, o, hot_depth);
                 let weighted_miss =
                     pace[i] * (p.pull_ratio * hot as f64 + p.pull_unique_ratio * (uncached - hot) as f64);
                 (queued[chosen] >= weighted_miss).then_some((i, reason))
@@ -396,11 +395,18 @@ fn hot_depth(candidates: &[Candidate]) -> usize {
 /// RAG at ρ 0.9, seeds 2–5: 86 ms without the limit, 60 with it).
 fn burst_depth(candidates: &[Candidate]) -> usize {
     let deepest = candidates.iter().map(|c| c.matched_blocks).max().unwrap_or(0);
-    let holders: Vec<&Candidate> = candidates.iter().filter(|c| c.matched_blocks == deepest).collect();
-    let new = holders.len() <= 2
-        && holders.iter().all(|c| c.matched_kind != MatchKind::Held)
-        && holders.iter().any(|c| c.matched_kind == MatchKind::SentAgain);
-    if deepest > 0 && new { deepest } else { 0 }
+    let (mut holders, mut held, mut sent_again) = (0, false, false);
+    for c in candidates.iter().filter(|c| c.matched_blocks == deepest) {
+        holders += 1;
+        held |= c.matched_kind == MatchKind::Held;
+        sent_again |= c.matched_kind == MatchKind::SentAgain;
+    }
+    if deepest > 0 && holders <= 2 && !held && sent_again { deepest } else { 0 }
+}
+
+/// Of `c`'s uncached tokens, those within the first `depth` blocks.
+fn uncached_up_to(view: &RouteView<'_>, c: &Candidate, depth: usize) -> u64 {
+    ((depth.saturating_sub(c.matched_blocks) * view.block_size) as u64).min(view.uncached_tokens(c))
 }
 
 impl Policy for PredictedTtft {
@@ -489,9 +495,8 @@ impl Policy for PredictedTtft {
         let imposed: Vec<f64> = (0..n)
             .map(|i| {
                 let c = &view.candidates[i];
-                let uncached = view.uncached_tokens(c);
-                let burst_tokens = ((burst.saturating_sub(c.matched_blocks)) * view.block_size).min(uncached as usize);
-                let counted = (uncached as usize - burst_tokens) as f64 + p.pull_ratio * burst_tokens as f64;
+                let burst_tokens = uncached_up_to(view, c, burst);
+                let counted = (view.uncached_tokens(c) - burst_tokens) as f64 + p.pull_ratio * burst_tokens as f64;
                 let prefill = counted * p.prefill_us_per_token * pace[i];
                 p.imposed_weight * c.load.arrival_rate * 1e-6 * predicted[i] * prefill
             })
