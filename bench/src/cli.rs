@@ -114,6 +114,19 @@ pub struct CompareArgs {
     /// measured (simulated engines only).
     #[arg(long, value_name = "DIR")]
     pub text_tokenizer: Option<PathBuf>,
+    /// Also run these routers from PyPI (`pip install smg vllm-router`) in
+    /// front of the same engines, each one more policy of the plan, named
+    /// `peer:NAME` in the results: smg_cache_aware, smg_round_robin,
+    /// vllm_router_round_robin, vllm_router_kv_aware, or `all`. They route
+    /// on prompt text: simulated engines with --text-tokenizer, one router.
+    #[arg(long, value_delimiter = ',', value_name = "NAMES")]
+    pub peers: Vec<String>,
+    /// SMG's `smg` executable for --peers (default: on PATH, else target/peers-venv/bin).
+    #[arg(long, value_name = "BIN")]
+    pub smg: Option<PathBuf>,
+    /// vllm-router's executable for --peers (default: on PATH, else target/peers-venv/bin).
+    #[arg(long, value_name = "BIN")]
+    pub vllm_router: Option<PathBuf>,
     /// Make the first N simulated engines slower (`/sim/faults` slowdown):
     /// a mixed fleet, where a router that knows each worker's pace should
     /// send the slow ones less (simulated engines only).

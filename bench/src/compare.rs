@@ -7,7 +7,9 @@
 //! workload's infinite-cache ceiling, client TTFT percentiles, throughput and
 //! the load spread across workers. With `--rounds N` the policies run
 //! interleaved, round after round ([`plan`]), and the report gives each
-//! figure's median and range over rounds ([`spread`]).
+//! figure's median and range over rounds ([`spread`]). With `--peers`, SMG
+//! and vllm-router run as more policies of the same plan, in front of the
+//! same kind of engines with nothing of kvroute's between ([`peer_runs`]).
 
 pub mod plan;
 pub mod spread;
@@ -30,6 +32,7 @@ use crate::cli::CompareArgs;
 use crate::drive::{DriveOptions, drive};
 use crate::engine::EngineKind;
 use crate::error::BenchError;
+use crate::peers::{self, Peer};
 use crate::rig::Rig;
 use crate::setup::{self, Shape};
 use crate::stats::{max_mean_load, mean_ms, percentile_ms};
@@ -211,7 +214,7 @@ fn sim_args(w: &Workload) -> Vec<String> {
 /// The runs for one workload and worker count: every policy at every
 /// requested replica count, plus the default policy with 2 replicas and without
 /// sidecars unless those are off or already covered.
-fn shapes(args: &CompareArgs) -> Vec<(String, usize, bool)> {
+fn shapes(args: &CompareArgs, peers: &[(Peer, PathBuf)]) -> Vec<(String, usize, bool)> {
     let short = args.quick || args.engine.engine == EngineKind::Vllm;
     let policies: Vec<String> = match &args.policies {
         Some(p) => p.clone(),
@@ -226,7 +229,52 @@ fn shapes(args: &CompareArgs) -> Vec<(String, usize, bool)> {
         }
         out.push((DEFAULT_POLICY.into(), routers[0], false));
     }
+    out.extend(peers.iter().map(|(peer, _)| (peer_policy(*peer), 1, false)));
     out
+}
+
+/// A peer's runs are recorded under this policy name.
+fn peer_policy(peer: Peer) -> String {
+    format!("peer:{}", peer.slug())
+}
+
+/// `--peers`, checked before any run: each peer with its executable. Peers
+/// route on text (SMG's cache-aware tree holds characters), so they need
+/// `--text-tokenizer`, and every policy of the run then gets the same text
+/// prompts; one router each, on simulated engines (real vLLM runs send
+/// token ids). A peer not installed is refused with how to install it.
+fn peer_runs(args: &CompareArgs, bin_dir: &Path) -> Result<Vec<(Peer, PathBuf)>, BenchError> {
+    if args.peers.is_empty() {
+        return Ok(Vec::new());
+    }
+    if args.engine.engine != EngineKind::Sim || args.text_tokenizer.is_none() {
+        return Err(BenchError::Usage(
+            "--peers route on prompt text: run them on simulated engines with --text-tokenizer DIR".into(),
+        ));
+    }
+    let mut out: Vec<(Peer, PathBuf)> = Vec::new();
+    for name in &args.peers {
+        let chosen = match name.as_str() {
+            "all" => peers::ALL.to_vec(),
+            slug => vec![Peer::from_slug(slug).map_err(BenchError::Usage)?],
+        };
+        for peer in chosen {
+            if out.iter().any(|(p, _)| *p == peer) {
+                continue;
+            }
+            let flag = if peer.exe() == "smg" { args.smg.as_deref() } else { args.vllm_router.as_deref() };
+            let bin = peers::find(flag, peer.exe(), bin_dir).ok_or_else(|| {
+                BenchError::Usage(format!(
+                    "{}: no `{}` {}; install it: python3 -m venv target/peers-venv && target/peers-venv/bin/pip install smg vllm-router",
+                    peer.name(),
+                    peer.exe(),
+                    flag.map_or("on PATH or in target/peers-venv/bin".to_owned(), |f| format!("at {}", f.display())),
+                ))
+            })?;
+            out.push((peer, bin));
+        }
+    }
+    Ok(out)
 }
 
 /// Real engines shared by the runs of one (workload, worker count).
@@ -285,7 +333,8 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
         engine.check_workers(n)?;
     }
     let slow = slow_fleet(&args, &workers)?;
-    let plan = plan::interleaved(&workers, prepared.len(), &shapes(&args), args.rounds as usize);
+    let peers = peer_runs(&args, &dir)?;
+    let plan = plan::interleaved(&workers, prepared.len(), &shapes(&args, &peers), args.rounds as usize);
     let mp = MultiProgress::new();
     let overall = mp.add(ProgressBar::new(plan.len() as u64));
     overall.set_style(
@@ -345,7 +394,8 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
             if sidecars { "" } else { "_nosidecars" },
             if args.rounds > 1 { format!("_round{round}") } else { String::new() }
         ));
-        let mut rec = run_one(&http, &dir, p, &shape, pool.as_ref(), slow, args.concurrency, &mp, &log).await?;
+        let peer = peers.iter().find(|(peer, _)| peer_policy(*peer) == shape.policy);
+        let mut rec = run_one(&http, &dir, p, &shape, pool.as_ref(), peer, slow, args.concurrency, &mp, &log).await?;
         rec.round = round;
         overall.suspend(|| eprintln!(
             "{}",
@@ -442,25 +492,47 @@ async fn run_one(
     p: &Prepared,
     shape: &Shape,
     pool: Option<&Pool>,
+    peer: Option<&(Peer, PathBuf)>,
     slow: Option<(usize, f64)>,
     concurrency: usize,
     mp: &MultiProgress,
     log: &Path,
 ) -> Result<Record, BenchError> {
-    let (rig, engine) = match pool {
-        None => (Rig::start_sim(shape, bin_dir).await?, EngineKind::Sim),
-        Some(pool) => {
+    let (rig, engine) = match (pool, peer) {
+        // A peer: the engines alone, the peer in front of them below.
+        (None, Some(_)) => {
+            let engines_only = Shape { routers: 0, sidecars: false, ..shape.clone() };
+            (Rig::start_sim(&engines_only, bin_dir).await?, EngineKind::Sim)
+        }
+        (None, None) => (Rig::start_sim(shape, bin_dir).await?, EngineKind::Sim),
+        (Some(_), Some((peer, _))) => {
+            return Err(BenchError::Usage(format!("{}: peers run on simulated engines", peer.name())));
+        }
+        (Some(pool), None) => {
             // A cold start for this run without restarting the engines.
             pool.engines.reset_caches(http).await?;
             (Rig::start_vllm(&pool.engines, shape, pool.tokenizer.clone(), bin_dir).await?, EngineKind::Vllm)
         }
     };
-    let result = match slow {
+    let mut front: Option<peers::Running> = None;
+    let mut result = match slow {
         Some((count, factor)) => slow_down(http, &rig.engine_urls(), count, factor).await,
         None => Ok(()),
     };
+    if let (Ok(()), Some((peer, bin)), Rig::Sim(cluster)) = (&result, peer, &rig) {
+        let engines: Vec<peers::EngineAt> =
+            cluster.engines.iter().map(|e| peers::EngineAt { url: e.url.clone(), events: e.events.clone() }).collect();
+        match peers::start(*peer, bin, &engines, http).await {
+            Ok(running) => front = Some(running),
+            Err(e) => result = Err(e),
+        }
+    }
+    let targets: Vec<String> = match &front {
+        Some(running) => vec![running.url.clone()],
+        None => (0..shape.routers).map(|i| rig.router_url(i).to_owned()).collect(),
+    };
     let result = match result {
-        Ok(()) => measure(http, &rig, engine, p, shape, concurrency, mp, log).await.map(|mut rec| {
+        Ok(()) => measure(http, &rig, &targets, engine, p, shape, concurrency, mp, log).await.map(|mut rec| {
             if let Some((count, factor)) = slow {
                 rec.slow_engines = count;
                 rec.slow_factor = Some(factor);
@@ -469,6 +541,9 @@ async fn run_one(
         }),
         Err(e) => Err(e),
     };
+    if let Some(mut running) = front {
+        running.proc.kill().await;
+    }
     rig.shutdown().await;
     result
 }
@@ -477,6 +552,7 @@ async fn run_one(
 async fn measure(
     http: &reqwest::Client,
     rig: &Rig,
+    targets: &[String],
     engine: EngineKind,
     p: &Prepared,
     shape: &Shape,
@@ -485,8 +561,8 @@ async fn measure(
     log: &Path,
 ) -> Result<Record, BenchError> {
     let engines = rig.engine_urls();
-    let targets: Vec<String> = (0..shape.routers).map(|i| rig.router_url(i).to_owned()).collect();
     let before = probe::cache_counters(http, &engines).await?;
+    let served_before = probe::requests_served(http, &engines).await?;
     let pb = mp.add(ProgressBar::new(p.workload.requests.len() as u64));
     pb.set_style(
         ProgressStyle::with_template("  requests {bar:30} {pos}/{len} [{elapsed_precise}]")
@@ -499,11 +575,12 @@ async fn measure(
         request_timeout: Duration::from_secs(120),
         words: p.words.clone(),
     };
-    let out = drive(http, &p.workload, &targets, &opts, &pb).await;
+    let out = drive(http, &p.workload, targets, &opts, &pb).await;
     pb.finish_and_clear();
     mp.remove(&pb);
     let after = probe::cache_counters(http, &engines).await?;
-    let router_queue_ms = probe::dispatch_delay_ms(http, &targets).await;
+    let served_after = probe::requests_served(http, &engines).await?;
+    let router_queue_ms = probe::dispatch_delay_ms(http, targets).await;
 
     let mut ttfts = Vec::new();
     let mut lats = Vec::new();
@@ -527,6 +604,13 @@ async fn measure(
     }
     if let Some(e) = first_error {
         eprintln!("{} / {}: {errors} errors, first: {e}", p.workload.name, shape.policy);
+    }
+    // A router that does not say where each request went (the peers): the
+    // engines' own counts of requests served.
+    if per_worker.values().all(|&n| n == 0) {
+        for (i, (a, b)) in served_after.iter().zip(&served_before).enumerate() {
+            per_worker.insert(worker_id(i), (a - b).max(0.0) as u64);
+        }
     }
     write_request_log(log, p, &out.results, &out.sent)?;
     ttfts.sort();
@@ -685,7 +769,41 @@ mod tests {
     #[test]
     fn vllm_runs_two_policies_unless_told_otherwise() {
         let args = parse(&["--engine", "vllm", "--no-variants"]);
-        let policies: Vec<String> = shapes(&args).into_iter().map(|s| s.0).collect();
+        let policies: Vec<String> = shapes(&args, &[]).into_iter().map(|s| s.0).collect();
         assert_eq!(policies, [DEFAULT_POLICY, "round_robin"]);
+    }
+
+    #[test]
+    fn peers_are_more_policies_of_the_plan_and_need_text_prompts() {
+        let dir = std::env::temp_dir().join(format!("kvroute-compare-peers-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (smg, vr) = (dir.join("smg"), dir.join("vllm-router"));
+        std::fs::write(&smg, "").unwrap();
+        std::fs::write(&vr, "").unwrap();
+        let (s, v) = (smg.display().to_string(), vr.display().to_string());
+        let with = |extra: &[&str]| {
+            let mut argv = vec!["--policies", "round_robin", "--no-variants", "--smg", &s, "--vllm-router", &v];
+            argv.extend_from_slice(extra);
+            parse(&argv)
+        };
+        let args = with(&["--peers", "smg_cache_aware,all", "--text-tokenizer", "tok"]);
+        let peers = peer_runs(&args, &dir).unwrap();
+        assert_eq!(peers.len(), 4, "`all` adds the others once");
+        assert_eq!(peers[0], (Peer::SmgCacheAware, smg.clone()));
+        let runs = shapes(&args, &peers);
+        assert_eq!(runs[0], ("round_robin".to_owned(), 1, true));
+        assert_eq!(runs[1], ("peer:smg_cache_aware".to_owned(), 1, false));
+        assert_eq!(runs.len(), 5);
+        for bad in [
+            &["--peers", "smg_cache_aware"][..],
+            &["--peers", "nginx", "--text-tokenizer", "tok"],
+            &["--peers", "all", "--text-tokenizer", "tok", "--engine", "vllm"],
+        ] {
+            assert!(matches!(peer_runs(&with(bad), &dir), Err(BenchError::Usage(_))), "{bad:?}");
+        }
+        let missing = parse(&["--peers", "smg_round_robin", "--text-tokenizer", "tok", "--smg", "/nonexistent/smg"]);
+        let Err(BenchError::Usage(why)) = peer_runs(&missing, &dir) else { panic!("a missing peer is refused") };
+        assert!(why.contains("pip install smg"), "{why}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

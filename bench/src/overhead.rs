@@ -274,7 +274,8 @@ async fn start_extras(
             continue;
         };
         eprintln!("starting {} ({})", peer.name(), bin.display());
-        match peers::start(peer, &bin, &engine.url, &engine.events, &http).await {
+        let at = [peers::EngineAt { url: engine.url.clone(), events: engine.events.clone() }];
+        match peers::start(peer, &bin, &at, &http).await {
             Ok(r) => {
                 targets.push(Target { name: peer.name().into(), url: r.url });
                 extras.procs.push(r.proc);

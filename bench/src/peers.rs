@@ -1,8 +1,9 @@
-//! Other routers measured beside kvroute by `kvroute-bench overhead`: SMG
-//! (`pip install smg`) and vllm-router (`pip install vllm-router`), started as
-//! child processes in front of the same engine, so their figures come from
-//! the same run, machine and load as kvroute's. A peer whose binary is not
-//! found is reported absent, never silently skipped.
+//! Other routers measured beside kvroute by `kvroute-bench overhead` and
+//! `kvroute-bench compare --peers`: SMG (`pip install smg`) and vllm-router
+//! (`pip install vllm-router`), started as child processes in front of the
+//! same engines, so their figures come from the same run, machine and load
+//! as kvroute's. A peer whose binary is not found is reported absent (by
+//! `overhead`) or refused (by `compare`), never silently skipped.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -27,6 +28,23 @@ pub const ALL: [Peer; 4] =
     [Peer::SmgCacheAware, Peer::SmgRoundRobin, Peer::VllmRouterRoundRobin, Peer::VllmRouterKvAware];
 
 impl Peer {
+    /// The name `compare --peers` takes, and its runs' policy after `peer:`.
+    pub fn slug(self) -> &'static str {
+        match self {
+            Peer::SmgCacheAware => "smg_cache_aware",
+            Peer::SmgRoundRobin => "smg_round_robin",
+            Peer::VllmRouterRoundRobin => "vllm_router_round_robin",
+            Peer::VllmRouterKvAware => "vllm_router_kv_aware",
+        }
+    }
+
+    /// The peer a [`Self::slug`] names.
+    pub fn from_slug(slug: &str) -> Result<Peer, String> {
+        ALL.into_iter()
+            .find(|p| p.slug() == slug)
+            .ok_or_else(|| format!("unknown peer {slug:?}; known: {}", ALL.map(Peer::slug).join(", ")))
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Peer::SmgCacheAware => "SMG cache_aware",
@@ -44,10 +62,10 @@ impl Peer {
         }
     }
 
-    /// Command-line arguments for a router on `port` in front of one engine.
+    /// Command-line arguments for a router on `port` in front of `engines`.
     /// Logging is lowered to warnings: at their default level both log two
     /// lines per request, which kvroute does not.
-    fn args(self, port: u16, metrics_port: u16, engine_url: &str, engine_events: &str) -> Vec<String> {
+    fn args(self, port: u16, metrics_port: u16, engines: &[EngineAt]) -> Vec<String> {
         let mut args: Vec<String> = Vec::new();
         let policy = match self {
             Peer::SmgCacheAware => "cache_aware",
@@ -61,16 +79,18 @@ impl Peer {
             ("--host", "127.0.0.1".to_owned()),
             ("--port", port.to_string()),
             ("--prometheus-port", metrics_port.to_string()),
-            ("--worker-urls", engine_url.to_owned()),
             ("--policy", policy.to_owned()),
             ("--log-level", if self.exe() == "smg" { "warn" } else { "warning" }.to_owned()),
         ] {
             args.extend([flag.to_owned(), value]);
         }
+        args.push("--worker-urls".into());
+        args.extend(engines.iter().map(|e| e.url.clone()));
         if self == Peer::VllmRouterKvAware {
+            for e in engines {
+                args.extend(["--kv-event-source".into(), format!("{}={}", e.url, e.events)]);
+            }
             args.extend([
-                "--kv-event-source".into(),
-                format!("{engine_url}={engine_events}"),
                 "--kv-event-block-size".into(),
                 BLOCK_SIZE.to_string(),
                 "--kv-event-model".into(),
@@ -94,7 +114,14 @@ pub fn find(flag: Option<&Path>, exe: &str, bin_dir: &Path) -> Option<PathBuf> {
     on_path.into_iter().chain(venv).find(|p| p.is_file())
 }
 
-/// A peer router running in front of the engine.
+/// An engine a peer routes to: its HTTP URL and its ZMQ KV-event endpoint.
+#[derive(Debug, Clone)]
+pub struct EngineAt {
+    pub url: String,
+    pub events: String,
+}
+
+/// A peer router running in front of the engines.
 #[derive(Debug)]
 pub struct Running {
     pub peer: Peer,
@@ -110,16 +137,16 @@ fn free_port() -> Result<u16, BenchError> {
     Ok(l.local_addr().map_err(BenchError::Ports)?.port())
 }
 
-/// Starts `peer` and waits until it answers a completion (up to 90 s).
+/// Starts `peer` in front of `engines` and waits until it answers a
+/// completion (up to 90 s).
 pub async fn start(
     peer: Peer,
     bin: &Path,
-    engine_url: &str,
-    engine_events: &str,
+    engines: &[EngineAt],
     http: &reqwest::Client,
 ) -> Result<Running, BenchError> {
     let (port, metrics_port) = (free_port()?, free_port()?);
-    let args = peer.args(port, metrics_port, engine_url, engine_events);
+    let args = peer.args(port, metrics_port, engines);
     let mut proc = Proc::spawn(peer.name(), bin, &args).await?;
     let url = format!("http://127.0.0.1:{port}");
     let body = serde_json::to_vec(&serde_json::json!({"model": MODEL, "prompt": "Hello", "max_tokens": 1}))
@@ -149,5 +176,40 @@ pub async fn start(
             return Err(BenchError::Timeout(format!("{} not ready in 90 s; its last lines:\n{log}", peer.name())));
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_peer_has_a_slug_and_routes_to_every_engine() {
+        for peer in ALL {
+            assert_eq!(Peer::from_slug(peer.slug()), Ok(peer));
+        }
+        assert!(Peer::from_slug("nginx").unwrap_err().contains("smg_cache_aware"));
+        let engines: Vec<EngineAt> = (0..3)
+            .map(|i| EngineAt {
+                url: format!("http://127.0.0.1:{}", 8000 + i),
+                events: format!("tcp://127.0.0.1:{}", 9000 + i),
+            })
+            .collect();
+        let args = Peer::VllmRouterKvAware.args(1, 2, &engines);
+        let at = args.iter().position(|a| a == "--worker-urls").unwrap();
+        assert_eq!(args[at + 1..at + 4], engines.iter().map(|e| e.url.clone()).collect::<Vec<_>>()[..]);
+        let sources: Vec<&String> = args.windows(2).filter(|w| w[0] == "--kv-event-source").map(|w| &w[1]).collect();
+        assert_eq!(
+            sources,
+            [
+                "http://127.0.0.1:8000=tcp://127.0.0.1:9000",
+                "http://127.0.0.1:8001=tcp://127.0.0.1:9001",
+                "http://127.0.0.1:8002=tcp://127.0.0.1:9002"
+            ]
+        );
+        let smg = Peer::SmgCacheAware.args(1, 2, &engines);
+        assert_eq!(smg[0], "launch");
+        assert!(!smg.iter().any(|a| a == "--kv-event-source"));
+        assert_eq!(smg.windows(2).find(|w| w[0] == "--policy").map(|w| w[1].as_str()), Some("cache_aware"));
     }
 }

@@ -87,6 +87,17 @@ pub async fn cache_counters(client: &reqwest::Client, engines: &[String]) -> Res
     Ok(total)
 }
 
+/// Each engine's count of requests served (`vllm:request_success_total`,
+/// summed over its labels), in the order given.
+pub async fn requests_served(client: &reqwest::Client, engines: &[String]) -> Result<Vec<f64>, BenchError> {
+    let mut out = Vec::with_capacity(engines.len());
+    for e in engines {
+        let text = get_text(client, &format!("{e}/metrics")).await?;
+        out.push(sum_metric(&text, "vllm:request_success_total"));
+    }
+    Ok(out)
+}
+
 /// The routers' `kvroute_dispatch_delay_seconds` histogram, summed over
 /// `routers`: (p50, p99) in ms, each the upper bound of the bucket it falls
 /// in. `None` when no router answers or none has dispatched anything.
