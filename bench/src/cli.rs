@@ -118,7 +118,9 @@ pub struct CompareArgs {
     /// front of the same engines, each one more policy of the plan, named
     /// `peer:NAME` in the results: smg_cache_aware, smg_round_robin,
     /// vllm_router_round_robin, vllm_router_kv_aware, or `all`. They route
-    /// on prompt text: simulated engines with --text-tokenizer, one router.
+    /// on prompt text, so every policy of the run gets text prompts: on
+    /// simulated engines --text-tokenizer is required; vLLM runs use the
+    /// model's own tokenizer. One router each.
     #[arg(long, value_delimiter = ',', value_name = "NAMES")]
     pub peers: Vec<String>,
     /// SMG's `smg` executable for --peers (default: on PATH, else target/peers-venv/bin).

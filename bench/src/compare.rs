@@ -239,17 +239,18 @@ fn peer_policy(peer: Peer) -> String {
 }
 
 /// `--peers`, checked before any run: each peer with its executable. Peers
-/// route on text (SMG's cache-aware tree holds characters), so they need
-/// `--text-tokenizer`, and every policy of the run then gets the same text
-/// prompts; one router each, on simulated engines (real vLLM runs send
-/// token ids). A peer not installed is refused with how to install it.
+/// route on text (SMG's cache-aware tree holds characters), so every policy
+/// of such a run gets the same text prompts: on simulated engines in the
+/// words of `--text-tokenizer` (required), on real vLLM in the tiny model's
+/// own. One router each. A peer not installed is refused with how to
+/// install it.
 fn peer_runs(args: &CompareArgs, bin_dir: &Path) -> Result<Vec<(Peer, PathBuf)>, BenchError> {
     if args.peers.is_empty() {
         return Ok(Vec::new());
     }
-    if args.engine.engine != EngineKind::Sim || args.text_tokenizer.is_none() {
+    if args.engine.engine == EngineKind::Sim && args.text_tokenizer.is_none() {
         return Err(BenchError::Usage(
-            "--peers route on prompt text: run them on simulated engines with --text-tokenizer DIR".into(),
+            "--peers route on prompt text: on simulated engines, pass --text-tokenizer DIR".into(),
         ));
     }
     let mut out: Vec<(Peer, PathBuf)> = Vec::new();
@@ -300,11 +301,15 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
     };
     let block_size = engine.block_size();
     let http = crate::client::http_client();
-    let words = match (&args.text_tokenizer, engine) {
-        (Some(_), EngineKind::Vllm) => {
-            return Err(BenchError::Usage("--text-tokenizer is for simulated engines".into()));
+    let words = match (&args.text_tokenizer, &tokenizer) {
+        (Some(_), Some(_)) => {
+            return Err(BenchError::Usage(
+                "--text-tokenizer is for simulated engines (with --peers, vLLM runs send text in the model's own words)"
+                    .into(),
+            ));
         }
-        (Some(dir), EngineKind::Sim) => Some(Arc::new(Words::load(dir)?)),
+        (Some(dir), None) => Some(Arc::new(Words::load(dir)?)),
+        (None, Some(dir)) if !args.peers.is_empty() => Some(Arc::new(Words::load(dir)?)),
         (None, _) => None,
     };
     let prepared: Vec<Prepared> = workloads(&args)?
@@ -505,13 +510,14 @@ async fn run_one(
             (Rig::start_sim(&engines_only, bin_dir).await?, EngineKind::Sim)
         }
         (None, None) => (Rig::start_sim(shape, bin_dir).await?, EngineKind::Sim),
-        (Some(_), Some((peer, _))) => {
-            return Err(BenchError::Usage(format!("{}: peers run on simulated engines", peer.name())));
-        }
-        (Some(pool), None) => {
+        (Some(pool), peer) => {
             // A cold start for this run without restarting the engines.
             pool.engines.reset_caches(http).await?;
-            (Rig::start_vllm(&pool.engines, shape, pool.tokenizer.clone(), bin_dir).await?, EngineKind::Vllm)
+            let front = match peer {
+                Some(_) => Shape { routers: 0, sidecars: false, ..shape.clone() },
+                None => shape.clone(),
+            };
+            (Rig::start_vllm(&pool.engines, &front, pool.tokenizer.clone(), bin_dir).await?, EngineKind::Vllm)
         }
     };
     let mut front: Option<peers::Running> = None;
@@ -519,10 +525,15 @@ async fn run_one(
         Some((count, factor)) => slow_down(http, &rig.engine_urls(), count, factor).await,
         None => Ok(()),
     };
-    if let (Ok(()), Some((peer, bin)), Rig::Sim(cluster)) = (&result, peer, &rig) {
-        let engines: Vec<peers::EngineAt> =
-            cluster.engines.iter().map(|e| peers::EngineAt { url: e.url.clone(), events: e.events.clone() }).collect();
-        match peers::start(*peer, bin, &engines, http).await {
+    if let (Ok(()), Some((peer, bin))) = (&result, peer) {
+        let at = |url: &String, events: &String| peers::EngineAt { url: url.clone(), events: events.clone() };
+        let engines: Vec<peers::EngineAt> = match (&rig, pool) {
+            (Rig::Sim(cluster), _) => cluster.engines.iter().map(|e| at(&e.url, &e.events)).collect(),
+            (Rig::Vllm { .. }, Some(pool)) => pool.engines.engines.iter().map(|e| at(&e.url, &e.events)).collect(),
+            (Rig::Vllm { .. }, None) => Vec::new(),
+        };
+        let fleet = peers::Fleet { engines, model: engine.model().into(), block_size: engine.block_size() };
+        match peers::start(*peer, bin, &fleet, http).await {
             Ok(running) => front = Some(running),
             Err(e) => result = Err(e),
         }
@@ -794,13 +805,10 @@ mod tests {
         assert_eq!(runs[0], ("round_robin".to_owned(), 1, true));
         assert_eq!(runs[1], ("peer:smg_cache_aware".to_owned(), 1, false));
         assert_eq!(runs.len(), 5);
-        for bad in [
-            &["--peers", "smg_cache_aware"][..],
-            &["--peers", "nginx", "--text-tokenizer", "tok"],
-            &["--peers", "all", "--text-tokenizer", "tok", "--engine", "vllm"],
-        ] {
+        for bad in [&["--peers", "smg_cache_aware"][..], &["--peers", "nginx", "--text-tokenizer", "tok"]] {
             assert!(matches!(peer_runs(&with(bad), &dir), Err(BenchError::Usage(_))), "{bad:?}");
         }
+        assert_eq!(peer_runs(&with(&["--peers", "vllm_router_kv_aware", "--engine", "vllm"]), &dir).unwrap().len(), 1);
         let missing = parse(&["--peers", "smg_round_robin", "--text-tokenizer", "tok", "--smg", "/nonexistent/smg"]);
         let Err(BenchError::Usage(why)) = peer_runs(&missing, &dir) else { panic!("a missing peer is refused") };
         assert!(why.contains("pip install smg"), "{why}");

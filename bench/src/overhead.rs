@@ -274,8 +274,12 @@ async fn start_extras(
             continue;
         };
         eprintln!("starting {} ({})", peer.name(), bin.display());
-        let at = [peers::EngineAt { url: engine.url.clone(), events: engine.events.clone() }];
-        match peers::start(peer, &bin, &at, &http).await {
+        let fleet = peers::Fleet {
+            engines: vec![peers::EngineAt { url: engine.url.clone(), events: engine.events.clone() }],
+            model: MODEL.into(),
+            block_size: BLOCK_SIZE,
+        };
+        match peers::start(peer, &bin, &fleet, &http).await {
             Ok(r) => {
                 targets.push(Target { name: peer.name().into(), url: r.url });
                 extras.procs.push(r.proc);

@@ -11,7 +11,6 @@ use std::time::Duration;
 use kvroute_sim::cluster::Proc;
 
 use crate::error::BenchError;
-use crate::setup::{BLOCK_SIZE, MODEL};
 
 /// One peer router configuration to measure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,10 +61,10 @@ impl Peer {
         }
     }
 
-    /// Command-line arguments for a router on `port` in front of `engines`.
+    /// Command-line arguments for a router on `port` in front of `fleet`.
     /// Logging is lowered to warnings: at their default level both log two
     /// lines per request, which kvroute does not.
-    fn args(self, port: u16, metrics_port: u16, engines: &[EngineAt]) -> Vec<String> {
+    fn args(self, port: u16, metrics_port: u16, fleet: &Fleet) -> Vec<String> {
         let mut args: Vec<String> = Vec::new();
         let policy = match self {
             Peer::SmgCacheAware => "cache_aware",
@@ -85,16 +84,16 @@ impl Peer {
             args.extend([flag.to_owned(), value]);
         }
         args.push("--worker-urls".into());
-        args.extend(engines.iter().map(|e| e.url.clone()));
+        args.extend(fleet.engines.iter().map(|e| e.url.clone()));
         if self == Peer::VllmRouterKvAware {
-            for e in engines {
+            for e in &fleet.engines {
                 args.extend(["--kv-event-source".into(), format!("{}={}", e.url, e.events)]);
             }
             args.extend([
                 "--kv-event-block-size".into(),
-                BLOCK_SIZE.to_string(),
+                fleet.block_size.to_string(),
                 "--kv-event-model".into(),
-                MODEL.into(),
+                fleet.model.clone(),
             ]);
         }
         args
@@ -121,6 +120,15 @@ pub struct EngineAt {
     pub events: String,
 }
 
+/// The engines a peer routes to, the model they serve and their KV block
+/// size (what vllm-router's KV-event index hashes by).
+#[derive(Debug, Clone)]
+pub struct Fleet {
+    pub engines: Vec<EngineAt>,
+    pub model: String,
+    pub block_size: u32,
+}
+
 /// A peer router running in front of the engines.
 #[derive(Debug)]
 pub struct Running {
@@ -137,19 +145,14 @@ fn free_port() -> Result<u16, BenchError> {
     Ok(l.local_addr().map_err(BenchError::Ports)?.port())
 }
 
-/// Starts `peer` in front of `engines` and waits until it answers a
+/// Starts `peer` in front of `fleet` and waits until it answers a
 /// completion (up to 90 s).
-pub async fn start(
-    peer: Peer,
-    bin: &Path,
-    engines: &[EngineAt],
-    http: &reqwest::Client,
-) -> Result<Running, BenchError> {
+pub async fn start(peer: Peer, bin: &Path, fleet: &Fleet, http: &reqwest::Client) -> Result<Running, BenchError> {
     let (port, metrics_port) = (free_port()?, free_port()?);
-    let args = peer.args(port, metrics_port, engines);
+    let args = peer.args(port, metrics_port, fleet);
     let mut proc = Proc::spawn(peer.name(), bin, &args).await?;
     let url = format!("http://127.0.0.1:{port}");
-    let body = serde_json::to_vec(&serde_json::json!({"model": MODEL, "prompt": "Hello", "max_tokens": 1}))
+    let body = serde_json::to_vec(&serde_json::json!({"model": fleet.model, "prompt": "Hello", "max_tokens": 1}))
         .unwrap_or_default();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
     loop {
@@ -195,7 +198,9 @@ mod tests {
                 events: format!("tcp://127.0.0.1:{}", 9000 + i),
             })
             .collect();
-        let args = Peer::VllmRouterKvAware.args(1, 2, &engines);
+        let fleet = Fleet { engines: engines.clone(), model: "m".into(), block_size: 32 };
+        let args = Peer::VllmRouterKvAware.args(1, 2, &fleet);
+        assert_eq!(args.windows(2).find(|w| w[0] == "--kv-event-block-size").map(|w| w[1].as_str()), Some("32"));
         let at = args.iter().position(|a| a == "--worker-urls").unwrap();
         assert_eq!(args[at + 1..at + 4], engines.iter().map(|e| e.url.clone()).collect::<Vec<_>>()[..]);
         let sources: Vec<&String> = args.windows(2).filter(|w| w[0] == "--kv-event-source").map(|w| &w[1]).collect();
@@ -207,7 +212,7 @@ mod tests {
                 "http://127.0.0.1:8002=tcp://127.0.0.1:9002"
             ]
         );
-        let smg = Peer::SmgCacheAware.args(1, 2, &engines);
+        let smg = Peer::SmgCacheAware.args(1, 2, &fleet);
         assert_eq!(smg[0], "launch");
         assert!(!smg.iter().any(|a| a == "--kv-event-source"));
         assert_eq!(smg.windows(2).find(|w| w[0] == "--policy").map(|w| w[1].as_str()), Some("cache_aware"));
