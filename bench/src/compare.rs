@@ -394,8 +394,9 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
             pool = Some(Pool { key: (wi, n), engines, tokenizer: tokenizer.clone() });
         }
         let log = args.out.join("requests").join(format!(
-            "{}_{policy}_w{n}_r{routers}{}{}.jsonl",
+            "{}_{}_w{n}_r{routers}{}{}.jsonl",
             p.workload.name,
+            policy.replace(':', "-"),
             if sidecars { "" } else { "_nosidecars" },
             if args.rounds > 1 { format!("_round{round}") } else { String::new() }
         ));

@@ -541,6 +541,9 @@ fn lab_log(records: &[crate::measure::RequestRecord]) -> String {
     text
 }
 
+/// How `kvroute-bench compare --peers` names the runs of other routers.
+const PEER_PREFIX: &str = "peer:";
+
 /// Replays every (policy, worker count) of the bench run in `dir` in the
 /// lab; with `requests_out`, writes each replay's request log there.
 pub fn check(
@@ -549,7 +552,16 @@ pub fn check(
     requests_out: Option<&Path>,
     mut progress: impl FnMut(&Row),
 ) -> Result<Vec<Row>, CrosscheckError> {
-    let runs = read_bench(dir)?;
+    let mut runs = read_bench(dir)?;
+    // Other routers (`compare --peers`): the lab runs only kvroute's policies.
+    let before = runs.len();
+    runs.retain(|r| !r.policy.starts_with(PEER_PREFIX));
+    if runs.len() < before {
+        eprintln!(
+            "crosscheck: {} runs of other routers (`{PEER_PREFIX}…`) left out: the lab runs kvroute's policies",
+            before - runs.len()
+        );
+    }
     let mut keys: Vec<(String, String, usize, usize)> = Vec::new();
     for r in &runs {
         let key = (r.workload.clone(), r.policy.clone(), r.workers, r.routers);
@@ -827,6 +839,22 @@ mod tests {
             let prev = lab.records[spec.after.unwrap() as usize];
             assert_eq!(rec.arrival, prev.done.unwrap() + spec.turn.unwrap().think, "sent after the previous answer");
         }
+    }
+
+    #[test]
+    fn runs_of_other_routers_are_left_out() {
+        let dir = std::env::temp_dir().join(format!("kvroute-lab-crosscheck-peers-{}", std::process::id()));
+        chat_bench(&dir, CHAT_EXPORT);
+        let path = dir.join("results.json");
+        let mut results: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let mut peer = results["results"][0].clone();
+        peer["policy"] = "peer:smg_cache_aware".into();
+        results["results"].as_array_mut().unwrap().push(peer);
+        std::fs::write(&path, results.to_string()).unwrap();
+        let rows = check(&dir, &replay(), None, |_| {});
+        let _ = std::fs::remove_dir_all(&dir);
+        let rows = rows.unwrap();
+        assert_eq!(rows.iter().map(|r| r.policy.as_str()).collect::<Vec<_>>(), ["round_robin"]);
     }
 
     #[test]
