@@ -360,7 +360,7 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
         let what = format!(
             "{} {policy} w{n} r{routers}{}{rounds}",
             p.workload.name,
-            if sidecars { "" } else { " no-sidecars" }
+            if sidecars || policy.starts_with("peer:") { "" } else { " no-sidecars" }
         );
         // Bars draw nothing when stderr is a file or a pipe (CI, nohup, tee):
         // there, each run says when it starts (its figures follow when it ends).
@@ -411,7 +411,13 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
             rec.policy,
             rec.workers,
             rec.routers,
-            if rec.sidecars { "sidecars" } else { "no-sidecars" },
+            if rec.policy.starts_with("peer:") {
+                ""
+            } else if rec.sidecars {
+                "sidecars"
+            } else {
+                "no-sidecars"
+            },
             rec.hit_rate,
             rec.ceiling,
             report::ms(rec.ttft_p50_ms),

@@ -17,7 +17,8 @@ fn label(r: &Record) -> String {
     if r.routers > 1 {
         s.push_str(&format!(" ×{} routers", r.routers));
     }
-    if !r.sidecars {
+    // Other routers (`--peers`) have no sidecars to speak of.
+    if !r.sidecars && !r.policy.starts_with("peer:") {
         s.push_str(" (no sidecars)");
     }
     if let Some(c) = &r.router_config {
@@ -39,8 +40,10 @@ fn slow_share(r: &Record) -> Option<f64> {
 }
 
 /// The plain one-router-with-sidecars run of each policy.
+/// The runs the default is judged against: one router each, kvroute's with
+/// sidecars, and other routers (`--peers`) as they come.
 fn baseline_runs<'a>(rs: &'a [&'a Record]) -> impl Iterator<Item = &'a Record> + 'a {
-    rs.iter().copied().filter(|r| r.routers == 1 && r.sidecars)
+    rs.iter().copied().filter(|r| r.routers == 1 && (r.sidecars || r.policy.starts_with("peer:")))
 }
 
 fn verdict(ok: bool) -> &'static str {
@@ -335,6 +338,21 @@ pub(crate) mod tests {
         let slow = rec(DEFAULT_POLICY, 0.75, 20.0);
         let rows = checks("w", &[&slow, &b]);
         assert!(rows.iter().any(|r| r[1] == "TTFT p50 ≤ 0.4 × round_robin" && r[3] == "FAIL"));
+    }
+
+    #[test]
+    fn other_routers_are_baselines_and_named_without_sidecars() {
+        let a = rec(DEFAULT_POLICY, 0.75, 10.0);
+        let mut peer = rec("peer:smg_cache_aware", 0.7, 9.0);
+        peer.sidecars = false;
+        let mut variant = rec(DEFAULT_POLICY, 0.75, 8.0);
+        variant.sidecars = false;
+        let rows = checks("w", &[&a, &peer, &variant]);
+        let best = rows.iter().find(|r| r[1] == "best TTFT p50 of all policies").unwrap();
+        assert_eq!(best[3], "FAIL");
+        assert!(best[2].contains("peer:smg_cache_aware"), "{}", best[2]);
+        assert_eq!(label(&peer), "peer:smg_cache_aware");
+        assert_eq!(label(&variant), format!("{DEFAULT_POLICY} (no sidecars)"));
     }
 
     #[test]
