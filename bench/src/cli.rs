@@ -123,12 +123,8 @@ pub struct CompareArgs {
     /// model's own tokenizer. One router each.
     #[arg(long, value_delimiter = ',', value_name = "NAMES")]
     pub peers: Vec<String>,
-    /// SMG's `smg` executable for --peers (default: on PATH, else target/peers-venv/bin).
-    #[arg(long, value_name = "BIN")]
-    pub smg: Option<PathBuf>,
-    /// vllm-router's executable for --peers (default: on PATH, else target/peers-venv/bin).
-    #[arg(long, value_name = "BIN")]
-    pub vllm_router: Option<PathBuf>,
+    #[command(flatten)]
+    pub peer_bins: PeerBins,
     /// Make the first N simulated engines slower (`/sim/faults` slowdown):
     /// a mixed fleet, where a router that knows each worker's pace should
     /// send the slow ones less (simulated engines only).
@@ -139,6 +135,24 @@ pub struct CompareArgs {
     pub slow_factor: f64,
     #[arg(long, default_value = "bench-out/compare")]
     pub out: PathBuf,
+}
+
+/// Where the peer routers' executables are, when not found by themselves.
+#[derive(Debug, Clone, Args)]
+pub struct PeerBins {
+    /// SMG's `smg` executable (default: on PATH, else target/peers-venv/bin).
+    #[arg(long, value_name = "BIN")]
+    pub smg: Option<PathBuf>,
+    /// vllm-router's executable (default: on PATH, else target/peers-venv/bin).
+    #[arg(long, value_name = "BIN")]
+    pub vllm_router: Option<PathBuf>,
+}
+
+impl PeerBins {
+    /// The executable given for `exe` (`smg` or `vllm-router`), if any.
+    pub fn given(&self, exe: &str) -> Option<&std::path::Path> {
+        if exe == "smg" { self.smg.as_deref() } else { self.vllm_router.as_deref() }
+    }
 }
 
 #[derive(Debug, Clone, Args)]
@@ -196,12 +210,8 @@ pub struct OverheadArgs {
     /// one run: half shared, half one of 256 distinct suffixes.
     #[arg(long, value_delimiter = ',', default_value = "1024")]
     pub prompt_tokens: Vec<usize>,
-    /// SMG's `smg` executable (default: on PATH, else target/peers-venv/bin).
-    #[arg(long, value_name = "BIN")]
-    pub smg: Option<PathBuf>,
-    /// vllm-router's executable (default: on PATH, else target/peers-venv/bin).
-    #[arg(long, value_name = "BIN")]
-    pub vllm_router: Option<PathBuf>,
+    #[command(flatten)]
+    pub peer_bins: PeerBins,
     /// Measure kvroute alone, without SMG and vllm-router.
     #[arg(long)]
     pub no_peers: bool,

@@ -263,7 +263,7 @@ fn peer_runs(args: &CompareArgs, bin_dir: &Path) -> Result<Vec<(Peer, PathBuf)>,
             if out.iter().any(|(p, _)| *p == peer) {
                 continue;
             }
-            let flag = if peer.exe() == "smg" { args.smg.as_deref() } else { args.vllm_router.as_deref() };
+            let flag = args.peer_bins.given(peer.exe());
             let bin = peers::find(flag, peer.exe(), bin_dir).ok_or_else(|| {
                 BenchError::Usage(format!(
                     "{}: no `{}` {}; install it: python3 -m venv target/peers-venv && target/peers-venv/bin/pip install smg vllm-router",

@@ -259,10 +259,7 @@ async fn start_extras(
     }
     let http = client::http_client();
     for peer in peers::ALL {
-        let flag = match peer.exe() {
-            "smg" => args.smg.as_deref(),
-            _ => args.vllm_router.as_deref(),
-        };
+        let flag = args.peer_bins.given(peer.exe());
         let Some(bin) = peers::find(flag, peer.exe(), dir) else {
             extras.absent.push(format!(
                 "{}: absent (no `{}` {}; pip install {})",
