@@ -23,7 +23,7 @@ pub enum Command {
     /// Cold start, stickiness, eviction, recovery and router restart: PASS/FAIL and latencies.
     Lifecycle(LifecycleArgs),
     /// Workloads × policies × worker counts: hit rate vs ceiling, TTFT, throughput, load spread.
-    Compare(CompareArgs),
+    Compare(Box<CompareArgs>),
     /// Latency and throughput the router adds over talking to the engine directly.
     Overhead(OverheadArgs),
     /// Latency from a vLLM KV event to the router's map (engine → sidecar → router).

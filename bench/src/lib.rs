@@ -69,7 +69,7 @@ async fn run_command(command: Command) -> Result<String, BenchError> {
         }
         Command::Compare(args) => {
             let out = args.out.clone();
-            let records = compare::run(args).await?;
+            let records = compare::run(*args).await?;
             Ok(format!("compare: {} runs; report in {}", records.len(), out.display()))
         }
         Command::Antientropy(args) => {
