@@ -235,7 +235,15 @@ fn shapes(args: &CompareArgs, peers: &[(Peer, PathBuf)]) -> Vec<(String, usize, 
 
 /// A peer's runs are recorded under this policy name.
 fn peer_policy(peer: Peer) -> String {
-    format!("peer:{}", peer.slug())
+    format!("{PEER_PREFIX}{}", peer.slug())
+}
+
+/// How the runs of other routers (`--peers`) are named: `peer:` and the peer.
+pub const PEER_PREFIX: &str = "peer:";
+
+/// A run of another router (`--peers`), not of a kvroute policy.
+pub fn is_peer(policy: &str) -> bool {
+    policy.starts_with(PEER_PREFIX)
 }
 
 /// `--peers`, checked before any run: each peer with its executable. Peers
@@ -360,7 +368,7 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
         let what = format!(
             "{} {policy} w{n} r{routers}{}{rounds}",
             p.workload.name,
-            if sidecars || policy.starts_with("peer:") { "" } else { " no-sidecars" }
+            if sidecars || is_peer(&policy) { "" } else { " no-sidecars" }
         );
         // Bars draw nothing when stderr is a file or a pipe (CI, nohup, tee):
         // there, each run says when it starts (its figures follow when it ends).
@@ -411,7 +419,7 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
             rec.policy,
             rec.workers,
             rec.routers,
-            if rec.policy.starts_with("peer:") {
+            if is_peer(&rec.policy) {
                 ""
             } else if rec.sidecars {
                 "sidecars"

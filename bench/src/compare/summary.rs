@@ -18,7 +18,7 @@ fn label(r: &Record) -> String {
         s.push_str(&format!(" ×{} routers", r.routers));
     }
     // Other routers (`--peers`) have no sidecars to speak of.
-    if !r.sidecars && !r.policy.starts_with("peer:") {
+    if !r.sidecars && !super::is_peer(&r.policy) {
         s.push_str(" (no sidecars)");
     }
     if let Some(c) = &r.router_config {
@@ -43,7 +43,7 @@ fn slow_share(r: &Record) -> Option<f64> {
 /// The runs the default is judged against: one router each, kvroute's with
 /// sidecars, and other routers (`--peers`) as they come.
 fn baseline_runs<'a>(rs: &'a [&'a Record]) -> impl Iterator<Item = &'a Record> + 'a {
-    rs.iter().copied().filter(|r| r.routers == 1 && (r.sidecars || r.policy.starts_with("peer:")))
+    rs.iter().copied().filter(|r| r.routers == 1 && (r.sidecars || super::is_peer(&r.policy)))
 }
 
 fn verdict(ok: bool) -> &'static str {
