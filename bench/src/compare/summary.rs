@@ -39,7 +39,6 @@ fn slow_share(r: &Record) -> Option<f64> {
     Some(if total > 0 { slow as f64 / total as f64 } else { 0.0 })
 }
 
-/// The plain one-router-with-sidecars run of each policy.
 /// The runs the default is judged against: one router each, kvroute's with
 /// sidecars, and other routers (`--peers`) as they come.
 fn baseline_runs<'a>(rs: &'a [&'a Record]) -> impl Iterator<Item = &'a Record> + 'a {
