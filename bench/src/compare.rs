@@ -588,7 +588,6 @@ async fn measure(
 ) -> Result<Record, BenchError> {
     let engines = rig.engine_urls();
     let before = probe::cache_counters(http, &engines).await?;
-    let served_before = probe::requests_served(http, &engines).await?;
     let pb = mp.add(ProgressBar::new(p.workload.requests.len() as u64));
     pb.set_style(
         ProgressStyle::with_template("  requests {bar:30} {pos}/{len} [{elapsed_precise}]")
@@ -605,7 +604,6 @@ async fn measure(
     pb.finish_and_clear();
     mp.remove(&pb);
     let after = probe::cache_counters(http, &engines).await?;
-    let served_after = probe::requests_served(http, &engines).await?;
     let router_queue_ms = probe::dispatch_delay_ms(http, targets).await;
 
     let mut ttfts = Vec::new();
@@ -634,7 +632,7 @@ async fn measure(
     // A router that does not say where each request went (the peers): the
     // engines' own counts of requests served.
     if per_worker.values().all(|&n| n == 0) {
-        for (i, (a, b)) in served_after.iter().zip(&served_before).enumerate() {
+        for (i, (a, b)) in after.served.iter().zip(&before.served).enumerate() {
             per_worker.insert(worker_id(i), (a - b).max(0.0) as u64);
         }
     }

@@ -9,11 +9,14 @@ use serde_json::Value;
 
 use crate::error::BenchError;
 
-/// The engines' token-level prefix cache counters (vLLM metric names).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+/// The engines' token-level prefix cache counters (vLLM metric names),
+/// summed, and each engine's count of requests served
+/// (`vllm:request_success_total`), in the order the engines were given.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct CacheCounters {
     pub queries: f64,
     pub hits: f64,
+    pub served: Vec<f64>,
 }
 
 impl CacheCounters {
@@ -76,26 +79,16 @@ pub async fn reset_prefix_cache(client: &reqwest::Client, engine: &str, wait: Du
     }
 }
 
-/// Counters summed over every engine.
+/// Every engine's counters, one `/metrics` read each.
 pub async fn cache_counters(client: &reqwest::Client, engines: &[String]) -> Result<CacheCounters, BenchError> {
-    let mut total = CacheCounters::default();
+    let mut total = CacheCounters { served: Vec::with_capacity(engines.len()), ..CacheCounters::default() };
     for e in engines {
         let text = get_text(client, &format!("{e}/metrics")).await?;
         total.queries += sum_metric(&text, "vllm:prefix_cache_queries_total");
         total.hits += sum_metric(&text, "vllm:prefix_cache_hits_total");
+        total.served.push(sum_metric(&text, "vllm:request_success_total"));
     }
     Ok(total)
-}
-
-/// Each engine's count of requests served (`vllm:request_success_total`,
-/// summed over its labels), in the order given.
-pub async fn requests_served(client: &reqwest::Client, engines: &[String]) -> Result<Vec<f64>, BenchError> {
-    let mut out = Vec::with_capacity(engines.len());
-    for e in engines {
-        let text = get_text(client, &format!("{e}/metrics")).await?;
-        out.push(sum_metric(&text, "vllm:request_success_total"));
-    }
-    Ok(out)
 }
 
 /// The routers' `kvroute_dispatch_delay_seconds` histogram, summed over
