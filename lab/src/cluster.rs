@@ -211,6 +211,7 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
         (0..scenario.routers).map(|_| LabRouter::new(n, policy(), bs.get(), scenario.speculative_ttl_ms)).collect();
     for r in &mut routers {
         r.tells_peers = scenario.peer_exchange.is_some();
+        r.capacity_blocks = Some(u64::from(scenario.engine.num_blocks));
     }
     let policy_name = routers[0].policy_name().to_owned();
     let root = KeyRoot::new(scenario.engine.model.as_str(), None);

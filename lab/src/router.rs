@@ -70,6 +70,9 @@ pub struct LabRouter {
     next_sent_id: u64,
     /// Keeps `sent_log` (the scenario's replicas exchange reports).
     pub tells_peers: bool,
+    /// Each engine's KV blocks (`num_gpu_blocks`), as the router learns
+    /// them from its `/metrics`; `None`: unknown.
+    pub capacity_blocks: Option<u64>,
     mean_prompt_tokens: f64,
     mean_uncached_tokens: f64,
     block_size: usize,
@@ -101,6 +104,7 @@ impl LabRouter {
             sent_log: Default::default(),
             next_sent_id: 0,
             tells_peers: false,
+            capacity_blocks: None,
             // `AppState`'s starting estimate.
             mean_prompt_tokens: 512.0,
             mean_uncached_tokens: 512.0,
@@ -202,6 +206,8 @@ impl LabRouter {
                         kv_usage: r.kv_usage,
                         arrival_rate: self.rates[w].at(now_ms),
                         pace: self.paces[w].get(),
+                        held_blocks: self.shards[w / MAX_WORKERS].held(Slot((w % MAX_WORKERS) as u16)) as u64,
+                        capacity_blocks: self.capacity_blocks,
                     },
                     id_hash: self.id_hashes[w],
                 }

@@ -342,6 +342,7 @@ impl RawConfig {
                 && t.stick_factor >= 1.0
                 && t.imposed_cap_us >= 0.0)
             || !(0.0..=1.0).contains(&t.stick_ratio)
+            || !(0.0..1.0).contains(&t.room_reserve)
             || ![
                 t.pull_ratio,
                 t.pull_unique_ratio,
@@ -350,6 +351,7 @@ impl RawConfig {
                 t.imposed_band,
                 t.pace_weight,
                 t.pace_band,
+                t.room_ratio,
             ]
             .iter()
             .all(|v| *v >= 0.0 && v.is_finite())
@@ -357,8 +359,9 @@ impl RawConfig {
             return Err(invalid(
                 "predicted_ttft",
                 "costs must be ≥ 0 (prefill_us_per_token > 0), max_batched_tokens ≥ 1, \
-                 spill_factor and stick_factor ≥ 1, stick_ratio within 0..=1, the pull, burst, \
-                 imposed-delay and pace parameters finite and ≥ 0 (imposed_cap_us may be inf)",
+                 spill_factor and stick_factor ≥ 1, stick_ratio within 0..=1, room_reserve within 0..1, \
+                 the pull, burst, imposed-delay, pace and room parameters finite and ≥ 0 (imposed_cap_us \
+                 may be inf)",
             ));
         }
         if self.max_connections == 0 {
@@ -505,6 +508,8 @@ mod tests {
             PredictedTtftParams { pace_band: -0.5, ..Default::default() },
             PredictedTtftParams { imposed_cap_us: -1.0, ..Default::default() },
             PredictedTtftParams { imposed_cap_us: f64::NAN, ..Default::default() },
+            PredictedTtftParams { room_ratio: -1.0, ..Default::default() },
+            PredictedTtftParams { room_reserve: 1.0, ..Default::default() },
         ] {
             let e = RawConfig { predicted_ttft: bad, ..Default::default() }.validate().unwrap_err();
             assert!(e.to_string().contains("`predicted_ttft`"), "{e}");

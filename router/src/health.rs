@@ -72,21 +72,29 @@ async fn check(state: &AppState, worker: &Arc<Worker>) {
     worker.live.last_probe_ok_ms.store(now_ms(), Ordering::Relaxed);
     if !worker.live.healthy.swap(true, Ordering::Relaxed) {
         tracing::info!(worker.id = %worker.id, "worker re-admitted");
+        worker.live.forget_capacity();
     }
-    if !worker.live.has_sidecar.load(Ordering::Relaxed) {
+    if !worker.live.has_sidecar.load(Ordering::Relaxed) || !worker.live.capacity_read() {
         learn_capacity(state, worker).await;
     }
 }
 
-/// For an approximately indexed worker, its KV capacity in blocks from
-/// `vllm:cache_config_info{num_gpu_blocks="…"}`, else the configured default.
+/// The worker's KV capacity in blocks from
+/// `vllm:cache_config_info{num_gpu_blocks="…"}`, read once (again after the
+/// worker was ejected and re-admitted): the policy weighs the blocks it has
+/// never used ([`crate::policy::LoadView::capacity_blocks`]). An approximately
+/// indexed worker's index remembers that many keys (the configured default
+/// if the engine does not say), and is read at every probe: a sidecar may
+/// have taken over.
 async fn learn_capacity(state: &AppState, worker: &Worker) {
     let timeout = state.config.raw.health_check_timeout;
     let text = match state.client.get(format!("{}/metrics", worker.url)).timeout(timeout).send().await {
         Ok(r) if r.status().is_success() => r.text().await.unwrap_or_default(),
-        _ => String::new(),
+        _ => return,
     };
-    let blocks = parse_num_gpu_blocks(&text).unwrap_or(state.config.raw.approx_capacity_blocks);
+    let published = parse_num_gpu_blocks(&text);
+    worker.live.set_capacity_blocks(published.map(|b| b as u64));
+    let blocks = published.unwrap_or(state.config.raw.approx_capacity_blocks);
     // A sidecar may have registered or synced while /metrics was read.
     let mut map = state.map.write();
     if map.is_member(&state.workers, worker) && !worker.live.has_sidecar.load(Ordering::Relaxed) {
@@ -229,6 +237,9 @@ pub fn housekeeping_gauges(state: &AppState) {
         m.worker_kv_usage.get_or_create(&label).set(load.kv_usage);
         if let Some(pace) = load.pace {
             m.worker_pace.get_or_create(&label).set(pace);
+        }
+        if let Some(free) = w.live.free_blocks(map.index.held(w.slot)) {
+            m.worker_free_blocks.get_or_create(&label).set(free.min(i64::MAX as u64) as i64);
         }
         m.worker_healthy.get_or_create(&label).set(i64::from(w.live.is_healthy()));
         let last_sync = w.live.last_sync_ms.load(Ordering::Relaxed);

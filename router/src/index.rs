@@ -248,6 +248,12 @@ impl Index {
         self.workers.values().map(|w| w.live).sum()
     }
 
+    /// Keys `slot` holds, of every kind: the KV blocks the router counts
+    /// filled there.
+    pub fn held(&self, slot: Slot) -> usize {
+        self.workers.get(&slot).map_or(0, |w| w.live)
+    }
+
     pub fn counts(&self, slot: Slot) -> Counts {
         self.workers.get(&slot).map(|w| w.counts).unwrap_or_default()
     }

@@ -119,6 +119,7 @@ pub struct Metrics {
     pub worker_engine_requests: Family<WorkerKind, Gauge>,
     pub worker_kv_usage: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
     pub worker_pace: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    pub worker_free_blocks: Family<WorkerLabel, Gauge>,
     pub worker_healthy: Family<WorkerLabel, Gauge>,
     pub worker_sync_age: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
     pub worker_sync_timestamp: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
@@ -262,6 +263,13 @@ impl Metrics {
              ahead (absent until 8 of them)",
             worker_pace.clone(),
         );
+        let worker_free_blocks = Family::<WorkerLabel, Gauge>::default();
+        registry.register(
+            "worker_free_blocks",
+            "KV blocks the engine has never filled: its num_gpu_blocks less the blocks the index holds there \
+             (absent until the engine's /metrics has been read, or if it does not publish num_gpu_blocks)",
+            worker_free_blocks.clone(),
+        );
         let worker_healthy = Family::<WorkerLabel, Gauge>::default();
         registry.register("worker_healthy", "1 when the worker takes traffic", worker_healthy.clone());
         let worker_sync_age = Family::<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
@@ -347,6 +355,7 @@ impl Metrics {
             worker_engine_requests,
             worker_kv_usage,
             worker_pace,
+            worker_free_blocks,
             worker_healthy,
             worker_sync_age,
             worker_sync_timestamp,
@@ -448,6 +457,7 @@ impl Metrics {
         self.worker_replica_pending_tokens.remove(&w);
         self.worker_kv_usage.remove(&w);
         self.worker_pace.remove(&w);
+        self.worker_free_blocks.remove(&w);
         self.worker_healthy.remove(&w);
         self.worker_sync_age.remove(&w);
         self.worker_sync_timestamp.remove(&w);

@@ -60,6 +60,13 @@ pub struct LoadView {
     /// the timing model predicted for them ([`Pace`]); `None` until it has
     /// enough samples.
     pub pace: Option<f64>,
+    /// KV blocks the index holds for the worker (every kind), and its KV
+    /// cache in blocks (vLLM's `num_gpu_blocks`; `None` while unknown). An
+    /// engine keeps a block's contents cached until it needs the block
+    /// again, so a warm worker holds about all of them: room is what only a
+    /// cold or newly added worker (or one traffic has passed by) has.
+    pub held_blocks: u64,
+    pub capacity_blocks: Option<u64>,
 }
 
 /// Requests reaching the workers that this router does not know of: those of
@@ -371,11 +378,14 @@ pub enum Reason {
     /// A worker with no prefill queued took a follower of a new prefix
     /// from the worker still prefilling it (`predicted_ttft`).
     BurstSpread,
+    /// A worker with never-used KV blocks took a new branch of a prefix
+    /// from a holder whose cache is full (`predicted_ttft`).
+    CacheRoom,
 }
 
 impl Reason {
     /// Every reason, for metric series that exist before the first decision.
-    pub const ALL: [Reason; 15] = [
+    pub const ALL: [Reason; 16] = [
         Reason::BestCost,
         Reason::ColdPlacement,
         Reason::Imbalanced,
@@ -391,6 +401,7 @@ impl Reason {
         Reason::Session,
         Reason::IdlePull,
         Reason::BurstSpread,
+        Reason::CacheRoom,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -410,6 +421,7 @@ impl Reason {
             Reason::Session => "session",
             Reason::IdlePull => "idle_pull",
             Reason::BurstSpread => "burst_spread",
+            Reason::CacheRoom => "cache_room",
         }
     }
 }

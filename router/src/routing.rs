@@ -191,7 +191,9 @@ fn plan_against(
                 } else {
                     (indexed, index.match_kind(w.slot, &keys[..indexed]))
                 };
-                Candidate { slot: w.slot, matched_blocks, matched_kind, load: w.live.load(now), id_hash: w.id_hash }
+                let mut load = w.live.load(now);
+                (load.held_blocks, load.capacity_blocks) = (index.held(w.slot) as u64, w.live.capacity_blocks());
+                Candidate { slot: w.slot, matched_blocks, matched_kind, load, id_hash: w.id_hash }
             })
             .collect();
         let view = RouteView {

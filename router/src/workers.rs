@@ -110,6 +110,10 @@ pub struct WorkerLive {
     arrivals: Mutex<ArrivalRate>,
     /// Its first tokens' measured time against the model's ([`Pace`]).
     pace: Mutex<Pace>,
+    /// Its KV cache in blocks, from the engine's
+    /// `vllm:cache_config_info{num_gpu_blocks}`: 0 not yet read,
+    /// `u64::MAX` the engine does not publish it.
+    capacity_blocks: AtomicU64,
 }
 
 impl Default for WorkerLive {
@@ -131,6 +135,7 @@ impl Default for WorkerLive {
             watch: Mutex::new(ReportWatch::default()),
             arrivals: Mutex::new(ArrivalRate::default()),
             pace: Mutex::new(Pace::default()),
+            capacity_blocks: AtomicU64::new(0),
         }
     }
 }
@@ -146,6 +151,37 @@ impl WorkerLive {
         let routed =
             self.inflight.load(Ordering::Relaxed).saturating_add(self.replica_inflight.load(Ordering::Relaxed));
         self.watch.lock().report(load.running, load.waiting, load.kv_usage, routed, now_ms)
+    }
+
+    /// The engine's KV cache in blocks, if it published it.
+    pub fn capacity_blocks(&self) -> Option<u64> {
+        match self.capacity_blocks.load(Ordering::Relaxed) {
+            0 | u64::MAX => None,
+            blocks => Some(blocks),
+        }
+    }
+
+    /// Has the engine's `/metrics` been read for its capacity (whether or
+    /// not it published one)?
+    pub fn capacity_read(&self) -> bool {
+        self.capacity_blocks.load(Ordering::Relaxed) != 0
+    }
+
+    /// What the engine's `/metrics` said of its capacity; `forget` (a
+    /// worker re-admitted, perhaps restarted with another configuration)
+    /// has it read again.
+    pub fn set_capacity_blocks(&self, blocks: Option<u64>) {
+        self.capacity_blocks.store(blocks.filter(|&b| b > 0).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    pub fn forget_capacity(&self) {
+        self.capacity_blocks.store(0, Ordering::Relaxed);
+    }
+
+    /// Never-used KV blocks there when the index holds `held` of its blocks
+    /// (`kvroute_worker_free_blocks`).
+    pub fn free_blocks(&self, held: usize) -> Option<u64> {
+        self.capacity_blocks().map(|cap| cap.saturating_sub(held as u64))
     }
 
     /// One of this router's requests there ended at `now_ms`.
@@ -179,6 +215,8 @@ impl WorkerLive {
             kv_usage: f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed)),
             arrival_rate: self.arrivals.lock().at(now_ms),
             pace: self.pace.lock().get(),
+            held_blocks: 0,
+            capacity_blocks: self.capacity_blocks(),
         }
     }
 

@@ -967,3 +967,57 @@ async fn data_parallel_ranks_are_targets_pinned_by_header() {
     let (status, err) = error_of(r.internal("/internal/sync", body).await).await;
     assert_eq!((status, err["error"]["param"].as_str()), (400, Some("dp_rank")), "{err}");
 }
+
+/// An engine that publishes its KV cache size as vLLM does
+/// (`vllm:cache_config_info{num_gpu_blocks}`) and answers every completion.
+async fn engine_with_blocks(blocks: u64) -> String {
+    let metrics = format!(
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
+         vllm:cache_config_info{{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"{blocks}\"}} 1.0\n"
+    );
+    let app = Router::new()
+        .route("/v1/completions", post(|| async { axum::Json(json!({"choices": [{"text": "hi"}]})) }))
+        .route("/health", get(|| async { "ok" }))
+        .route("/metrics", get(move || async move { metrics }));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    url
+}
+
+/// The router reads each engine's KV size from its `/metrics`, counts the
+/// blocks its index holds there (`/admin/workers`, `/debug/route`,
+/// `kvroute_worker_free_blocks`), and a new branch of a prefix whose only
+/// holder's cache is full goes to a worker with room (`cache_room`).
+#[tokio::test]
+async fn a_full_holder_gives_a_new_branch_to_a_worker_with_room() {
+    let (full, roomy) = (engine_with_blocks(8).await, engine_with_blocks(100).await);
+    let r = router(&[("w1", &full), ("w2", &roomy)], |_| {}).await;
+    // 200 bytes, 12 full blocks; w1 holds the first 8, all its cache has.
+    let text = prompt(200);
+    let keys = keys_of("m", &text);
+    for (id, held) in [("w1", &keys[..8]), ("w2", &keys[..0])] {
+        let sync = json!({"worker_id": id, "hashes": held});
+        assert_eq!(r.internal("/internal/sync", sync).await.status(), 200);
+    }
+    let capacity = |workers: &Value, id: &str| {
+        let w = workers["workers"].as_array().unwrap().iter().find(|w| w["id"] == id).unwrap();
+        (w["load"]["held_blocks"].as_u64().unwrap(), w["load"]["capacity_blocks"].as_u64())
+    };
+    let workers = support::eventually("both engines' KV size read", || async {
+        let workers: Value = r.http.get(format!("{}/admin/workers", r.url)).send().await.unwrap().json().await.unwrap();
+        (capacity(&workers, "w1").1.is_some() && capacity(&workers, "w2").1.is_some()).then_some(workers)
+    })
+    .await;
+    assert_eq!(capacity(&workers, "w1"), (8, Some(8)));
+    assert_eq!(capacity(&workers, "w2"), (0, Some(100)));
+    let debug = r.explain(json!({"model": "m", "prompt": text})).await;
+    assert_eq!(debug["decision"]["worker"], "w2", "{debug}");
+    assert_eq!(debug["decision"]["reason"], "cache_room", "{debug}");
+    let metrics = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("kvroute_worker_free_blocks{worker=\"w1\"} 0"), "{metrics}");
+    assert!(metrics.contains("kvroute_worker_free_blocks{worker=\"w2\"} 100"), "{metrics}");
+    // A prompt w1 holds nearly all of stays there, full or not.
+    let debug = r.explain(json!({"model": "m", "prompt": prompt(130)})).await;
+    assert_eq!(debug["decision"]["worker"], "w1", "{debug}");
+}

@@ -11,9 +11,7 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 
 mod support;
-use support::{TOKEN, TestRouter, router, serve};
-
-const WAIT: Duration = Duration::from_secs(20);
+use support::{TOKEN, TestRouter, eventually, router, serve};
 
 /// An engine that takes every completion and never answers it.
 async fn hanging_engine() -> String {
@@ -24,22 +22,6 @@ async fn hanging_engine() -> String {
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await });
     url
-}
-
-/// Polls `check` every 20 ms until it yields a value, for at most `WAIT`.
-async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 fn words(seed: u64, n: usize) -> String {

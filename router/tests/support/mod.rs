@@ -43,3 +43,21 @@ pub fn serve(listener: TcpListener, raw: RawConfig) -> TestRouter {
     }));
     TestRouter { url, http: reqwest::Client::new(), _stop: stop }
 }
+
+/// Polls `check` every 20 ms until it yields a value, for at most 20 s
+/// (a deadline for a broken build, not a wait for readiness).
+#[allow(dead_code)] // not every test file needs it
+pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
