@@ -60,7 +60,8 @@ pub struct CompareArgs {
     /// Replay a Mooncake-format JSONL trace instead.
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
-    /// Comma-separated policies (default: all; quick and vLLM: the default policy and round_robin).
+    /// Comma-separated policies (default: all; quick and vLLM: the default policy and round_robin);
+    /// `NAME:KEY=VALUE+KEY=VALUE` runs a policy with parameters changed, as the lab names them.
     #[arg(long, value_delimiter = ',')]
     pub policies: Option<Vec<String>>,
     /// Worker counts, comma-separated [default: 4 simulated, 2 vLLM].

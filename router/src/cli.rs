@@ -133,6 +133,10 @@ pub struct ServeArgs {
     /// PEM CA bundle trusted for https:// workers.
     #[arg(long, value_name = "FILE")]
     pub tls_ca: Option<PathBuf>,
+    /// Any config-file key, dotted for a table's (`predicted_ttft.room_ratio=0`);
+    /// repeatable, applied over everything else.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
 }
 
 /// Top-level keys that `KVROUTE_<KEY>` may set (lists are comma-separated).
@@ -182,6 +186,8 @@ pub enum CliError {
     ModelTokenizer(String),
     #[error("--worker-urls {0:?} is not an http(s) URL with a host")]
     WorkerUrl(String),
+    #[error("--set {0:?} is not KEY=VALUE")]
+    Set(String),
 }
 
 /// `HOST:PORT` from the peers' separate host and port flags (host default
@@ -265,6 +271,14 @@ impl ServeArgs {
             let (model, dir) = spec.split_once('=').ok_or_else(|| CliError::ModelTokenizer(spec.clone()))?;
             set(&format!("tokenizers.{model}"), Some(dir.to_owned().into()))?;
         }
+        for kv in &self.sets {
+            match kv.split_once('=') {
+                Some((key, value)) if !key.is_empty() && key.split('.').all(|k| !k.is_empty()) => {
+                    set(key, Some(value.to_owned().into()))?;
+                }
+                _ => return Err(CliError::Set(kv.clone())),
+            }
+        }
         Ok(b.build()?.try_deserialize()?)
     }
 }
@@ -272,6 +286,21 @@ impl ServeArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn set_reaches_any_key_and_misspellings_fail() {
+        let parse = |sets: &[&str]| {
+            let argv = ["kvroute-router"].into_iter().chain(sets.iter().flat_map(|s| ["--set", s]));
+            Cli::try_parse_from(argv).unwrap().serve.load(Vec::new())
+        };
+        let raw = parse(&["predicted_ttft.room_ratio=0", "retries=5", "policy=round_robin"]).unwrap();
+        assert_eq!((raw.retries, raw.policy.as_str()), (5, "round_robin"));
+        assert_eq!(raw.predicted_ttft.room_ratio, 0.0);
+        assert_ne!(crate::policy::PredictedTtftParams::default().room_ratio, 0.0);
+        assert!(matches!(parse(&["retries"]), Err(CliError::Set(_))));
+        assert!(matches!(parse(&["predicted_ttft..x=1"]), Err(CliError::Set(_))));
+        assert!(parse(&["predicted_ttft.room_ration=0"]).is_err(), "an unknown key is refused");
+    }
 
     #[test]
     fn peer_spellings_host_port_and_worker_urls() {
