@@ -340,16 +340,14 @@ impl Cluster {
         let mut routers: Vec<RouterProc> = Vec::new();
         for r in 0..spec.routers {
             let port = if r == 0 { spec.port } else { 0 };
-            let mut args: Vec<String> = vec![
-                "--listen".into(),
-                format!("127.0.0.1:{port}"),
-                "--policy".into(),
-                spec.policy.clone(),
+            let mut args: Vec<String> = vec!["--listen".into(), format!("127.0.0.1:{port}")];
+            args.extend(policy_args(&spec.policy));
+            args.extend([
                 "--block-size".into(),
                 spec.block_size.to_string(),
                 "--internal-token".into(),
                 LOCAL_TOKEN.into(),
-            ];
+            ]);
             if let Some(t) = &spec.tokenizer {
                 args.extend(["--tokenizer".into(), t.display().to_string()]);
             }
@@ -683,4 +681,16 @@ pub async fn shutdown_signal() {
         }
     }
     let _ = tokio::signal::ctrl_c().await;
+}
+/// The router's policy flags for `policy`, named as the lab names a policy
+/// with parameters (`predicted_ttft:room_ratio=0+pull_ratio=0.5`): that
+/// policy, with `--set predicted_ttft.room_ratio=0 --set
+/// predicted_ttft.pull_ratio=0.5`.
+pub fn policy_args(policy: &str) -> Vec<String> {
+    let (name, params) = policy.split_once(':').unwrap_or((policy, ""));
+    let mut args = vec!["--policy".to_owned(), name.to_owned()];
+    for param in params.split('+').filter(|p| !p.is_empty()) {
+        args.extend(["--set".to_owned(), format!("{name}.{param}")]);
+    }
+    args
 }

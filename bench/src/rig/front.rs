@@ -39,24 +39,10 @@ pub struct FrontSpec {
 const GRACE: Duration = Duration::from_secs(5);
 
 /// A router's flags, listening on `listen` (`127.0.0.1:0` for any port).
-/// A policy named with parameters, as the lab names them
-/// (`predicted_ttft:room_ratio=0+pull_ratio=0.5`), is that policy with
-/// `--set predicted_ttft.room_ratio=0 --set predicted_ttft.pull_ratio=0.5`.
 pub fn router_args(spec: &FrontSpec, engines: &[EngineEndpoints], listen: &str) -> Vec<String> {
-    let (policy, params) = spec.policy.split_once(':').unwrap_or((&spec.policy, ""));
-    let mut args: Vec<String> = vec![
-        "--listen".into(),
-        listen.into(),
-        "--policy".into(),
-        policy.into(),
-        "--block-size".into(),
-        spec.block_size.to_string(),
-        "--internal-token".into(),
-        LOCAL_TOKEN.into(),
-    ];
-    for param in params.split('+').filter(|p| !p.is_empty()) {
-        args.extend(["--set".into(), format!("{policy}.{param}")]);
-    }
+    let mut args: Vec<String> = vec!["--listen".into(), listen.into()];
+    args.extend(kvroute_sim::cluster::policy_args(&spec.policy));
+    args.extend(["--block-size".into(), spec.block_size.to_string(), "--internal-token".into(), LOCAL_TOKEN.into()]);
     if let Some(t) = &spec.tokenizer {
         args.extend(["--tokenizer".into(), t.display().to_string()]);
     }
@@ -234,8 +220,8 @@ mod tests {
 
     #[test]
     fn a_policy_named_with_parameters_sets_them() {
-        let spec = FrontSpec { policy: "predicted_ttft:room_ratio=0+pull_ratio=0.5".into(), ..spec(true) };
-        let args = router_args(&spec, &[engine()], "127.0.0.1:0");
+        let tuned = FrontSpec { policy: "predicted_ttft:room_ratio=0+pull_ratio=0.5".into(), ..spec(true) };
+        let args = router_args(&tuned, &[engine()], "127.0.0.1:0");
         assert_eq!(value(&args, "--policy"), ["predicted_ttft"]);
         assert_eq!(value(&args, "--set"), ["predicted_ttft.room_ratio=0", "predicted_ttft.pull_ratio=0.5"]);
         assert!(value(&router_args(&spec(true), &[engine()], "127.0.0.1:0"), "--set").is_empty());
