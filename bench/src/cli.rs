@@ -86,6 +86,11 @@ pub struct CompareArgs {
     /// Override the engines' --time-scale for every workload.
     #[arg(long)]
     pub time_scale: Option<f64>,
+    /// KV blocks per engine [default: the engines hold 1.5 × the workload's
+    /// distinct blocks between them, each at least 4 × the longest request +
+    /// 256]: fewer makes the engines evict.
+    #[arg(long)]
+    pub num_blocks: Option<u32>,
     /// A router TOML config passed to every router (`--config`), e.g. to try
     /// `[cache_aware]` parameters; its file name is recorded with each run.
     #[arg(long, value_name = "FILE")]

@@ -387,7 +387,9 @@ pub async fn run(args: CompareArgs) -> Result<Vec<Record>, BenchError> {
             replica_exchange: !args.no_replica_exchange,
             sidecars,
             policy: policy.clone(),
-            num_blocks: blocks_per_worker(&p.ceiling, n, p.workload.max_output(), block_size),
+            num_blocks: args
+                .num_blocks
+                .unwrap_or_else(|| blocks_per_worker(&p.ceiling, n, p.workload.max_output(), block_size)),
             sim_args: sim_args(&p.workload),
             router_args: args.router_config.iter().flat_map(|c| ["--config".into(), c.display().to_string()]).collect(),
             tokenizer: args.text_tokenizer.clone(),
