@@ -1,5 +1,5 @@
-//! The completion path's cache (issue 16): texts cut at line starts and
-//! encoded chunk by chunk, cold and warm, with and without special tokens,
+//! The completion path's cache (issue 16): texts cut at line and word starts
+//! and encoded chunk by chunk, cold and warm, with and without special tokens,
 //! give exactly the whole-text ids, for the GPT-2 and Qwen3 tokenizers.
 
 use proptest::prelude::*;
@@ -11,6 +11,7 @@ use support::tokenizers;
 fn line() -> impl Strategy<Value = String> {
     prop_oneof![
         "[a-zA-Z0-9 .,'!?()#-]{0,80}",
+        "( [a-zA-Z]{1,10}){1,120}",
         "[ \t]{0,4}[a-z_]{1,8}\\([a-z, ]{0,20}\\);",
         Just("naïve café — 東京 🚀".to_string()),
         Just("\u{301}combining".to_string()),
