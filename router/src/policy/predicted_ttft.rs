@@ -196,11 +196,11 @@ pub struct PredictedTtftParams {
     /// worker predicted to answer first of those with no more prefill
     /// queued that would still have `room_reserve` of their cache unused
     /// after taking it and would prefill at most `room_ratio` × the chosen
-    /// worker's uncached tokens more takes it. Whatever
-    /// the full worker evicts is likely wanted again (a conversation
-    /// between turns); room elsewhere costs nothing. The reserve keeps a
-    /// warm worker's few unhashed blocks (partial last blocks) from passing
-    /// for room. `room_ratio` 0 turns it off.
+    /// worker's uncached tokens more takes it. Whatever the full worker
+    /// evicts is likely wanted again (a conversation between turns); room
+    /// elsewhere costs nothing. The reserve keeps a warm worker's few
+    /// unhashed blocks (partial last blocks) from passing for room.
+    /// `room_ratio` 0 turns it off.
     pub room_ratio: f64,
     pub room_reserve: f64,
 }
@@ -383,9 +383,24 @@ impl PredictedTtft {
                 (view.uncached_tokens(o), std::cmp::Reverse(rendezvous(anchor, o.id_hash)))
             })
     }
-}
 
-impl PredictedTtft {
+    /// The idle pull, else the cache room: the worker that should take the
+    /// request from `chosen`, if any, and why.
+    fn pull(
+        &self,
+        view: &RouteView<'_>,
+        eligible: &[usize],
+        (workers, predicted): (Paced<'_>, &[f64]),
+        chosen: usize,
+        anchor: u64,
+        hot_depth: usize,
+    ) -> Option<(usize, Reason)> {
+        self.idle_pull(view, eligible, workers, chosen, anchor, hot_depth).or_else(|| {
+            let room = self.room_pull(view, eligible, (workers.queued, predicted), chosen, anchor)?;
+            Some((room, Reason::CacheRoom))
+        })
+    }
+
     /// Cache room ([`PredictedTtftParams::room_ratio`]): a worker with
     /// never-used KV blocks that should take the request instead of
     /// `chosen`, whose cache is full, if any: of those that qualify, the
@@ -537,14 +552,9 @@ impl Policy for PredictedTtft {
                 let slack =
                     p.stick_slack_tokens.max(p.stick_recompute_weight * saved as f64 + p.stick_unique_weight * unique);
                 if held > p.stick_ratio * view.prompt_tokens as f64 && queued[h] <= p.stick_factor * shortest + slack {
+                    let paced = Paced { queued: &queued, pace: &pace };
                     let (h, reason) = self
-                        .idle_pull(view, &eligible, Paced { queued: &queued, pace: &pace }, h, anchor, hot_depth)
-                        .or_else(|| {
-                            Some((
-                                self.room_pull(view, &eligible, (&queued, &predicted), h, anchor)?,
-                                Reason::CacheRoom,
-                            ))
-                        })
+                        .pull(view, &eligible, (paced, &predicted), h, anchor, hot_depth)
                         .unwrap_or((h, Reason::BestCost));
                     let mut d = Decision::with_fallbacks(view, h, reason);
                     d.costs = predicted.iter().map(|t| Some(t / 1e3)).collect();
@@ -612,10 +622,8 @@ impl Policy for PredictedTtft {
             .into_iter()
             .min_by(|&a, &b| score[a].total_cmp(&score[b]).then(hashed(b).cmp(&hashed(a))))
             .unwrap_or(0);
-        let pulled =
-            self.idle_pull(view, &eligible, Paced { queued: &queued, pace: &pace }, chosen, anchor, hot_depth).or_else(
-                || Some((self.room_pull(view, &eligible, (&queued, &predicted), chosen, anchor)?, Reason::CacheRoom)),
-            );
+        let paced = Paced { queued: &queued, pace: &pace };
+        let pulled = self.pull(view, &eligible, (paced, &predicted), chosen, anchor, hot_depth);
         let chosen = pulled.map_or(chosen, |(i, _)| i);
         let reason = if let Some((_, reason)) = pulled {
             reason
