@@ -14,7 +14,6 @@ use serde_json::{Value, json};
 
 use crate::error::RouterError;
 use crate::index::Kind;
-use crate::policy::LoadView;
 use crate::proxy::{admit, parse};
 use crate::routing;
 use crate::state::{AppState, now_ms};
@@ -161,11 +160,7 @@ pub async fn workers(State(state): State<Arc<AppState>>) -> Json<Value> {
                 // Exact: a sidecar reports the engine's cache. Approximate:
                 // the router's own routing decisions stand in for it.
                 "index_mode": if w.live.has_sidecar.load(Ordering::Relaxed) { "exact" } else { "approximate" },
-                "load": LoadView {
-                    held_blocks: map.index.held(w.slot) as u64,
-                    capacity_blocks: w.live.capacity_blocks(),
-                    ..w.live.load(now_ms())
-                },
+                "load": w.live.load(now_ms(), map.index.held(w.slot)),
                 "index": map.index.counts(w.slot),
                 "last_sync_ms_ago": (last_sync > 0).then(|| now.saturating_sub(last_sync)),
             })

@@ -227,7 +227,7 @@ pub fn housekeeping_gauges(state: &AppState) {
         for (kind, n) in INDEX_KINDS.into_iter().zip([c.confirmed, c.speculative, c.approximate]) {
             m.index_worker_entries.get_or_create(&WorkerKind { worker: id.clone(), kind }).set(n as i64);
         }
-        let load = w.live.load(now_ms());
+        let load = w.live.load(now_ms(), map.index.held(w.slot));
         let label = WorkerLabel { worker: id.clone() };
         m.init_worker_series(&id);
         m.worker_inflight.get_or_create(&label).set(i64::from(load.inflight));
@@ -238,7 +238,8 @@ pub fn housekeeping_gauges(state: &AppState) {
         if let Some(pace) = load.pace {
             m.worker_pace.get_or_create(&label).set(pace);
         }
-        if let Some(free) = w.live.free_blocks(map.index.held(w.slot)) {
+        if let Some(cap) = load.capacity_blocks {
+            let free = cap.saturating_sub(load.held_blocks);
             m.worker_free_blocks.get_or_create(&label).set(free.min(i64::MAX as u64) as i64);
         }
         m.worker_healthy.get_or_create(&label).set(i64::from(w.live.is_healthy()));

@@ -569,7 +569,7 @@ mod tests {
     }
 
     fn figures(w: &Worker) -> (u64, u32) {
-        let load = w.live.load(0);
+        let load = w.live.load(0, 0);
         (load.replica_pending_prefill_tokens, load.replica_inflight)
     }
 
@@ -585,7 +585,7 @@ mod tests {
         assert_eq!(figures(&b), (40, 1));
         // The own figures stay apart, and routing sees both.
         a.live.pending_prefill_tokens.store(100, Ordering::Relaxed);
-        assert_eq!(a.live.load(0).pending_prefill_tokens, 1_600);
+        assert_eq!(a.live.load(0, 0).pending_prefill_tokens, 1_600);
         // p1's requests there finished: its next report leaves `a` out.
         assert_eq!(replicas.hear(report("p1", 2, &[]), "me", t0), Heard::Applied);
         // A report overtaken by a newer one changes nothing.
@@ -635,7 +635,7 @@ mod tests {
         replicas.publish(std::slice::from_ref(&a), t0);
         assert_eq!(figures(&a), (3 * MAX_REPORTED_PENDING_TOKENS, u32::MAX));
         a.live.inflight.store(5, Ordering::Relaxed);
-        let load = a.live.load(0);
+        let load = a.live.load(0, 0);
         assert_eq!(load.routed_inflight(), u32::MAX);
         assert_eq!(load.requests(), u64::from(u32::MAX));
     }

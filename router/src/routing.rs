@@ -191,8 +191,7 @@ fn plan_against(
                 } else {
                     (indexed, index.match_kind(w.slot, &keys[..indexed]))
                 };
-                let mut load = w.live.load(now);
-                (load.held_blocks, load.capacity_blocks) = (index.held(w.slot) as u64, w.live.capacity_blocks());
+                let load = w.live.load(now, index.held(w.slot));
                 Candidate { slot: w.slot, matched_blocks, matched_kind, load, id_hash: w.id_hash }
             })
             .collect();

@@ -178,12 +178,6 @@ impl WorkerLive {
         self.capacity_blocks.store(0, Ordering::Relaxed);
     }
 
-    /// Never-used KV blocks there when the index holds `held` of its blocks
-    /// (`kvroute_worker_free_blocks`).
-    pub fn free_blocks(&self, held: usize) -> Option<u64> {
-        self.capacity_blocks().map(|cap| cap.saturating_sub(held as u64))
-    }
-
     /// One of this router's requests there ended at `now_ms`.
     pub fn record_end(&self, now_ms: u64) {
         self.watch.lock().ended(now_ms);
@@ -202,8 +196,9 @@ impl WorkerLive {
     }
 
     /// The worker's load as of `now_ms` (unix ms): this router's figures
-    /// with the other replicas' added.
-    pub fn load(&self, now_ms: u64) -> LoadView {
+    /// with the other replicas' added, and its cache fill with the index
+    /// holding `held_blocks` of its blocks.
+    pub fn load(&self, now_ms: u64, held_blocks: usize) -> LoadView {
         let others_pending = self.replica_pending_prefill_tokens.load(Ordering::Relaxed);
         LoadView {
             inflight: self.inflight.load(Ordering::Relaxed),
@@ -215,7 +210,7 @@ impl WorkerLive {
             kv_usage: f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed)),
             arrival_rate: self.arrivals.lock().at(now_ms),
             pace: self.pace.lock().get(),
-            held_blocks: 0,
+            held_blocks: held_blocks as u64,
             capacity_blocks: self.capacity_blocks(),
         }
     }
