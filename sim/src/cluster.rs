@@ -682,6 +682,7 @@ pub async fn shutdown_signal() {
     }
     let _ = tokio::signal::ctrl_c().await;
 }
+
 /// The router's policy flags for `policy`, named as the lab names a policy
 /// with parameters (`predicted_ttft:room_ratio=0+pull_ratio=0.5`): that
 /// policy, with `--set predicted_ttft.room_ratio=0 --set

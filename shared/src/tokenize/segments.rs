@@ -194,8 +194,8 @@ impl SegmentCache {
 /// `text` cut at line starts (just after a single `\n` between non-space
 /// characters) and word starts (before the space of `w X`, `. X`, `! X`,
 /// `? X`, w and X ASCII letters) into pieces of at least `min` bytes (the
-/// last may be shorter). Greedy from the start: the cuts inside a prefix do not depend on
-/// what follows it.
+/// last may be shorter). Greedy from the start: the cuts inside a prefix do
+/// not depend on what follows it.
 pub fn line_chunks(text: &str, min: usize) -> impl Iterator<Item = &str> {
     let bytes = text.as_bytes();
     let mut start = 0;
