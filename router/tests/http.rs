@@ -21,7 +21,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
 mod support;
-use support::{TOKEN, TestRouter, router};
+use support::{TOKEN, TestRouter, router, serve_engine};
 
 /// How a fake worker answers completions.
 #[derive(Clone)]
@@ -99,10 +99,7 @@ async fn fake_worker(name: &'static str, behaviour: Behaviour) -> Fake {
         .route("/v1/completions", post(completions.clone()))
         .route("/v1/chat/completions", post(completions))
         .route("/health", get(|| async { "ok" }));
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    Fake { url, hits }
+    Fake { url: serve_engine(app).await, hits }
 }
 
 struct CancelGuard(Option<oneshot::Sender<()>>);
@@ -919,10 +916,7 @@ async fn ranked_engine() -> String {
         axum::Json(json!({"rank": rank, "choices": [{"text": "hi"}]}))
     };
     let app = Router::new().route("/v1/completions", post(complete)).route("/health", get(|| async { "ok" }));
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    url
+    serve_engine(app).await
 }
 
 #[tokio::test]
@@ -979,10 +973,7 @@ async fn engine_with_blocks(blocks: u64) -> String {
         .route("/v1/completions", post(|| async { axum::Json(json!({"choices": [{"text": "hi"}]})) }))
         .route("/health", get(|| async { "ok" }))
         .route("/metrics", get(move || async move { metrics }));
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    url
+    serve_engine(app).await
 }
 
 /// The router reads each engine's KV size from its `/metrics`, counts the

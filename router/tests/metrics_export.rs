@@ -9,10 +9,9 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use serde_json::json;
-use tokio::net::TcpListener;
 
 mod support;
-use support::{TOKEN, TestRouter, router};
+use support::{TOKEN, TestRouter, router, serve_engine};
 
 /// A worker that answers every completion with `status`.
 async fn fake_worker(status: u16) -> String {
@@ -20,10 +19,7 @@ async fn fake_worker(status: u16) -> String {
         (StatusCode::from_u16(status).unwrap(), axum::Json(json!({"choices": [{"text": "hi"}]})))
     };
     let app = Router::new().route("/v1/completions", post(answer)).route("/health", get(|| async { "ok" }));
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    url
+    serve_engine(app).await
 }
 
 impl TestRouter {

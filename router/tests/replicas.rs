@@ -11,17 +11,14 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 
 mod support;
-use support::{TOKEN, TestRouter, eventually, router, serve};
+use support::{TOKEN, TestRouter, eventually, router, serve, serve_engine};
 
 /// An engine that takes every completion and never answers it.
 async fn hanging_engine() -> String {
     let app = Router::new()
         .route("/v1/completions", post(futures::future::pending::<&'static str>))
         .route("/health", get(|| async { "ok" }));
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    url
+    serve_engine(app).await
 }
 
 fn words(seed: u64, n: usize) -> String {

@@ -61,3 +61,12 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Serves `app` (an engine stand-in) on an ephemeral loopback port; its URL.
+#[allow(dead_code)] // not every test file needs it
+pub async fn serve_engine(app: axum::Router) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    url
+}
