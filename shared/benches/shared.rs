@@ -92,6 +92,27 @@ fn tokenize(c: &mut Criterion) {
                 )
             });
         }
+        // Words no cache has seen (random letters): every piece is a word
+        // cache miss, BPE-merged on the fast path.
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        g.bench_function(format!("{name} completion of 1,000 new words"), |b| {
+            b.iter_batched(
+                || {
+                    (0..1_000)
+                        .map(|_| {
+                            seed ^= seed << 13;
+                            seed ^= seed >> 7;
+                            seed ^= seed << 17;
+                            let len = 4 + (seed % 6) as usize;
+                            (0..len).map(|k| char::from(b'a' + ((seed >> (5 * k)) % 26) as u8)).collect::<String>()
+                        })
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                },
+                |t| tok.encode(&t, false),
+                criterion::BatchSize::SmallInput,
+            )
+        });
         if name == "qwen3" {
             // An 8k-token conversation: system prompt, 20 turns.
             let mut messages = vec![json!({"role": "system", "content": text(600)})];

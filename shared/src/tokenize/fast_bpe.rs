@@ -8,8 +8,10 @@
 //! Llama 3 and cl100k), the split is a few lines of byte matching, NFC is the
 //! identity, and a piece seen before needs no BPE at all: this module splits
 //! with a hand-written matcher equivalent to the regex on ASCII, looks each
-//! piece up in a word cache, and runs the tokenizer's own BPE model
-//! (`Model::tokenize`, exactly what HF calls per piece) only on misses.
+//! piece up in a word cache, and runs BPE only on misses: its own merge
+//! loop ([`Merges`]) for byte-level models without HF's options, the
+//! tokenizer's own `Model::tokenize` (exactly what HF calls per piece) for
+//! anything else or any piece longer than [`Merges::MAX_SYMBOLS`].
 //!
 //! Anything else — a non-ASCII text, another normalizer, pre-tokenizer or
 //! model — returns `None` and the caller encodes with HF. Exactness is
@@ -47,6 +49,8 @@ pub struct FastBpe {
     split: Split,
     /// GPT-2's `bytes_to_unicode`: the character each byte becomes.
     byte_char: [char; 256],
+    /// The model's merges, when this module can apply them itself.
+    merges: Option<Merges>,
     words: Mutex<Words>,
 }
 
@@ -82,8 +86,13 @@ impl Hasher for Fx {
         self.add(n as u64);
     }
 
+    /// The product's high bits are the well-mixed ones, and hashbrown
+    /// takes its bucket from the low bits: rotated down (as `rustc-hash`
+    /// 2 does), words sharing their first letters, and merges sharing their
+    /// right token, no longer land in one probe sequence (a third of the
+    /// cold-word time went to comparing keys there).
     fn finish(&self) -> u64 {
-        self.0
+        self.0.rotate_left(26)
     }
 }
 
@@ -110,7 +119,9 @@ impl FastBpe {
         }
         let pre = serde_json::to_value(tokenizer.get_pre_tokenizer()?).ok()?;
         let split = split_kind(&pre)?;
-        let fast = FastBpe { split, byte_char: bytes_to_unicode(), words: Mutex::default() };
+        let byte_char = bytes_to_unicode();
+        let merges = Merges::new(bpe, &byte_char);
+        let fast = FastBpe { split, byte_char, merges, words: Mutex::default() };
         fast.agrees_with(tokenizer).then_some(fast)
     }
 
@@ -154,8 +165,15 @@ impl FastBpe {
         }
         let mut encoded: Vec<Box<[u32]>> = Vec::with_capacity(misses.len());
         let mut mapped = String::new();
+        let mut scratch = Scratch::default();
         for &(k, _) in &misses {
             let (s, e) = pieces[k];
+            if let Some(merges) = &self.merges
+                && let Some(ids) = merges.encode(&bytes[s..e], &mut scratch)
+            {
+                encoded.push(ids.into());
+                continue;
+            }
             mapped.clear();
             mapped.extend(bytes[s..e].iter().map(|&b| self.byte_char[usize::from(b)]));
             match tokenizer.get_model().tokenize(&mapped) {
@@ -193,6 +211,109 @@ impl FastBpe {
             let mut ours = Vec::new();
             matches!(self.encode(tokenizer, p, &mut ours), Some(Ok(()))) && ours == whole.get_ids()
         })
+    }
+}
+
+/// A byte-level BPE model's merges, applied as HF's `Word::merge_all`
+/// applies them: each byte starts as its own token, and while any adjacent
+/// pair has a merge, the pair of lowest rank (the leftmost of equals)
+/// becomes the merged token. HF's per-piece path allocates a `Token` with
+/// its text and offsets for every id and keeps a heap; the router meets
+/// cold words on every new document (half its tokenizing time in the bench's
+/// chat profile), and a piece is a few bytes, so a scan over a small array
+/// does it with no allocation but the result.
+struct Merges {
+    /// Each byte's token (its `bytes_to_unicode` character's id).
+    byte_id: [u32; 256],
+    /// (left << 32 | right) → (rank, merged id).
+    pairs: HashMap<u64, (u32, u32), BuildHasherDefault<Fx>>,
+}
+
+/// Reused buffers for [`Merges::encode`].
+#[derive(Default)]
+struct Scratch {
+    ids: Vec<u32>,
+    ranks: Vec<u32>,
+}
+
+impl Merges {
+    /// Pieces longer than this (a long run of spaces or punctuation) go to
+    /// HF's heap: the scan is quadratic in the piece's length.
+    const MAX_SYMBOLS: usize = 64;
+
+    /// The merges of `bpe`, or `None` when it has an option this loop does
+    /// not reproduce (dropout, unknown-token handling, byte fallback,
+    /// subword prefixes or suffixes, `ignore_merges`) or a byte without a
+    /// token.
+    fn new(bpe: &tokenizers::models::bpe::BPE, byte_char: &[char; 256]) -> Option<Self> {
+        let empty = |o: &Option<String>| o.as_deref().is_none_or(str::is_empty);
+        if bpe.dropout.is_some_and(|d| d > 0.0)
+            || bpe.unk_token.is_some()
+            || bpe.byte_fallback
+            || bpe.ignore_merges
+            || !empty(&bpe.continuing_subword_prefix)
+            || !empty(&bpe.end_of_word_suffix)
+        {
+            return None;
+        }
+        let id = |token: &str| bpe.token_to_id(token);
+        let mut byte_id = [0u32; 256];
+        for (b, c) in byte_char.iter().enumerate() {
+            byte_id[b] = id(c.encode_utf8(&mut [0; 4]))?;
+        }
+        // The model keeps its merges private; its serialized form lists them
+        // in rank order (read back borrowed, the vocabulary skipped: a
+        // `serde_json::Value` of Qwen3's model took 280 ms).
+        #[derive(serde::Deserialize)]
+        struct Listed<'a> {
+            #[serde(borrow)]
+            merges: Vec<(std::borrow::Cow<'a, str>, std::borrow::Cow<'a, str>)>,
+        }
+        let json = serde_json::to_vec(bpe).ok()?;
+        let listed: Listed = serde_json::from_slice(&json).ok()?;
+        let mut pairs = HashMap::with_capacity_and_hasher(listed.merges.len(), BuildHasherDefault::<Fx>::default());
+        let mut joined = String::new();
+        for (rank, (a, b)) in listed.merges.iter().enumerate() {
+            joined.clear();
+            joined.push_str(a);
+            joined.push_str(b);
+            let key = (u64::from(id(a)?) << 32) | u64::from(id(b)?);
+            pairs.entry(key).or_insert((u32::try_from(rank).ok()?, id(&joined)?));
+        }
+        Some(Merges { byte_id, pairs })
+    }
+
+    fn rank(&self, left: u32, right: u32) -> Option<(u32, u32)> {
+        self.pairs.get(&((u64::from(left) << 32) | u64::from(right))).copied()
+    }
+
+    /// `piece`'s token ids, or `None` when it is longer than
+    /// [`Self::MAX_SYMBOLS`].
+    fn encode<'s>(&self, piece: &[u8], scratch: &'s mut Scratch) -> Option<&'s [u32]> {
+        if piece.len() > Self::MAX_SYMBOLS {
+            return None;
+        }
+        let Scratch { ids, ranks } = scratch;
+        ids.clear();
+        ids.extend(piece.iter().map(|&b| self.byte_id[usize::from(b)]));
+        ranks.clear();
+        ranks.extend(ids.windows(2).map(|w| self.rank(w[0], w[1]).map_or(u32::MAX, |(r, _)| r)));
+        // The lowest rank, leftmost of equals, while any pair merges.
+        while let Some((at, _)) =
+            ranks.iter().enumerate().filter(|&(_, &r)| r != u32::MAX).min_by_key(|&(i, &r)| (r, i))
+        {
+            let (_, merged) = self.rank(ids[at], ids[at + 1])?;
+            ids[at] = merged;
+            ids.remove(at + 1);
+            ranks.remove(at);
+            if at < ranks.len() {
+                ranks[at] = self.rank(ids[at], ids[at + 1]).map_or(u32::MAX, |(r, _)| r);
+            }
+            if at > 0 {
+                ranks[at - 1] = self.rank(ids[at - 1], ids[at]).map_or(u32::MAX, |(r, _)| r);
+            }
+        }
+        Some(ids)
     }
 }
 
@@ -394,6 +515,56 @@ mod tests {
             at = e;
         }
         assert_eq!(pieces, ["Hello", " ", " world", "'S", " ", "1", "2", "3", ".x", " !!", " \n\n", " x"]);
+    }
+
+    /// Every token of GPT-2's and Qwen3's vocabularies, and random byte
+    /// strings up to [`Merges::MAX_SYMBOLS`] long, merge to HF's ids.
+    #[test]
+    fn merges_equal_hfs_bpe_on_every_vocabulary_token_and_random_bytes() {
+        use tokenizers::Model;
+        let byte_char = bytes_to_unicode();
+        let byte_of: HashMap<char, u8> = (0..=255u8).map(|b| (byte_char[usize::from(b)], b)).collect();
+        for name in ["gpt2", "qwen3"] {
+            let dir = crate::testdata::tokenizer_dir(name).unwrap_or_else(|why| panic!("no {name} tokenizer: {why}"));
+            let tok = Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+            let ModelWrapper::BPE(bpe) = tok.get_model() else { panic!("{name}: not BPE") };
+            let merges = Merges::new(bpe, &byte_char).unwrap_or_else(|| panic!("{name}: merges refused"));
+            let mut scratch = Scratch::default();
+            let mut check = |bytes: &[u8]| {
+                let mapped: String = bytes.iter().map(|&b| byte_char[usize::from(b)]).collect();
+                let hf: Vec<u32> = bpe.tokenize(&mapped).unwrap().iter().map(|t| t.id).collect();
+                assert_eq!(merges.encode(bytes, &mut scratch).unwrap(), hf.as_slice(), "{name}: {bytes:?}");
+            };
+            let mut tokens = 0;
+            for piece in bpe.get_vocab().keys() {
+                let bytes: Option<Vec<u8>> = piece.chars().map(|c| byte_of.get(&c).copied()).collect();
+                if let Some(bytes) = bytes.filter(|b| b.len() <= Merges::MAX_SYMBOLS) {
+                    check(&bytes);
+                    tokens += 1;
+                }
+            }
+            assert!(tokens > 40_000, "{name}: only {tokens} tokens checked");
+            let mut x = 0x9e37_79b9_7f4a_7c15u64;
+            let mut next = || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            };
+            for _ in 0..20_000 {
+                let len = 1 + (next() % Merges::MAX_SYMBOLS as u64) as usize;
+                // Mostly letters and spaces (long merges), some of any byte.
+                let bytes: Vec<u8> = (0..len)
+                    .map(|_| match next() % 8 {
+                        0 => (next() % 256) as u8,
+                        1 => b' ',
+                        _ => b'a' + (next() % 26) as u8,
+                    })
+                    .collect();
+                check(&bytes);
+            }
+            assert!(merges.encode(&[b' '; Merges::MAX_SYMBOLS + 1], &mut scratch).is_none());
+        }
     }
 
     #[test]
