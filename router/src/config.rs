@@ -346,6 +346,7 @@ impl RawConfig {
             || ![
                 t.pull_ratio,
                 t.pull_unique_ratio,
+                t.pull_gap_weight,
                 t.burst_idle_share,
                 t.imposed_weight,
                 t.imposed_band,

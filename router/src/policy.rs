@@ -381,11 +381,14 @@ pub enum Reason {
     /// A worker with never-used KV blocks took a new branch of a prefix
     /// from a holder whose cache is full (`predicted_ttft`).
     CacheRoom,
+    /// A holder of the hot prefix carrying fewer than half the chosen
+    /// worker's requests took the request (`predicted_ttft`).
+    LightPull,
 }
 
 impl Reason {
     /// Every reason, for metric series that exist before the first decision.
-    pub const ALL: [Reason; 16] = [
+    pub const ALL: [Reason; 17] = [
         Reason::BestCost,
         Reason::ColdPlacement,
         Reason::Imbalanced,
@@ -402,6 +405,7 @@ impl Reason {
         Reason::IdlePull,
         Reason::BurstSpread,
         Reason::CacheRoom,
+        Reason::LightPull,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -422,6 +426,7 @@ impl Reason {
             Reason::IdlePull => "idle_pull",
             Reason::BurstSpread => "burst_spread",
             Reason::CacheRoom => "cache_room",
+            Reason::LightPull => "light_pull",
         }
     }
 }

@@ -76,6 +76,16 @@
 //!   counting `pull_ratio` per token two or more workers already hold and
 //!   `pull_unique_ratio` per token only one does (a conversation or a
 //!   document: a copy serves only this request's successors);
+//! - light pull: where a conversation starts, its later turns go, and in a
+//!   closed loop the holders' queues stay too short for the idle pull: new
+//!   conversations piled onto some holders of a system prompt while others
+//!   sat idle (lab, closed-loop chat, 16 workers: prefill max/mean 1.71).
+//!   Each request the chosen worker carries beyond another counts
+//!   `pull_gap_weight` × the mean uncached prompt in the idle pull's queue,
+//!   and a worker holding the hot prefix with fewer than half the chosen
+//!   one's requests may take the request as an idle one may. The sole
+//!   router only: replicas, seeing each other's requests late, all pulled
+//!   onto the same light worker;
 //! - burst spread: a burst of one new prefix queued behind the worker still
 //!   prefilling it while most of the cluster had nothing to prefill (the
 //!   lab's bursts: p50 up to 20 % behind round-robin at 30 % load). While
@@ -158,6 +168,18 @@ pub struct PredictedTtftParams {
     /// `imposed_weight`).
     pub pull_ratio: f64,
     pub pull_unique_ratio: f64,
+    /// Light pull: each request the chosen worker carries beyond another
+    /// eligible worker counts as this many mean-sized uncached prompts
+    /// queued on the chosen one in the idle pull's comparison, and a worker
+    /// carrying fewer than half the chosen one's requests that holds at
+    /// least the hot prefix may take the request as an idle one may. Where
+    /// a conversation starts is where its later turns go, and queues that
+    /// stay short (turns of a closed loop) never pulled: new conversations
+    /// piled onto some holders of the system prompt while others sat idle
+    /// (lab, closed-loop chat, 16 workers: 5 workers prefilled 0–20 k tokens
+    /// against 270–530 k, prefill max/mean 1.71). The sole router only
+    /// ([`RouteView::sole_router`]). 0 turns it off.
+    pub pull_gap_weight: f64,
     /// Burst spread: while at least this share of the eligible workers has
     /// no prefill queued, a worker that has none queued but is still
     /// decoding may take a follower of a *new* prefix, one that the chosen
@@ -225,6 +247,7 @@ impl Default for PredictedTtftParams {
             stick_unique_weight: 3.0,
             pull_ratio: 0.25,
             pull_unique_ratio: 2.0,
+            pull_gap_weight: 0.25,
             burst_idle_share: 0.5,
             imposed_weight: 0.5,
             imposed_band: 0.5,
@@ -344,7 +367,12 @@ impl PredictedTtft {
     ) -> Option<(usize, Reason)> {
         let p = &self.params;
         let Paced { queued, pace } = workers;
-        if p.pull_ratio <= 0.0 || queued[chosen] <= 0.0 {
+        // The sole router only: replicas see each other's requests late,
+        // and all pulled onto the same light worker (lab, 3 routers that
+        // do not exchange: agent 16 workers ρ 0.9 p50 × 1.63, long_conv
+        // hit −0.03).
+        let light = p.pull_gap_weight > 0.0 && view.sole_router;
+        if p.pull_ratio <= 0.0 || (queued[chosen] <= 0.0 && !light) {
             return None;
         }
         // A new prefix several requests want at once: nobody holds it
@@ -366,16 +394,36 @@ impl PredictedTtft {
             .filter(|&i| queued[i] <= 0.0)
             .filter_map(|i| {
                 let o = &view.candidates[i];
+                // Holding the hot prefix: letting any light worker copy it
+                // spread RAG documents and lost hit rate (lab, 16 workers,
+                // ρ 0.9: p50 × 1.44).
+                let lighter = light
+                    && 2 * o.load.requests() < c.load.requests()
+                    && hot_depth > 0
+                    && o.matched_blocks >= hot_depth;
                 let (hot_depth, reason) = match o.load.requests() {
                     0 => (hot_depth, Reason::IdlePull),
                     _ if burst => (hot_depth.max(c.matched_blocks), Reason::BurstSpread),
+                    _ if lighter => (hot_depth, Reason::LightPull),
                     _ => return None,
                 };
                 let uncached = view.uncached_tokens(o);
                 let hot = uncached_up_to(view, o, hot_depth);
                 let weighted_miss =
                     pace[i] * (p.pull_ratio * hot as f64 + p.pull_unique_ratio * (uncached - hot) as f64);
-                (queued[chosen] >= weighted_miss).then_some((i, reason))
+                // The requests the chosen worker carries beyond this one,
+                // as the prefill their next turns will queue there (idle
+                // workers too: counted only for lighter holders, the
+                // system prompt was never copied to 3 of 16 workers and
+                // prefill max/mean stayed 1.45–1.81).
+                let gap = if light {
+                    p.pull_gap_weight
+                        * c.load.requests().saturating_sub(o.load.requests()) as f64
+                        * view.mean_uncached_tokens
+                } else {
+                    0.0
+                };
+                (queued[chosen] + gap >= weighted_miss).then_some((i, reason))
             })
             .min_by_key(|&(i, reason)| {
                 let o = &view.candidates[i];
@@ -942,6 +990,36 @@ mod tests {
             used.insert(d1.chosen());
         }
         assert!(used.len() >= 4, "32 conversations went to {used:?}");
+    }
+
+    #[test]
+    fn a_holder_carrying_less_than_half_the_requests_takes_a_new_conversation() {
+        // A 1,200-token system prompt (75 blocks) that workers 0 and 1
+        // hold, and a new conversation whose first 2 blocks worker 0 was
+        // also sent: it is chosen, though it carries 10 requests and worker
+        // 1 two. Nothing is queued anywhere, so the idle pull never fires;
+        // the 8 requests more count 0.25 × 8 × 1,000 = 2,000 tokens against
+        // 2 × 272 for worker 1 to prefill what only worker 0 holds.
+        let k = keys(92);
+        let mut heavy = cand(0, 77, 10);
+        heavy.load.pending_prefill_tokens = 0;
+        let mut light = cand(1, 75, 2);
+        light.load.pending_prefill_tokens = 0;
+        // Lighter still, but without the system prompt: not a taker.
+        let mut bare = cand(2, 0, 1);
+        bare.load.pending_prefill_tokens = 0;
+        let c = [heavy, light, bare];
+        let sole = |c| RouteView { sole_router: true, ..view(&k, c) };
+        let d = PredictedTtft::default().choose(&sole(&c));
+        assert_eq!((d.chosen(), d.reason), (Some(1), Reason::LightPull));
+        let off = PredictedTtftParams { pull_gap_weight: 0.0, ..Default::default() };
+        assert_eq!(PredictedTtft { params: off }.choose(&sole(&c)).chosen(), Some(0));
+        // A replica, whose view of the others' requests lags: it stays.
+        assert_eq!(PredictedTtft::default().choose(&view(&k, &c)).chosen(), Some(0));
+        // Half the chosen worker's requests or more: it stays.
+        let mut c = c;
+        c[1].load.inflight = 5;
+        assert_eq!(PredictedTtft::default().choose(&sole(&c)).chosen(), Some(0));
     }
 
     #[test]
