@@ -1001,14 +1001,12 @@ mod tests {
         // the 8 requests more count 0.25 × 8 × 1,000 = 2,000 tokens against
         // 2 × 272 for worker 1 to prefill what only worker 0 holds.
         let k = keys(92);
-        let mut heavy = cand(0, 77, 10);
-        heavy.load.pending_prefill_tokens = 0;
-        let mut light = cand(1, 75, 2);
-        light.load.pending_prefill_tokens = 0;
-        // Lighter still, but without the system prompt: not a taker.
-        let mut bare = cand(2, 0, 1);
-        bare.load.pending_prefill_tokens = 0;
-        let c = [heavy, light, bare];
+        let unqueued = |mut c: Candidate| {
+            c.load.pending_prefill_tokens = 0;
+            c
+        };
+        // Worker 2: lighter still, but without the system prompt: not a taker.
+        let c = [unqueued(cand(0, 77, 10)), unqueued(cand(1, 75, 2)), unqueued(cand(2, 0, 1))];
         let sole = |c| RouteView { sole_router: true, ..view(&k, c) };
         let d = PredictedTtft::default().choose(&sole(&c));
         assert_eq!((d.chosen(), d.reason), (Some(1), Reason::LightPull));
