@@ -224,6 +224,8 @@ impl LabRouter {
             prefix_hint: None,
             dry_run: false,
             sole_router: self.peers.iter().all(Option::is_none) && !self.foreign.seen(now_ms),
+            // As `State::routers_counted`: replicas heard, or no foreign traffic.
+            routers_counted: self.peers.iter().any(Option::is_some) || !self.foreign.seen(now_ms),
         };
         let decision = self.policy.choose(&view);
         let worker = decision.chosen().unwrap_or(0);

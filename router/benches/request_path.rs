@@ -211,6 +211,7 @@ fn after_tokens(ids: &[u32], runs: usize) -> (Stages, Stages) {
             prefix_hint: None,
             dry_run: false,
             sole_router: false,
+            routers_counted: false,
         };
         black_box(policy.choose(&view));
     });

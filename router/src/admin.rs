@@ -92,6 +92,7 @@ pub async fn debug_route(State(state): State<Arc<AppState>>, body: Body) -> Resu
         "block_size": plan.block_size,
         "block_keys": plan.keys,
         "sole_router": plan.sole_router,
+        "routers_counted": plan.routers_counted,
         "decision": {
             "worker": plan.decision.chosen().map(name),
             "reason": plan.decision.reason,

@@ -330,6 +330,11 @@ pub struct RouteView<'a> {
     /// a policy may break near-ties by them rather than by a hash that
     /// keeps replicas with lagging views from herding onto one worker.
     pub sole_router: bool,
+    /// Every router sending to these workers is counted in the candidates'
+    /// loads, as far as this one can tell: it is the sole router, or other
+    /// replicas report their requests to it (`crate::replicas`). A
+    /// replica that hears none, seeing foreign traffic, is not.
+    pub routers_counted: bool,
 }
 
 impl RouteView<'_> {
@@ -550,6 +555,7 @@ pub(crate) mod testkit {
             prefix_hint: None,
             dry_run: false,
             sole_router: false,
+            routers_counted: false,
         }
     }
 

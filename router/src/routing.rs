@@ -28,8 +28,10 @@ pub struct Plan {
     pub candidates: Vec<Candidate>,
     pub decision: Decision,
     pub exact_tokenizer: bool,
-    /// [`RouteView::sole_router`] as the decision saw it.
+    /// [`RouteView::sole_router`] and [`RouteView::routers_counted`] as
+    /// the decision saw them.
     pub sole_router: bool,
+    pub routers_counted: bool,
 }
 
 impl Plan {
@@ -174,6 +176,7 @@ fn plan_against(
     let pinned_at = pinned.and_then(|id| workers.iter().position(|w| &w.id == id));
     let now = now_ms();
     let sole_router = state.sole_router(now);
+    let routers_counted = state.routers_counted(now);
     // What the other replicas just sent where (`replicas::prefixes`): a
     // prefix one of them is prefilling on a worker counts as sent there.
     let hints = state.replicas.hints();
@@ -206,6 +209,7 @@ fn plan_against(
             prefix_hint,
             dry_run: !live,
             sole_router,
+            routers_counted,
         };
         let decision = match pinned_at {
             Some(i) if !overloaded(&view, i, state) => Decision::with_fallbacks(&view, i, Reason::Session),
@@ -239,6 +243,7 @@ fn plan_against(
             decision,
             exact_tokenizer,
             sole_router,
+            routers_counted,
         });
     }
     let m = &state.metrics;
@@ -254,7 +259,18 @@ fn plan_against(
     });
     state.observe_prompt_tokens(tokens.len(), uncached);
     m.routing_seconds.observe(started.elapsed().as_secs_f64());
-    Ok(Plan { model, tokens, keys, block_size, workers, candidates, decision, exact_tokenizer, sole_router })
+    Ok(Plan {
+        model,
+        tokens,
+        keys,
+        block_size,
+        workers,
+        candidates,
+        decision,
+        exact_tokenizer,
+        sole_router,
+        routers_counted,
+    })
 }
 
 /// A pinned worker is skipped when it carries far more than its share.

@@ -283,6 +283,16 @@ impl AppState {
         self.replicas.heard() == 0 && !self.foreign.seen(now_ms)
     }
 
+    /// Does this router, as far as it knows at `now_ms`, count every
+    /// router's requests in its workers' loads
+    /// ([`crate::policy::RouteView::routers_counted`])? The sole router
+    /// does, and so does one whose replicas report to it (their reports'
+    /// lag shows as foreign traffic now and then, which is not another
+    /// router's).
+    pub fn routers_counted(&self, now_ms: u64) -> bool {
+        self.replicas.heard() > 0 || !self.foreign.seen(now_ms)
+    }
+
     /// A worker's engine reported `unaccounted` requests no router this one
     /// hears from sent. The first time in a while, it says so: replicas
     /// that do not exchange route on views that lag.

@@ -158,14 +158,16 @@ async fn error_of(resp: reqwest::Response) -> (u16, Value) {
 
 /// An engine that counts requests this router did not send (another router
 /// that does not exchange with it, clients that bypass it) ends the router's
-/// view of itself as the only one (`sole_router` in `/debug/route`), and
+/// view of itself as the only one (`sole_router` in `/debug/route`) and as
+/// counting every router's requests (`routers_counted`), and
 /// the report is counted; its own requests, in flight or just ended, never do.
 #[tokio::test]
 async fn requests_the_router_did_not_send_end_its_sole_view() {
     let w = fake_worker("w1", Behaviour::Ok).await;
     let r = router(&[("w1", &w.url)], |_| {}).await;
     let body = json!({"model": "m", "prompt": prompt(100)});
-    assert_eq!(r.explain(body.clone()).await["sole_router"], true);
+    let view = r.explain(body.clone()).await;
+    assert_eq!((&view["sole_router"], &view["routers_counted"]), (&json!(true), &json!(true)));
     let report = |running: u32| json!({"worker_id": "w1", "evicted_hashes": [], "load": {"running": running, "waiting": 0, "kv_usage": 0.1}});
     // One of its own, ended (or about to): the engine's count of one is it.
     assert_eq!(r.complete(body.clone()).await.status(), 200);
@@ -175,7 +177,8 @@ async fn requests_the_router_did_not_send_end_its_sole_view() {
     assert!(text.lines().any(|l| l == "kvroute_foreign_traffic_reports_total 0"), "{text}");
     // Three: two are someone else's.
     assert_eq!(r.internal("/internal/eviction", report(3)).await.status(), 200);
-    assert_eq!(r.explain(body).await["sole_router"], false);
+    let view = r.explain(body).await;
+    assert_eq!((&view["sole_router"], &view["routers_counted"]), (&json!(false), &json!(false)));
     let text = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
     assert!(text.lines().any(|l| l == "kvroute_foreign_traffic_reports_total 1"), "{text}");
 }

@@ -69,7 +69,9 @@ async fn a_replica_routes_around_the_prefill_another_replica_sent() {
     // a keeps its requests for its reports once a replica reports to it.
     eventually("a to hear b", || async { (a.metric("kvroute_replicas_heard").await == Some(1.0)).then_some(()) }).await;
     // A replica heard, a router is no longer the only one routing there.
-    assert_eq!(a.route("hello").await["sole_router"], false);
+    // It still counts every router's requests: b's come in b's reports.
+    let view = a.route("hello").await;
+    assert_eq!((&view["sole_router"], &view["routers_counted"]), (&json!(false), &json!(true)));
     let small = prompt_routed_to(&b, "w1", 40).await;
     let long = prompt_routed_to(&a, "w1", 1_500).await;
     let sent = a.http.post(format!("{}/v1/completions", a.url)).json(&json!({"model": "m", "prompt": long}));

@@ -83,9 +83,10 @@
 //!   Each request the chosen worker carries beyond another counts
 //!   `pull_gap_weight` × the mean uncached prompt in the idle pull's queue,
 //!   and a worker holding the hot prefix with fewer than half the chosen
-//!   one's requests may take the request as an idle one may. The sole
-//!   router only: replicas, seeing each other's requests late, all pulled
-//!   onto the same light worker;
+//!   one's requests may take the request as an idle one may. Only where
+//!   every router's requests are counted (the sole router, replicas that
+//!   exchange): replicas that do not, seeing each other's requests late,
+//!   all pulled onto the same light worker;
 //! - burst spread: a burst of one new prefix queued behind the worker still
 //!   prefilling it while most of the cluster had nothing to prefill (the
 //!   lab's bursts: p50 up to 20 % behind round-robin at 30 % load). While
@@ -177,8 +178,9 @@ pub struct PredictedTtftParams {
     /// stay short (turns of a closed loop) never pulled: new conversations
     /// piled onto some holders of the system prompt while others sat idle
     /// (lab, closed-loop chat, 16 workers: 5 workers prefilled 0–20 k tokens
-    /// against 270–530 k, prefill max/mean 1.71). The sole router only
-    /// ([`RouteView::sole_router`]). 0 turns it off.
+    /// against 270–530 k, prefill max/mean 1.71). Only a router that counts
+    /// every router's requests ([`RouteView::routers_counted`]: the sole
+    /// router, or replicas that exchange). 0 turns it off.
     pub pull_gap_weight: f64,
     /// Burst spread: while at least this share of the eligible workers has
     /// no prefill queued, a worker that has none queued but is still
@@ -367,11 +369,11 @@ impl PredictedTtft {
     ) -> Option<(usize, Reason)> {
         let p = &self.params;
         let Paced { queued, pace } = workers;
-        // The sole router only: replicas see each other's requests late,
-        // and all pulled onto the same light worker (lab, 3 routers that
-        // do not exchange: agent 16 workers ρ 0.9 p50 × 1.63, long_conv
-        // hit −0.03).
-        let light = p.pull_gap_weight > 0.0 && view.sole_router;
+        // Only where every router's requests are counted: replicas that do
+        // not exchange see each other's requests late, and all pulled onto
+        // the same light worker (lab, 3 such routers: agent 16 workers
+        // ρ 0.9 p50 × 1.63, long_conv hit −0.03).
+        let light = p.pull_gap_weight > 0.0 && view.routers_counted;
         if p.pull_ratio <= 0.0 || (queued[chosen] <= 0.0 && !light) {
             return None;
         }
@@ -1007,12 +1009,15 @@ mod tests {
         };
         // Worker 2: lighter still, but without the system prompt: not a taker.
         let c = [unqueued(cand(0, 77, 10)), unqueued(cand(1, 75, 2)), unqueued(cand(2, 0, 1))];
-        let sole = |c| RouteView { sole_router: true, ..view(&k, c) };
+        let sole = |c| RouteView { sole_router: true, routers_counted: true, ..view(&k, c) };
         let d = PredictedTtft::default().choose(&sole(&c));
         assert_eq!((d.chosen(), d.reason), (Some(1), Reason::LightPull));
         let off = PredictedTtftParams { pull_gap_weight: 0.0, ..Default::default() };
         assert_eq!(PredictedTtft { params: off }.choose(&sole(&c)).chosen(), Some(0));
-        // A replica, whose view of the others' requests lags: it stays.
+        // A replica whose replicas report to it counts their requests: it pulls too.
+        let exchanging = RouteView { routers_counted: true, ..view(&k, &c) };
+        assert_eq!(PredictedTtft::default().choose(&exchanging).chosen(), Some(1));
+        // A replica that does not hear the others, its view lagging: it stays.
         assert_eq!(PredictedTtft::default().choose(&view(&k, &c)).chosen(), Some(0));
         // Half the chosen worker's requests or more: it stays.
         let mut c = c;
