@@ -86,7 +86,8 @@
 //!   one's requests may take the request as an idle one may. Only where
 //!   every router's requests are counted (the sole router, replicas that
 //!   exchange): replicas that do not, seeing each other's requests late,
-//!   all pulled onto the same light worker;
+//!   all pulled onto the same light worker. Replicas that exchange move
+//!   only a new conversation behind a hot prefix;
 //! - burst spread: a burst of one new prefix queued behind the worker still
 //!   prefilling it while most of the cluster had nothing to prefill (the
 //!   lab's bursts: p50 up to 20 % behind round-robin at 30 % load). While
@@ -180,7 +181,8 @@ pub struct PredictedTtftParams {
     /// (lab, closed-loop chat, 16 workers: 5 workers prefilled 0–20 k tokens
     /// against 270–530 k, prefill max/mean 1.71). Only a router that counts
     /// every router's requests ([`RouteView::routers_counted`]: the sole
-    /// router, or replicas that exchange). 0 turns it off.
+    /// router, or replicas that exchange, which move only a new
+    /// conversation behind a hot prefix). 0 turns it off.
     pub pull_gap_weight: f64,
     /// Burst spread: while at least this share of the eligible workers has
     /// no prefill queued, a worker that has none queued but is still
@@ -369,17 +371,27 @@ impl PredictedTtft {
     ) -> Option<(usize, Reason)> {
         let p = &self.params;
         let Paced { queued, pace } = workers;
+        let c = &view.candidates[chosen];
         // Only where every router's requests are counted: replicas that do
-        // not exchange see each other's requests late, and all pulled onto
-        // the same light worker (lab, 3 such routers: agent 16 workers
-        // ρ 0.9 p50 × 1.63, long_conv hit −0.03).
-        let light = p.pull_gap_weight > 0.0 && view.routers_counted;
+        // not exchange, seeing each other's only in the engines' reports,
+        // all pulled onto the same light worker (lab, 3 such routers: agent
+        // 16 workers ρ 0.9 p50 × 1.63, long_conv hit −0.03; even limited
+        // as below, 64 workers: eviction p50 × 1.18). The sole router's
+        // figures are current: it may move any request. Replicas that
+        // exchange hear each other's 100 ms late: they move only a new
+        // conversation behind a hot prefix, the chosen worker holding
+        // nothing beyond it. Moving later turns too recomputed their
+        // history (64 workers: long_conv ρ 0.9 hit −0.03, p50 × 1.17), and
+        // idle workers taking cold prompts broke the hashed placement the
+        // replicas share (trace p50 × 1.04–1.15).
+        let light = p.pull_gap_weight > 0.0
+            && view.routers_counted
+            && (view.sole_router || (hot_depth > 0 && c.matched_blocks <= hot_depth));
         if p.pull_ratio <= 0.0 || (queued[chosen] <= 0.0 && !light) {
             return None;
         }
         // A new prefix several requests want at once: nobody holds it
         // confirmed, and the chosen worker was sent it more than once.
-        let c = &view.candidates[chosen];
         let prefill_idle = eligible.iter().filter(|&&i| queued[i] <= 0.0).count();
         let burst = c.matched_kind == MatchKind::SentAgain
             && !view
@@ -1014,15 +1026,40 @@ mod tests {
         assert_eq!((d.chosen(), d.reason), (Some(1), Reason::LightPull));
         let off = PredictedTtftParams { pull_gap_weight: 0.0, ..Default::default() };
         assert_eq!(PredictedTtft { params: off }.choose(&sole(&c)).chosen(), Some(0));
-        // A replica whose replicas report to it counts their requests: it pulls too.
+        // A replica, even one that hears the others: worker 0 holds more
+        // than the hot prefix (this conversation started there), it stays.
         let exchanging = RouteView { routers_counted: true, ..view(&k, &c) };
-        assert_eq!(PredictedTtft::default().choose(&exchanging).chosen(), Some(1));
-        // A replica that does not hear the others, its view lagging: it stays.
-        assert_eq!(PredictedTtft::default().choose(&view(&k, &c)).chosen(), Some(0));
+        assert_eq!(PredictedTtft::default().choose(&exchanging).chosen(), Some(0));
         // Half the chosen worker's requests or more: it stays.
         let mut c = c;
         c[1].load.inflight = 5;
         assert_eq!(PredictedTtft::default().choose(&sole(&c)).chosen(), Some(0));
+    }
+
+    #[test]
+    fn a_replica_that_hears_the_others_pulls_new_conversations_to_a_light_holder() {
+        // Workers 0–4 hold a 1,200-token system prompt and nothing more of
+        // 64 new conversations; 0–3 carry 10 requests each, 4 two, nothing
+        // is queued. Worker 4's first tokens came twice as slowly as the
+        // others' (measured pace): 0–3 are predicted first. A replica that
+        // counts every router's requests still sends each to worker 4,
+        // the 8 requests more weighing 2,000 tokens against 2 × 2 × 272 to
+        // prefill there; one that does not (its counts lag) to one of 0–3.
+        let unqueued = |slot, requests, pace| {
+            let mut c = cand(slot, 75, requests);
+            c.load.pending_prefill_tokens = 0;
+            c.load.pace = Some(pace);
+            c
+        };
+        let c: Vec<Candidate> =
+            (0..5).map(|i| if i == 4 { unqueued(i, 2, 2.0) } else { unqueued(i, 10, 1.0) }).collect();
+        for s in 0..64u64 {
+            let k: Vec<_> = (0..92).map(|i| kvroute_shared::BlockKey(if i < 75 { i } else { s * 1_000 + i })).collect();
+            let counted = RouteView { routers_counted: true, ..view(&k, &c) };
+            assert_eq!(PredictedTtft::default().choose(&counted).chosen(), Some(4), "conversation {s}");
+            let d = PredictedTtft::default().choose(&view(&k, &c));
+            assert!(d.chosen() < Some(4), "conversation {s}: {d:?}");
+        }
     }
 
     #[test]
