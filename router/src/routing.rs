@@ -232,34 +232,7 @@ fn plan_against(
         decide(&state.map.read().index)
     };
 
-    if !live {
-        return Ok(Plan {
-            model,
-            tokens,
-            keys,
-            block_size,
-            workers,
-            candidates,
-            decision,
-            exact_tokenizer,
-            sole_router,
-            routers_counted,
-        });
-    }
-    let m = &state.metrics;
-    m.decisions.get_or_create(&PolicyReason { policy: state.policy.name(), reason: decision.reason.as_str() }).inc();
-    if let Some(i) = decision.chosen()
-        && !tokens.is_empty()
-    {
-        let matched = (candidates[i].matched_blocks * block_size) as f64;
-        m.matched_ratio.observe(matched / tokens.len() as f64);
-    }
-    let uncached = decision.chosen().map_or(tokens.len() as u64, |i| {
-        (tokens.len().saturating_sub(candidates[i].matched_blocks * block_size)) as u64
-    });
-    state.observe_prompt_tokens(tokens.len(), uncached);
-    m.routing_seconds.observe(started.elapsed().as_secs_f64());
-    Ok(Plan {
+    let plan = Plan {
         model,
         tokens,
         keys,
@@ -270,7 +243,28 @@ fn plan_against(
         exact_tokenizer,
         sole_router,
         routers_counted,
-    })
+    };
+    if live {
+        observe_decision(state, &plan);
+        state.metrics.routing_seconds.observe(started.elapsed().as_secs_f64());
+    }
+    Ok(plan)
+}
+
+/// A live decision's metrics, and its prompt in the router's moving means.
+fn observe_decision(state: &AppState, plan: &Plan) {
+    let (m, tokens, block_size) = (&state.metrics, &plan.tokens, plan.block_size);
+    let chosen = plan.decision.chosen().map(|i| &plan.candidates[i]);
+    m.decisions
+        .get_or_create(&PolicyReason { policy: state.policy.name(), reason: plan.decision.reason.as_str() })
+        .inc();
+    if let Some(c) = chosen
+        && !tokens.is_empty()
+    {
+        m.matched_ratio.observe((c.matched_blocks * block_size) as f64 / tokens.len() as f64);
+    }
+    let uncached = chosen.map_or(tokens.len(), |c| tokens.len().saturating_sub(c.matched_blocks * block_size));
+    state.observe_prompt_tokens(tokens.len(), uncached as u64);
 }
 
 /// A pinned worker is skipped when it carries far more than its share.
