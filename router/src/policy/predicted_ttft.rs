@@ -1006,6 +1006,13 @@ mod tests {
         assert!(used.len() >= 4, "32 conversations went to {used:?}");
     }
 
+    /// A candidate with `requests` in flight and no prefill queued.
+    fn unqueued(slot: u16, matched: usize, requests: u32) -> Candidate {
+        let mut c = cand(slot, matched, requests);
+        c.load.pending_prefill_tokens = 0;
+        c
+    }
+
     #[test]
     fn a_holder_carrying_less_than_half_the_requests_takes_a_new_conversation() {
         // A 1,200-token system prompt (75 blocks) that workers 0 and 1
@@ -1015,12 +1022,8 @@ mod tests {
         // the 8 requests more count 0.25 × 8 × 1,000 = 2,000 tokens against
         // 2 × 272 for worker 1 to prefill what only worker 0 holds.
         let k = keys(92);
-        let unqueued = |mut c: Candidate| {
-            c.load.pending_prefill_tokens = 0;
-            c
-        };
         // Worker 2: lighter still, but without the system prompt: not a taker.
-        let c = [unqueued(cand(0, 77, 10)), unqueued(cand(1, 75, 2)), unqueued(cand(2, 0, 1))];
+        let c = [unqueued(0, 77, 10), unqueued(1, 75, 2), unqueued(2, 0, 1)];
         let sole = |c| RouteView { sole_router: true, routers_counted: true, ..view(&k, c) };
         let d = PredictedTtft::default().choose(&sole(&c));
         assert_eq!((d.chosen(), d.reason), (Some(1), Reason::LightPull));
@@ -1045,14 +1048,12 @@ mod tests {
         // counts every router's requests still sends each to worker 4,
         // the 8 requests more weighing 2,000 tokens against 2 × 2 × 272 to
         // prefill there; one that does not (its counts lag) to one of 0–3.
-        let unqueued = |slot, requests, pace| {
-            let mut c = cand(slot, 75, requests);
-            c.load.pending_prefill_tokens = 0;
+        let paced = |slot, requests, pace| {
+            let mut c = unqueued(slot, 75, requests);
             c.load.pace = Some(pace);
             c
         };
-        let c: Vec<Candidate> =
-            (0..5).map(|i| if i == 4 { unqueued(i, 2, 2.0) } else { unqueued(i, 10, 1.0) }).collect();
+        let c: Vec<Candidate> = (0..5).map(|i| if i == 4 { paced(i, 2, 2.0) } else { paced(i, 10, 1.0) }).collect();
         for s in 0..64u64 {
             let k: Vec<_> = (0..92).map(|i| kvroute_shared::BlockKey(if i < 75 { i } else { s * 1_000 + i })).collect();
             let counted = RouteView { routers_counted: true, ..view(&k, &c) };
