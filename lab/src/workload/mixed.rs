@@ -10,8 +10,9 @@
 //! first requests are taken as it makes them, their arrival times scaled so
 //! that all four span the same time: each tenant keeps its own bursts and
 //! lulls, at a rate that makes it a quarter of the traffic. Sessions keep
-//! their turns (a closed loop works as for `chat`); their ids are made
-//! distinct per tenant.
+//! their turns, their ids made distinct per tenant; in a closed loop each
+//! tenant's sessions are kept whole (a quarter of the requests start
+//! sessions or stand alone, the tenants' shares then differ).
 
 use super::{RequestSpec, Shape, agent, chat, eviction, rag};
 use crate::time::Micros;
@@ -25,7 +26,10 @@ pub(super) fn generate(shape: &Shape) -> Vec<RequestSpec> {
         .map(|generate| {
             let mut part = generate(&quarter);
             part.sort_by_key(|r| r.at);
-            part.truncate(quarter.requests);
+            // A closed loop keeps whole sessions, as `Workload::generate` does.
+            if !shape.closed_loop {
+                part.truncate(quarter.requests);
+            }
             part
         })
         .collect();
