@@ -213,6 +213,8 @@ impl LabRouter {
                 }
             })
             .collect();
+        // As `State::sole_router` and `State::routers_counted`.
+        let (heard, foreign) = (self.peers.iter().any(Option::is_some), self.foreign.seen(now_ms));
         let view = RouteView {
             prompt_tokens,
             block_size: self.block_size,
@@ -223,9 +225,8 @@ impl LabRouter {
             mean_uncached_tokens: self.mean_uncached_tokens,
             prefix_hint: None,
             dry_run: false,
-            sole_router: self.peers.iter().all(Option::is_none) && !self.foreign.seen(now_ms),
-            // As `State::routers_counted`: replicas heard, or no foreign traffic.
-            routers_counted: self.peers.iter().any(Option::is_some) || !self.foreign.seen(now_ms),
+            sole_router: !heard && !foreign,
+            routers_counted: heard || !foreign,
         };
         let decision = self.policy.choose(&view);
         let worker = decision.chosen().unwrap_or(0);
