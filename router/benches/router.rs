@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use kvroute_router::index::{Index, Slot};
 use kvroute_router::policy::{CacheAware, Candidate, LoadView, Policy, RouteView};
-use kvroute_shared::{BlockKey, KeyRoot};
+use kvroute_router::replicas::{PrefixHints, ReplicaLoad, ReplicaReport, SentPrefix, prefixes};
+use kvroute_shared::{BlockKey, KeyRoot, WorkerId};
 
 /// Counts live heap bytes, to measure the index's memory per entry.
 struct Counting;
@@ -169,9 +170,53 @@ fn report(_: &mut Criterion) {
     percentiles("decision for a 1k-token prompt (hash 64 blocks + match + cache_aware, 16 workers)", samples);
 }
 
+/// A replica's report as a busy one sends it: 16 workers with requests in
+/// flight, and 200 requests named in `sent` (100 requests/s, each named
+/// until a second after its first token), each a 9k-token prompt's
+/// sampled keys.
+fn busy_report(seed: u64) -> ReplicaReport {
+    ReplicaReport {
+        router_epoch: format!("epoch-{seed}"),
+        seq: 1,
+        workers: (0..16)
+            .map(|w| ReplicaLoad { id: WorkerId::new(format!("w{w}")), pending_prefill_tokens: 20_000, inflight: 12 })
+            .collect(),
+        sent: (0..200u64)
+            .map(|r| SentPrefix {
+                worker: WorkerId::new(format!("w{}", r % 16)),
+                keys: prefixes::sample(&chain(seed * 1_000 + r, 576)),
+            })
+            .collect(),
+    }
+}
+
+/// What the replicas' exchange costs one router per report: encoding its
+/// own, decoding and checking another's, and rebuilding the prefix hints
+/// from two peers' reports (`Replicas::publish` after a new one).
+fn replicas(c: &mut Criterion) {
+    let report = busy_report(1);
+    let body = serde_json::to_vec(&report).expect("a report encodes");
+    let peers = [busy_report(2), busy_report(3)];
+    println!(
+        "replica report: {} requests named, {} keys each, {} bytes of JSON",
+        report.sent.len(),
+        report.sent[0].keys.len(),
+        body.len()
+    );
+    let mut g = c.benchmark_group("replicas");
+    g.bench_function("encode a busy report", |b| b.iter(|| serde_json::to_vec(black_box(&report))));
+    g.bench_function("decode and check a busy report", |b| {
+        b.iter(|| kvroute_shared::wire::decode_valid::<ReplicaReport>(black_box(&body)).expect("valid"))
+    });
+    g.bench_function("prefix hints from two busy peers", |b| {
+        b.iter(|| PrefixHints::build(black_box(&peers).iter().flat_map(|p| &p.sent)))
+    });
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1)).sample_size(20);
-    targets = report, events
+    targets = report, events, replicas
 }
 criterion_main!(benches);
