@@ -302,7 +302,12 @@ impl Replicas {
             w.live.replica_inflight.store(inflight, Ordering::Relaxed);
         }
         if self.hints_stale.swap(false, Ordering::Relaxed) || forgot {
-            self.hints.store(Arc::new(PrefixHints::build(heard.values().flat_map(|l| &l.sent))));
+            // Only workers this router routes to: routing has no use for the
+            // others, and a replica naming thousands of made-up workers for
+            // one key would make every rebuild quadratic in them.
+            let known: std::collections::HashSet<&WorkerId> = workers.iter().map(|w| &w.id).collect();
+            let sent = heard.values().flat_map(|l| &l.sent).filter(|s| known.contains(&s.worker));
+            self.hints.store(Arc::new(PrefixHints::build(sent)));
         }
         self.heard_count.store(heard.len(), Ordering::Relaxed);
         heard.len()
@@ -712,19 +717,22 @@ mod tests {
         let t0 = Instant::now();
         let mut r = report("p1", 1, &[]);
         r.sent = vec![SentPrefix { worker: WorkerId::new("w2"), keys: prefixes::sample(&keys) }];
+        // A worker this router does not route to gives no hint.
+        r.sent.push(SentPrefix { worker: WorkerId::new("elsewhere"), keys: prefixes::sample(&keys) });
         replicas.hear(r, "me", t0);
         assert!(replicas.hints().is_empty(), "not before the next publish");
-        replicas.publish(&[], t0);
+        let w2 = [worker("w2")];
+        replicas.publish(&w2, t0);
         let hints = replicas.hints();
         assert_eq!(hints.depths(&keys).iter().map(|(w, d)| (w.as_str(), *d)).collect::<Vec<_>>(), [("w2", 40)]);
         // p1 falls silent. It is forgotten while a stale report from p2 is
         // taken, before any publish: the hints go with it all the same.
         let half = replicas.expiry / 2;
         replicas.hear(report("p2", 5, &[]), "me", t0 + half);
-        replicas.publish(&[], t0 + half);
+        replicas.publish(&w2, t0 + half);
         assert!(!replicas.hints().is_empty());
         assert_eq!(replicas.hear(report("p2", 3, &[]), "me", t0 + replicas.expiry), Heard::Stale);
-        assert_eq!(replicas.publish(&[], t0 + replicas.expiry), 1);
+        assert_eq!(replicas.publish(&w2, t0 + replicas.expiry), 1);
         assert!(replicas.hints().is_empty());
     }
 }
