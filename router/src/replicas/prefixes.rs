@@ -23,11 +23,11 @@
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
-use std::hash::{BuildHasher, Hasher, RandomState};
-use std::sync::OnceLock;
 
 use kvroute_shared::{BlockKey, WorkerId};
 use serde::{Deserialize, Serialize};
+
+use crate::index::KeyMap;
 
 /// Keys one sample holds at most (a prompt of 2^32 blocks needs fewer).
 pub const MAX_SAMPLED_KEYS: usize = 128;
@@ -68,73 +68,23 @@ pub struct SentPrefix {
     pub keys: Vec<BlockKey>,
 }
 
-/// Hashes the block keys of other replicas' reports. The index hashes its
-/// keys by identity (they are hashes already), but a report's keys are the
-/// sender's to choose, and keys made to share their low bits would all land
-/// in one bucket of an identity-hashed map: every rebuild quadratic. So each
-/// key is XORed with a seed drawn once per process and mixed by SplitMix64's
-/// finalizer (every output bit depends on every input bit): two
-/// multiplications, against SipHash's rounds (rebuilding the hints from two
-/// busy peers' reports: 643 µs with SipHash and a vector per key, 109 µs by
-/// identity, 121 µs this way; `cargo bench -p kvroute-router --bench router
-/// -- replicas`).
-#[derive(Clone, Copy, Debug)]
-pub struct Seeded(u64);
-
-impl Default for Seeded {
-    fn default() -> Self {
-        static SEED: OnceLock<u64> = OnceLock::new();
-        Seeded(*SEED.get_or_init(|| RandomState::new().hash_one(0x6b76_726f_7574_6572_u64)))
-    }
-}
-
-impl BuildHasher for Seeded {
-    type Hasher = SeededHasher;
-    fn build_hasher(&self) -> SeededHasher {
-        SeededHasher { seed: self.0, state: 0 }
-    }
-}
-
-#[derive(Debug)]
-pub struct SeededHasher {
-    seed: u64,
-    state: u64,
-}
-
-impl Hasher for SeededHasher {
-    fn finish(&self) -> u64 {
-        self.state
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        // Only reached for keys other than a `u64`, which these maps never
-        // have; correct all the same.
-        for &b in bytes {
-            self.write_u64(self.state.rotate_left(8) ^ u64::from(b));
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        let mut z = n ^ self.seed;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        self.state = z ^ (z >> 31);
-    }
-}
-
 /// What the other replicas' recent requests say about prefixes: sampled
 /// key → the workers they were sent to (indices into `workers`, so a
 /// rebuild allocates no id per key).
 ///
 /// Rebuilt whenever a replica's report arrives (about 40 times a second on
 /// a busy router with 3 replicas), so built without an allocation per key:
-/// a hash cheaper than SipHash ([`Seeded`]) and the first worker of a key
-/// inline, any further ones in a side map (a hot prefix sent to several).
+/// the index's seeded hash rather than SipHash (a report's keys are the
+/// sender's to choose; see `index/hasher.rs`) and the first worker of a key
+/// inline, any further ones in a side map (a hot prefix sent to several):
+/// rebuilding from two busy peers' reports took 643 µs with SipHash and a
+/// vector per key, 121 µs so (`cargo bench -p kvroute-router --bench router
+/// -- replicas`).
 #[derive(Debug, Default)]
 pub struct PrefixHints {
     workers: Vec<WorkerId>,
-    first: HashMap<BlockKey, u32, Seeded>,
-    more: HashMap<BlockKey, Vec<u32>, Seeded>,
+    first: KeyMap<u32>,
+    more: KeyMap<Vec<u32>>,
 }
 
 impl PrefixHints {
@@ -235,18 +185,6 @@ mod tests {
         assert_eq!(hints.depths(&sent)[0].1, 572);
         // Nothing shared: nothing found.
         assert!(hints.depths(&keys(50_000, 100)).is_empty());
-    }
-
-    #[test]
-    fn keys_made_to_share_their_low_bits_still_spread_over_buckets() {
-        // 4,096 keys equal in their low 32 bits: by identity, one bucket of
-        // any table up to 2^32 buckets.
-        let seeded = Seeded::default();
-        let buckets: std::collections::HashSet<u64> =
-            (0..4_096u64).map(|i| seeded.hash_one(BlockKey(i << 32)) & 1_023).collect();
-        assert!(buckets.len() > 900, "{} of 1,024 buckets", buckets.len());
-        // One seed per process: the same key hashes alike in every map.
-        assert_eq!(seeded.hash_one(BlockKey(7)), Seeded::default().hash_one(BlockKey(7)));
     }
 
     #[test]
