@@ -20,8 +20,8 @@
 //! the completion cache's property tests against whole-text HF encoding.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::Mutex;
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
+use std::sync::{Mutex, OnceLock};
 
 use tokenizers::models::ModelWrapper;
 use tokenizers::{Model, Tokenizer};
@@ -61,10 +61,21 @@ impl std::fmt::Debug for FastBpe {
 }
 
 /// A small multiplicative hasher for short keys (SipHash showed in the
-/// profile); the keys are the client's text, but the cache is bounded and
-/// cleared, so a crafted collision flood costs one request's time, not memory.
-#[derive(Default)]
+/// profile). The word cache's keys are the client's text, and a client who
+/// knew the hash could send a request of words that all land in one bucket:
+/// every insert a scan, the cache's lock held while the request's
+/// quadratic work runs. So the state starts from a seed drawn once per
+/// process and the result is mixed by SplitMix64's finalizer (every output
+/// bit depends on every input bit): without the seed, collisions cannot be
+/// aimed at.
 struct Fx(u64);
+
+impl Default for Fx {
+    fn default() -> Self {
+        static SEED: OnceLock<u64> = OnceLock::new();
+        Fx(*SEED.get_or_init(|| RandomState::new().hash_one(0x6661_7374_5f62_7065_u64)))
+    }
+}
 
 impl Hasher for Fx {
     fn write(&mut self, bytes: &[u8]) {
@@ -86,13 +97,16 @@ impl Hasher for Fx {
         self.add(n as u64);
     }
 
-    /// The product's high bits are the well-mixed ones, and hashbrown
-    /// takes its bucket from the low bits: rotated down (as `rustc-hash`
-    /// 2 does), words sharing their first letters, and merges sharing their
-    /// right token, no longer land in one probe sequence (a third of the
-    /// cold-word time went to comparing keys there).
+    /// hashbrown takes its bucket from the low bits, and the product's low
+    /// bits depend only on the input's low bits: unmixed, words sharing
+    /// their first letters, and merges sharing their right token, landed in
+    /// one probe sequence (a third of the cold-word time went to comparing
+    /// keys there). SplitMix64's finalizer spreads every bit over all.
     fn finish(&self) -> u64 {
-        self.0.rotate_left(26)
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
     }
 }
 
@@ -490,6 +504,21 @@ fn probes() -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn words_made_to_share_a_bucket_spread_over_buckets() {
+        // 4,096 eight-letter words that differ only in their last two
+        // letters: unseeded and unmixed, the bucket bits of the product came
+        // from the first six letters alone, so all shared one bucket.
+        let fx = BuildHasherDefault::<Fx>::default();
+        let buckets: std::collections::HashSet<u64> = (0..4_096u32)
+            .map(|i| {
+                let word = [b'a', b'b', b'c', b'd', b'e', b'f', b'a' + (i / 64) as u8, b'a' + (i % 64) as u8];
+                fx.hash_one(&word[..]) & 1_023
+            })
+            .collect();
+        assert!(buckets.len() > 900, "{} of 1,024 buckets", buckets.len());
+    }
 
     #[test]
     fn gpt2_pieces_follow_the_regex() {
