@@ -31,10 +31,7 @@ pub struct KeyDigest {
 /// already SHA-256 truncations, the mix keeps the sum from being linear in
 /// the raw keys (two sets with equal raw sums rarely have equal mixed sums).
 pub fn mix(key: BlockKey) -> u64 {
-    let mut z = key.0 ^ 0x6b76_726f_7574_6532; // "kvroute2"
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+    crate::hash::finalize(key.0 ^ 0x6b76_726f_7574_6532) // "kvroute2"
 }
 
 impl KeyDigest {

@@ -14,6 +14,7 @@
 //! and the benchmarks all depend on it.
 
 pub mod digest;
+pub mod hash;
 pub mod ids;
 pub mod keys;
 pub mod logging;

@@ -21,8 +21,7 @@
 //! --bench router` (BENCHMARKS.md, "Router index and decisions").
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, Hasher, RandomState};
-use std::sync::OnceLock;
+use std::hash::{BuildHasher, Hasher};
 
 use kvroute_shared::BlockKey;
 
@@ -32,8 +31,7 @@ pub struct Seeded(u64);
 
 impl Default for Seeded {
     fn default() -> Self {
-        static SEED: OnceLock<u64> = OnceLock::new();
-        Seeded(*SEED.get_or_init(|| RandomState::new().hash_one(0x6b76_726f_7574_6572_u64)))
+        Seeded(kvroute_shared::hash::process_seed())
     }
 }
 
@@ -66,10 +64,7 @@ impl Hasher for KeyHasher {
     }
 
     fn write_u64(&mut self, n: u64) {
-        let mut z = n ^ self.seed;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        self.state = z ^ (z >> 31);
+        self.state = kvroute_shared::hash::finalize(n ^ self.seed);
     }
 }
 

@@ -20,8 +20,8 @@
 //! the completion cache's property tests against whole-text HF encoding.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
-use std::sync::{Mutex, OnceLock};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Mutex;
 
 use tokenizers::models::ModelWrapper;
 use tokenizers::{Model, Tokenizer};
@@ -72,8 +72,7 @@ struct Fx(u64);
 
 impl Default for Fx {
     fn default() -> Self {
-        static SEED: OnceLock<u64> = OnceLock::new();
-        Fx(*SEED.get_or_init(|| RandomState::new().hash_one(0x6661_7374_5f62_7065_u64)))
+        Fx(crate::hash::process_seed())
     }
 }
 
@@ -103,10 +102,7 @@ impl Hasher for Fx {
     /// one probe sequence (a third of the cold-word time went to comparing
     /// keys there). SplitMix64's finalizer spreads every bit over all.
     fn finish(&self) -> u64 {
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        crate::hash::finalize(self.0)
     }
 }
 
@@ -507,6 +503,7 @@ mod tests {
 
     #[test]
     fn words_made_to_share_a_bucket_spread_over_buckets() {
+        use std::hash::BuildHasher;
         // 4,096 eight-letter words that differ only in their last two
         // letters: unseeded and unmixed, the bucket bits of the product came
         // from the first six letters alone, so all shared one bucket.
