@@ -56,8 +56,9 @@ pub struct LabRouter {
     pending: Vec<u64>,
     rates: Vec<ArrivalRate>,
     paces: Vec<Pace>,
-    /// The timing model paces are measured against (the default's, as the
-    /// router's proxy uses its configured one).
+    /// The timing model paces are measured against: the policy's own, as
+    /// the router's proxy uses its configured one (the default's for a
+    /// policy without one).
     model: PredictedTtftParams,
     reported: Vec<EngineLoad>,
     /// What each other replica last said (`Scenario::peer_exchange`; empty
@@ -89,6 +90,7 @@ pub struct LabRouter {
 
 impl LabRouter {
     pub fn new(workers: usize, policy: Box<dyn Policy>, block_size: usize, speculative_ttl_ms: u64) -> LabRouter {
+        let model = policy.timing_model().copied().unwrap_or_default();
         LabRouter {
             shards: (0..workers.div_ceil(MAX_WORKERS)).map(|_| Index::new()).collect(),
             policy,
@@ -97,7 +99,7 @@ impl LabRouter {
             pending: vec![0; workers],
             rates: vec![ArrivalRate::default(); workers],
             paces: vec![Pace::default(); workers],
-            model: PredictedTtftParams::default(),
+            model,
             reported: vec![EngineLoad::default(); workers],
             peers: Vec::new(),
             hints: PrefixHints::default(),
@@ -329,6 +331,17 @@ mod tests {
 
     fn replica() -> LabRouter {
         LabRouter::new(2, crate::policies::factory("predicted_ttft").expect("registered")(), 16, 10_000)
+    }
+
+    /// A variant's paces are measured against its own timing model, as a
+    /// router configured with those parameters measures them.
+    #[test]
+    fn a_variant_paces_against_its_own_model() {
+        let variant = crate::policies::factory("predicted_ttft:kv_knee=0.5").expect("a valid variant");
+        assert_eq!(LabRouter::new(2, variant(), 16, 10_000).model.kv_knee, 0.5);
+        assert_eq!(replica().model, PredictedTtftParams::default());
+        let other = crate::policies::factory("preble").expect("registered");
+        assert_eq!(LabRouter::new(2, other(), 16, 10_000).model, PredictedTtftParams::default());
     }
 
     /// What another replica says it has pending on a worker counts as

@@ -471,6 +471,11 @@ pub trait Policy: Send + Sync + fmt::Debug {
     fn name(&self) -> &'static str;
     /// Called with at least one candidate.
     fn choose(&self, view: &RouteView<'_>) -> Decision;
+    /// The timing model this policy predicts with, if any: what a worker's
+    /// [`Pace`] is measured against.
+    fn timing_model(&self) -> Option<&PredictedTtftParams> {
+        None
+    }
 }
 
 /// The policy names `--policy` accepts.

@@ -563,6 +563,10 @@ impl Policy for PredictedTtft {
         "predicted_ttft"
     }
 
+    fn timing_model(&self) -> Option<&PredictedTtftParams> {
+        Some(&self.params)
+    }
+
     fn choose(&self, view: &RouteView<'_>) -> Decision {
         let p = &self.params;
         let n = view.candidates.len();
