@@ -207,7 +207,8 @@ impl ArrivalRate {
 /// How fast a worker really is: a low quantile of its recent requests'
 /// measured time to first token over what the timing model predicted for
 /// them at dispatch, counting only requests with nothing known to be queued
-/// ahead of them there ([`PredictedTtftParams::pace_model_us`]). The model's
+/// ahead of them there and a KV cache below the model's stall knee
+/// ([`PredictedTtftParams::pace_model_us`]). The model's
 /// constants are one GPU's; a slower GPU, a throttled or shared node, or an
 /// engine running a larger model shows up as a pace above the other
 /// workers', and [`PredictedTtft`] scales that worker's predictions by it.
