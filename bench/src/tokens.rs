@@ -13,11 +13,8 @@ const BASE: u32 = 1_000;
 const SPAN: u64 = 50_000;
 
 /// SplitMix64's finaliser: a bijective mix of a 64-bit word.
-pub fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+pub fn mix(z: u64) -> u64 {
+    kvroute_shared::hash::finalize(z.wrapping_add(0x9e37_79b9_7f4a_7c15))
 }
 
 /// A seed naming one piece of one workload (`tag` separates pieces, e.g. the

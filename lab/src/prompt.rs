@@ -45,11 +45,8 @@ impl Prompt {
 }
 
 /// SplitMix64's finaliser: a fixed, well-mixed function of `x`.
-pub fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
+pub fn splitmix64(x: u64) -> u64 {
+    kvroute_shared::hash::finalize(x.wrapping_add(0x9e37_79b9_7f4a_7c15))
 }
 
 /// A small seeded generator (SplitMix64): the lab's only source of randomness,

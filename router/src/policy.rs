@@ -501,11 +501,9 @@ pub fn rendezvous(request_hash: u64, worker_hash: u64) -> u64 {
     splitmix64(request_hash ^ splitmix64(worker_hash))
 }
 
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
+/// SplitMix64's output for state `x`: its increment, then its finalizer.
+fn splitmix64(x: u64) -> u64 {
+    kvroute_shared::hash::finalize(x.wrapping_add(0x9e37_79b9_7f4a_7c15))
 }
 
 /// Bounded-load rendezvous: the highest-scoring candidate whose load is below
