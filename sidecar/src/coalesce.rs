@@ -12,7 +12,7 @@ use std::collections::hash_map::Entry;
 
 use kvroute_shared::BlockKey;
 
-use crate::translate::{FastMap, KeySink};
+use crate::translate::{KeySink, SeededMap};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Change {
@@ -43,7 +43,7 @@ pub const REPAIR_WINDOW: usize = 4;
 #[derive(Debug)]
 pub struct Pending {
     cleared: bool,
-    changes: FastMap<BlockKey, Change>,
+    changes: SeededMap<BlockKey, Change>,
     needs_sync: bool,
     max_changes: usize,
     /// The keys of the last [`REPAIR_WINDOW`] deltas taken: a push that was
@@ -55,7 +55,13 @@ pub struct Pending {
 impl Pending {
     /// A new router starts with a full sync (that is its registration).
     pub fn new(max_changes: usize) -> Self {
-        Pending { cleared: false, changes: FastMap::default(), needs_sync: true, max_changes, recent: VecDeque::new() }
+        Pending {
+            cleared: false,
+            changes: SeededMap::default(),
+            needs_sync: true,
+            max_changes,
+            recent: VecDeque::new(),
+        }
     }
 
     pub fn needs_sync(&self) -> bool {
@@ -68,7 +74,7 @@ impl Pending {
         self.cleared = false;
         self.recent.clear();
         // A fresh map, so a burst's worth of capacity is returned.
-        self.changes = FastMap::default();
+        self.changes = SeededMap::default();
     }
 
     /// Marks the full sync as taken (the caller read the key set under the same
@@ -77,7 +83,7 @@ impl Pending {
         self.needs_sync = false;
         self.cleared = false;
         self.recent.clear();
-        self.changes = FastMap::default();
+        self.changes = SeededMap::default();
     }
 
     /// Takes the net changes since the last message.
@@ -114,7 +120,7 @@ impl Pending {
         }
         let recent: Vec<Vec<BlockKey>> = self.recent.iter().cloned().collect();
         let mut delta = self.take();
-        let mut seen: crate::translate::FastSet<BlockKey> =
+        let mut seen: crate::translate::SeededSet<BlockKey> =
             delta.stored.iter().chain(&delta.evicted).copied().collect();
         for key in recent.into_iter().flatten() {
             if seen.insert(key) {

@@ -15,15 +15,24 @@
 //! full table load, ≈ 59 just after the tables double.
 
 mod extras;
-mod fast_hash;
 
 use std::collections::BTreeMap;
 use std::collections::HashSet;
 
+use kvroute_shared::hash::Seeded;
 use kvroute_shared::{BlockKey, BlockSize, KeyRoot, ModelName};
 
 pub use extras::SkipReason;
-pub use fast_hash::{FastMap, FastSet};
+
+/// The translator's and the coalescer's maps. Their keys (engine block
+/// hashes, router keys) derive from client prompts, so they are hashed with
+/// the process seed: a client cannot grind prompts into one bucket (see
+/// [`Seeded`]). Replaced a one-multiply fold whose low bits were the key's
+/// low bits; measured in BENCHMARKS.md, "kvroute-sidecar".
+pub type SeededMap<K, V> = std::collections::HashMap<K, V, Seeded>;
+
+/// A set hashed as [`SeededMap`].
+pub type SeededSet<K> = std::collections::HashSet<K, Seeded>;
 
 use crate::decode::{BlockRemoved, BlockStored, KvEvent, Medium};
 use crate::metrics::TranslateCounters;
@@ -53,9 +62,9 @@ impl KeySink for NullSink {
 #[derive(Debug, Default)]
 struct RankBlocks {
     /// engine hash id → router key.
-    keys: FastMap<u64, BlockKey>,
+    keys: SeededMap<u64, BlockKey>,
     /// engine hash id → additional physical copies beyond the first.
-    extra_copies: FastMap<u64, u32>,
+    extra_copies: SeededMap<u64, u32>,
 }
 
 /// The translation state of one worker.
@@ -66,12 +75,12 @@ pub struct Translator {
     block_size: BlockSize,
     ranks: BTreeMap<Rank, RankBlocks>,
     /// Every router key held by at least one (rank, engine hash) entry.
-    key_set: FastSet<BlockKey>,
+    key_set: SeededSet<BlockKey>,
     /// router key → entries holding it beyond the first.
-    key_extra: FastMap<BlockKey, u32>,
+    key_extra: SeededMap<BlockKey, u32>,
     /// Engine hashes stored while an engine snapshot is in flight: the snapshot
     /// may predate them, so reconciliation must not drop them.
-    fresh: Option<FastMap<u64, ()>>,
+    fresh: Option<SeededMap<u64, ()>>,
     counters: TranslateCounters,
 }
 
@@ -83,8 +92,8 @@ impl Translator {
             base_root,
             block_size,
             ranks: BTreeMap::new(),
-            key_set: FastSet::default(),
-            key_extra: FastMap::default(),
+            key_set: SeededSet::default(),
+            key_extra: SeededMap::default(),
             fresh: None,
             counters,
         }
@@ -255,7 +264,7 @@ impl Translator {
     /// Starts an engine snapshot: blocks stored from now on are kept by the
     /// next [`Translator::retain_engine_hashes`].
     pub fn begin_snapshot(&mut self) {
-        self.fresh = Some(FastMap::default());
+        self.fresh = Some(SeededMap::default());
     }
 
     /// Drops every block of `rank` whose engine hash id is not in `held` (the
@@ -322,8 +331,8 @@ impl Translator {
 }
 
 fn release(
-    key_set: &mut FastSet<BlockKey>,
-    key_extra: &mut FastMap<BlockKey, u32>,
+    key_set: &mut SeededSet<BlockKey>,
+    key_extra: &mut SeededMap<BlockKey, u32>,
     key: BlockKey,
     sink: &mut impl KeySink,
 ) {
