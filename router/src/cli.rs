@@ -163,6 +163,7 @@ const ENV_KEYS: &[&str] = &[
     "idle_timeout",
     "body_read_timeout",
     "header_read_timeout",
+    "keep_alive_timeout",
     "max_connections",
     "first_token_timeout",
     "first_token_timeout_per_1k_tokens",

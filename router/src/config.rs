@@ -120,6 +120,11 @@ pub struct RawConfig {
     /// beyond it (slow-loris clients).
     #[serde(with = "humantime_serde")]
     pub header_read_timeout: Duration,
+    /// Time a client connection may stay without starting a request once it
+    /// has served one; it is then shut down gracefully (requests under way
+    /// finish).
+    #[serde(with = "humantime_serde")]
+    pub keep_alive_timeout: Duration,
     /// Time allowed to receive a request's whole body (408 beyond it).
     #[serde(with = "humantime_serde")]
     pub body_read_timeout: Duration,
@@ -184,6 +189,7 @@ impl Default for RawConfig {
             body_read_timeout: Duration::from_secs(30),
             max_connections: 10_000,
             header_read_timeout: Duration::from_secs(10),
+            keep_alive_timeout: Duration::from_secs(75),
             first_token_timeout: Duration::from_secs(60),
             first_token_timeout_per_1k_tokens: Duration::from_secs(2),
             max_body_bytes: 16 << 20,
@@ -367,6 +373,9 @@ impl RawConfig {
         }
         if self.max_connections == 0 {
             return Err(invalid("max_connections", "must be at least 1"));
+        }
+        if self.header_read_timeout.is_zero() || self.keep_alive_timeout.is_zero() {
+            return Err(invalid("header_read_timeout", "it and keep_alive_timeout must be above 0"));
         }
         if self.max_prompt_tokens == 0 {
             return Err(invalid("max_prompt_tokens", "must be at least 1"));

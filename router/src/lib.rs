@@ -207,6 +207,7 @@ pub async fn run_with(
     let limits = serve::Limits {
         max_connections: state.config.raw.max_connections,
         header_read_timeout: state.config.raw.header_read_timeout,
+        keep_alive_timeout: state.config.raw.keep_alive_timeout,
     };
     let metrics_task = metrics.map(|listener| {
         let limits = serve::Limits { max_connections: METRICS_MAX_CONNECTIONS, ..limits };

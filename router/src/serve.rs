@@ -1,9 +1,16 @@
 //! The HTTP server loop: the axum app served by hyper (HTTP/1.1 and HTTP/2),
-//! with the two limits `axum::serve` does not expose:
+//! with the limits `axum::serve` does not expose:
 //!
 //! - a deadline on reading a request's headers (`header_read_timeout`): a
 //!   client sending its headers a byte at a time (slow-loris) is cut off
 //!   instead of holding a connection and a task forever;
+//! - a deadline on a connection's first request (`header_read_timeout`),
+//!   and on each next one (`keep_alive_timeout`): hyper's header deadline
+//!   starts only once it knows the protocol, so a socket that sends
+//!   nothing, or part of the HTTP/2 preface, or an HTTP/2 connection that
+//!   goes quiet, held its slot forever (10,000 of them shut every client, sidecar and replica out).
+//!   A connection with a request under way (a long streamed answer) is
+//!   never idle; past the deadline one is shut down gracefully;
 //! - a cap on open connections (`max_connections`): at the cap the loop stops
 //!   accepting until one closes, so a flood queues in the kernel backlog
 //!   instead of exhausting file descriptors.
@@ -20,20 +27,29 @@
 //! sidecars' pushes, which are never shed.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use futures::TryFutureExt;
+use http_body_util::BodyExt;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
-use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tower::ServiceExt;
 
 /// Connection-level limits.
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
     pub max_connections: usize,
     pub header_read_timeout: Duration,
+    /// A connection that has served a request and starts none for this long
+    /// is shut down (75 s by default, nginx's `keepalive_timeout`): clients
+    /// keep pools of idle connections, and this bounds the slots they hold
+    /// for nothing.
+    pub keep_alive_timeout: Duration,
 }
 
 /// Serves `app` on `listener` until `shutdown` is cancelled, then waits for
@@ -44,7 +60,7 @@ where
     L::Io: Send + 'static,
 {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
-    let graceful = GracefulShutdown::new();
+    let connections = TaskTracker::new();
     let mut builder = Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout);
     loop {
@@ -59,14 +75,87 @@ where
             conn = listener.accept() => conn,
             () = shutdown.cancelled() => break,
         };
-        let service = TowerToHyperService::new(app.clone());
+        let activity = Arc::new(Activity::default());
+        let app = app.clone();
+        let counted = activity.clone();
+        let service = TowerToHyperService::new(tower::service_fn(move |req| {
+            let guard = Activity::begin(&counted);
+            // The guard lives as long as the response body: a streamed answer
+            // keeps its connection busy until its last chunk.
+            app.clone().oneshot(req).map_ok(move |resp: axum::response::Response| {
+                resp.map(|body| {
+                    axum::body::Body::new(body.map_frame(move |frame| {
+                        let _busy = &guard;
+                        frame
+                    }))
+                })
+            })
+        }));
         let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service).into_owned();
-        let conn = graceful.watch(conn);
-        tokio::spawn(async move {
-            // Errors here are the client's (a reset, a header timeout): nothing to do.
-            let _ = conn.await;
+        let shutdown = shutdown.clone();
+        connections.spawn(async move {
+            let mut conn = std::pin::pin!(conn);
+            // The first request must start within the header deadline, each
+            // next one within the keep-alive time of the last one's end.
+            let (mut seen, mut wait) = (0, limits.header_read_timeout);
+            let finished = loop {
+                tokio::select! {
+                    // Errors here are the client's (a reset, a header timeout): nothing to do.
+                    _ = conn.as_mut() => break true,
+                    () = tokio::time::sleep(wait) => {
+                        let started = activity.started.load(Ordering::Relaxed);
+                        if started == seen && activity.busy.load(Ordering::Relaxed) == 0 {
+                            break false;
+                        }
+                        (seen, wait) = (started, limits.keep_alive_timeout);
+                    }
+                    () = shutdown.cancelled() => break false,
+                }
+            };
+            if !finished {
+                // No new request; those under way finish. A peer that never
+                // completes the close (an HTTP/2 client that does not answer
+                // the GOAWAY's ping) is dropped once nothing is under way.
+                conn.as_mut().graceful_shutdown();
+                loop {
+                    tokio::select! {
+                        _ = conn.as_mut() => break,
+                        () = tokio::time::sleep(limits.header_read_timeout) => {
+                            if activity.busy.load(Ordering::Relaxed) == 0 {
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
             drop(permit);
         });
     }
-    graceful.shutdown().await;
+    connections.close();
+    connections.wait().await;
+}
+
+/// One connection's requests: how many started, and how many are under way
+/// (until their response body has been sent or dropped).
+#[derive(Debug, Default)]
+struct Activity {
+    started: AtomicU64,
+    busy: AtomicU64,
+}
+
+impl Activity {
+    fn begin(this: &Arc<Activity>) -> Busy {
+        this.started.fetch_add(1, Ordering::Relaxed);
+        this.busy.fetch_add(1, Ordering::Relaxed);
+        Busy(this.clone())
+    }
+}
+
+/// A request under way; dropped with its response body.
+struct Busy(Arc<Activity>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.busy.fetch_sub(1, Ordering::Relaxed);
+    }
 }

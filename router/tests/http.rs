@@ -667,6 +667,85 @@ async fn slow_headers_are_cut_off_and_free_their_connection_slots() {
     assert_eq!(resp.status(), 200, "the slots are free again");
 }
 
+/// Waits until the server closes `s` (EOF or a reset), with a bound far
+/// beyond any deadline under test: a socket left open fails the test.
+async fn closed_by_server(s: &mut tokio::net::TcpStream) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await.is_ok()
+}
+
+/// hyper's header deadline starts once it knows the protocol: a socket that
+/// sends nothing, half the HTTP/2 preface, or the whole preface and then no
+/// request, held its connection slot forever before the first-request
+/// deadline.
+#[tokio::test]
+async fn silent_sockets_and_idle_http2_connections_are_closed_and_free_their_slots() {
+    use tokio::io::AsyncWriteExt;
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let r = router(&[("w1", &w.url)], |raw| {
+        raw.max_connections = 3;
+        raw.header_read_timeout = Duration::from_millis(300);
+    })
+    .await;
+    let addr = r.url.trim_start_matches("http://").to_owned();
+    let preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    // An empty SETTINGS frame: length 0, type 4, no flags, stream 0.
+    let settings = [0u8, 0, 0, 4, 0, 0, 0, 0, 0];
+    let mut idle = Vec::new();
+    for opening in [&b""[..], &preface[..16], &[&preface[..], &settings[..]].concat()[..]] {
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        s.write_all(opening).await.unwrap();
+        idle.push(s);
+    }
+    for (i, s) in idle.iter_mut().enumerate() {
+        assert!(closed_by_server(s).await, "idle connection {i} was left open");
+    }
+    let resp = r.http.get(format!("{}/health", r.url)).send().await.unwrap();
+    assert_eq!(resp.status(), 200, "the slots are free again");
+}
+
+/// A connection that served a request and starts no other is closed at
+/// `keep_alive_timeout`; one with a stream under way is not cut.
+#[tokio::test]
+async fn an_idle_connection_is_shut_down_but_its_stream_under_way_finishes() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (tx, rx) = mpsc::channel(4);
+    let (cancel_tx, _cancel_rx) = oneshot::channel();
+    let slot = Arc::new(tokio::sync::Mutex::new(Some((rx, cancel_tx))));
+    let w = fake_worker("w1", Behaviour::Stream(slot)).await;
+    let r = router(&[("w1", &w.url)], |raw| {
+        raw.header_read_timeout = Duration::from_millis(200);
+        raw.keep_alive_timeout = Duration::from_millis(200);
+    })
+    .await;
+    let addr = r.url.trim_start_matches("http://").to_owned();
+    // A keep-alive connection that served one request, then nothing.
+    let mut kept = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    kept.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+    let mut first = [0u8; 12];
+    kept.read_exact(&mut first).await.unwrap();
+    assert_eq!(&first, b"HTTP/1.1 200");
+    // A stream that starts now and outlives the deadline of its connection.
+    tx.send(Some("data: {\"n\":1}\n\n")).await.unwrap();
+    let resp = r.complete(json!({"model": "m", "prompt": "hello", "stream": true})).await;
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.bytes_stream();
+    assert_eq!(body.next().await.unwrap().unwrap(), "data: {\"n\":1}\n\n");
+    assert!(closed_by_server(&mut kept).await, "an idle keep-alive connection was left open");
+    // Three silent sockets opened one after another, each closed at the
+    // first-request deadline: the stream's connection, idle since its one
+    // request began, has passed its own deadline by the time the last closes.
+    for _ in 0..3 {
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        assert!(closed_by_server(&mut s).await, "a silent socket was left open");
+    }
+    tx.send(Some("data: [DONE]\n\n")).await.unwrap();
+    drop(tx);
+    assert_eq!(body.next().await.unwrap().unwrap(), "data: [DONE]\n\n", "the stream was cut");
+    assert!(body.next().await.is_none());
+}
+
 #[tokio::test]
 async fn load_shedding_answers_503_with_retry_after() {
     let hang = fake_worker("hang", Behaviour::Hang).await;
