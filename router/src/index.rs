@@ -445,7 +445,36 @@ impl Index {
         }
         if approximate {
             self.enforce_capacity(slot);
+        } else {
+            self.cap_speculative(slot);
         }
+    }
+
+    /// Speculative insertions a worker remembers at most (its queue's
+    /// items, so re-sends count too): 16 prompts of 262,144 tokens. Sends
+    /// are confirmed or not within a push interval (100 ms), and expire
+    /// after `speculative_ttl` (10 s); without a cap a client sending long
+    /// prompts, the same one again and again, grew the queue by up to
+    /// 16,384 items a request for those 10 s (several GB at a few hundred
+    /// requests a second), and a worker's entries past `max_sync_keys` made
+    /// its own sidecar's pushes too large to take.
+    pub const MAX_SPECULATIVE: usize = 1 << 18;
+
+    /// Drops the oldest of `slot`'s sends beyond [`Self::MAX_SPECULATIVE`]
+    /// that nothing confirmed, as their expiry would.
+    fn cap_speculative(&mut self, slot: Slot) {
+        let Some(w) = self.workers.get_mut(&slot) else { return };
+        let mut dropped = Vec::new();
+        while w.speculative.len() > Self::MAX_SPECULATIVE {
+            let Some((_, tick, key)) = w.speculative.pop_front() else { break };
+            if w.marks.get(&key).is_some_and(|e| e.kind() == Kind::Speculative && e.stamp() == tick) {
+                dropped.push(key);
+            }
+        }
+        for key in dropped {
+            self.remove_uncompacted(slot, key);
+        }
+        self.compact(slot);
     }
 
     fn enforce_capacity(&mut self, slot: Slot) {

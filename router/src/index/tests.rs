@@ -109,6 +109,31 @@ fn speculative_entries_expire_unless_confirmed() {
 }
 
 #[test]
+fn a_workers_unconfirmed_sends_are_capped_oldest_first() {
+    let mut ix = Index::new();
+    let long = 16_384u64;
+    // The same long prompt sent again and again: every send is remembered.
+    let same: Vec<BlockKey> = (0..long).map(k).collect();
+    for i in 0..20 {
+        ix.record_routed(Slot(0), &same, i);
+    }
+    // Then distinct long prompts, until the oldest sends are pushed out.
+    let sends = Index::MAX_SPECULATIVE as u64 / long + 2;
+    for p in 1..=sends {
+        let keys: Vec<BlockKey> = (0..long).map(|i| k(p * 1_000_000 + i)).collect();
+        ix.record_routed(Slot(0), &keys, 100 + p);
+    }
+    let c = ix.counts(Slot(0));
+    assert!(c.speculative <= Index::MAX_SPECULATIVE, "{} speculative entries", c.speculative);
+    assert!(ix.workers[&Slot(0)].speculative.len() <= Index::MAX_SPECULATIVE);
+    // The newest send is whole; the oldest went first.
+    let newest: Vec<BlockKey> = (0..long).map(|i| k(sends * 1_000_000 + i)).collect();
+    assert_eq!(depths(&ix, &newest), vec![(Slot(0), long as usize)]);
+    assert!(depths(&ix, &same).is_empty(), "the oldest sends stayed");
+    // (`check_consistency` is quadratic: two minutes at this size.)
+}
+
+#[test]
 fn approximate_worker_is_lru_bounded() {
     let mut ix = Index::new();
     ix.set_approximate(Slot(3), Some(4));
