@@ -208,6 +208,7 @@ pub async fn run_with(
         max_connections: state.config.raw.max_connections,
         header_read_timeout: state.config.raw.header_read_timeout,
         keep_alive_timeout: state.config.raw.keep_alive_timeout,
+        write_timeout: state.config.raw.idle_timeout,
     };
     let metrics_task = metrics.map(|listener| {
         let limits = serve::Limits { max_connections: METRICS_MAX_CONNECTIONS, ..limits };

@@ -11,6 +11,9 @@
 //!   goes quiet, held its slot forever (10,000 of them shut every client, sidecar and replica out).
 //!   A connection with a request under way (a long streamed answer) is
 //!   never idle; past the deadline one is shut down gracefully;
+//! - a write deadline (`idle_timeout`): a client that takes no bytes for
+//!   that long is disconnected ([`WriteDeadline`]), and its answer's engine
+//!   request cancelled;
 //! - a cap on open connections (`max_connections`): at the cap the loop stops
 //!   accepting until one closes, so a flood queues in the kernel backlog
 //!   instead of exhausting file descriptors.
@@ -26,8 +29,12 @@
 //! until its last chunk; and they would cover `/health`, `/metrics` and the
 //! sidecars' pushes, which are never shed.
 
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::TryFutureExt;
@@ -35,6 +42,7 @@ use http_body_util::BodyExt;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
 use hyper_util::service::TowerToHyperService;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -50,6 +58,11 @@ pub struct Limits {
     /// keep pools of idle connections, and this bounds the slots they hold
     /// for nothing.
     pub keep_alive_timeout: Duration,
+    /// A connection whose client takes no bytes for this long is closed
+    /// (`idle_timeout`): a client that never reads a long streamed answer
+    /// would otherwise hold its concurrency slot, and its engine request,
+    /// forever, the stream waiting on a full socket buffer.
+    pub write_timeout: Duration,
 }
 
 /// Serves `app` on `listener` until `shutdown` is cancelled, then waits for
@@ -91,6 +104,7 @@ where
                 })
             })
         }));
+        let io = WriteDeadline::new(io, limits.write_timeout);
         let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service).into_owned();
         let shutdown = shutdown.clone();
         connections.spawn(async move {
@@ -157,5 +171,74 @@ struct Busy(Arc<Activity>);
 impl Drop for Busy {
     fn drop(&mut self) {
         self.0.busy.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A socket whose writes fail once one has waited `timeout` for the client
+/// to take bytes: hyper has no write deadline, and a streamed answer waits
+/// on a full socket buffer for as long as the client does not read.
+struct WriteDeadline<IO> {
+    io: IO,
+    timeout: Duration,
+    /// Set while a write (or flush) is pending.
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<IO> WriteDeadline<IO> {
+    fn new(io: IO, timeout: Duration) -> Self {
+        WriteDeadline { io, timeout, stalled: None }
+    }
+
+    /// `poll` made no progress: fails once it has made none for `timeout`.
+    fn stall<T>(&mut self, cx: &mut Context<'_>, poll: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        if poll.is_ready() {
+            self.stalled = None;
+            return poll;
+        }
+        let timeout = self.timeout;
+        let deadline = self.stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        match deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the client took no bytes within the write timeout",
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for WriteDeadline<IO> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<IO> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let poll = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.stall(cx, poll)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let poll = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.stall(cx, poll)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let poll = Pin::new(&mut self.io).poll_flush(cx);
+        self.stall(cx, poll)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let poll = Pin::new(&mut self.io).poll_shutdown(cx);
+        self.stall(cx, poll)
     }
 }

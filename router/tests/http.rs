@@ -39,6 +39,8 @@ enum Behaviour {
     Stream(StreamSlot),
     /// SSE: the first token after this long, then the end of the answer.
     FirstTokenAfter(Duration),
+    /// SSE: 64 KB chunks without end; dropping the response fires the sender.
+    Endless(Arc<std::sync::Mutex<Option<oneshot::Sender<()>>>>),
 }
 
 /// Chunks to send (`None` = fail the stream) and the cancel signal, taken by
@@ -75,6 +77,18 @@ async fn fake_worker(name: &'static str, behaviour: Behaviour) -> Fake {
                     Response::builder()
                         .header("content-type", "text/event-stream")
                         .body(Body::from_stream(chunks))
+                        .unwrap()
+                }
+                Behaviour::Endless(cancel) => {
+                    let guard = CancelGuard(cancel.lock().unwrap().take());
+                    let chunk = Bytes::from(format!("data: {}\n\n", "x".repeat(64 << 10)));
+                    let stream = futures::stream::repeat_with(move || {
+                        let _alive = &guard;
+                        Ok::<_, std::io::Error>(chunk.clone())
+                    });
+                    Response::builder()
+                        .header("content-type", "text/event-stream")
+                        .body(Body::from_stream(stream))
                         .unwrap()
                 }
                 Behaviour::Stream(slot) => {
@@ -744,6 +758,30 @@ async fn an_idle_connection_is_shut_down_but_its_stream_under_way_finishes() {
     drop(tx);
     assert_eq!(body.next().await.unwrap().unwrap(), "data: [DONE]\n\n", "the stream was cut");
     assert!(body.next().await.is_none());
+}
+
+/// A client that asks for a stream and never reads it: once the socket's
+/// buffers are full the answer waits on it, holding its concurrency slot
+/// and its engine request, until the write deadline (`idle_timeout`)
+/// closes the connection and the engine request is cancelled.
+#[tokio::test]
+async fn a_client_that_never_reads_is_cut_off_and_its_engine_request_cancelled() {
+    use tokio::io::AsyncWriteExt;
+    let (cancel_tx, cancelled) = oneshot::channel();
+    let w = fake_worker("w1", Behaviour::Endless(Arc::new(std::sync::Mutex::new(Some(cancel_tx))))).await;
+    let r = router(&[("w1", &w.url)], |raw| raw.idle_timeout = Duration::from_millis(300)).await;
+    let addr = r.url.trim_start_matches("http://").to_owned();
+    let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let body = r#"{"model": "m", "prompt": "hello", "stream": true}"#;
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(format!("{head}{body}").as_bytes()).await.unwrap();
+    // Never read. The router must let go of the engine's stream.
+    let let_go = tokio::time::timeout(Duration::from_secs(20), cancelled).await;
+    assert!(let_go.is_ok(), "the answer to a client that never reads was held open");
+    drop(s);
 }
 
 #[tokio::test]
