@@ -102,7 +102,7 @@ pub const SYNC_READ_CHUNK: usize = 16_384;
 
 /// Authenticates, reads (under the internal body limit) and decodes an
 /// internal push; also returns the protocol major it was sent under.
-async fn push_body<T: serde::de::DeserializeOwned + Validate>(
+async fn push_body<T: serde::de::DeserializeOwned + Validate + Send + 'static>(
     state: &AppState,
     headers: &HeaderMap,
     body: Body,
@@ -110,8 +110,24 @@ async fn push_body<T: serde::de::DeserializeOwned + Validate>(
     authenticate(state, headers)?;
     let protocol = check_protocol(state, headers)?;
     let body = read_body_within(body, state.config.raw.max_internal_body_bytes).await?;
-    Ok((decode_valid(&body)?, protocol))
+    // A sync of a million keys is ~19 MB of JSON, a few hundred ms to
+    // decode: on the blocking pool, as its apply is, not on an async worker
+    // that every request shares.
+    if body.len() <= DECODE_INLINE_MAX_BYTES {
+        return Ok((decode_valid(&body)?, protocol));
+    }
+    let decoded = tokio::task::spawn_blocking(move || decode_valid(&body))
+        .await
+        .map_err(|_| RouterError::Unavailable("the push could not be decoded".into()))?;
+    Ok((decoded?, protocol))
 }
+
+/// Deltas up to this many keys are applied on the async worker.
+const APPLY_INLINE_MAX_KEYS: usize = 16 << 10;
+
+/// Push bodies up to this size are decoded on the async worker (a routine
+/// 100 ms delta: a few hundred keys).
+const DECODE_INLINE_MAX_BYTES: usize = 64 << 10;
 
 /// What an applied push tells its sidecar besides the outcome.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -185,7 +201,18 @@ pub async fn eviction(
         state.metrics.event("rejected_too_large", 1);
         return Err(RouterError::PayloadTooLarge { limit: max });
     }
-    let acked = match apply_eviction(&state, &worker, &batch) {
+    // A large delta (a sidecar that fell behind: up to max_sync_keys) holds
+    // the index's write lock for tens of ms: on the blocking pool.
+    let changes = batch.stored_hashes.len() + batch.evicted_hashes.len();
+    let (pushed, batch) = if changes <= APPLY_INLINE_MAX_KEYS && !batch.cleared {
+        (apply_eviction(&state, &worker, &batch), batch)
+    } else {
+        let (st, w) = (state.clone(), worker.clone());
+        tokio::task::spawn_blocking(move || (apply_eviction(&st, &w, &batch), batch))
+            .await
+            .map_err(|_| RouterError::Unavailable("the push could not be applied".into()))?
+    };
+    let acked = match pushed {
         Push::Applied(acked) => acked,
         Push::NotMember => return Ok(ack(&state, AckOutcome::UnknownWorker, Acked::default())),
         Push::Stale => {

@@ -494,6 +494,28 @@ async fn sync_registers_and_routes_to_the_holder() {
     assert_eq!(models["data"][0]["id"], "m");
 }
 
+/// A sidecar that fell behind pushes a delta of tens of thousands of keys:
+/// decoded and applied off the async workers (on the blocking pool), with
+/// the same outcome as a small one.
+#[tokio::test]
+async fn a_large_delta_is_applied_whole() {
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let r = router(&[("w1", &w.url)], |_| {}).await;
+    let keys: Vec<String> =
+        (1..=40_000u64).map(|i| BlockKey(i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).to_string()).collect();
+    let stored = json!({"worker_id": "w1", "stored_hashes": keys, "seq": 1, "epoch": "e1"});
+    assert!(stored.to_string().len() > 64 << 10, "decoded on the blocking pool");
+    let ack: Value = r.internal("/internal/eviction", stored).await.json().await.unwrap();
+    assert_eq!(ack["outcome"], "applied", "{ack}");
+    let index: Value = r.http.get(format!("{}/debug/index", r.url)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(index["workers"]["w1"]["confirmed"], 40_000, "{index}");
+    let evicted = json!({"worker_id": "w1", "evicted_hashes": keys[..30_000], "seq": 2, "epoch": "e1"});
+    let ack: Value = r.internal("/internal/eviction", evicted).await.json().await.unwrap();
+    assert_eq!(ack["outcome"], "applied", "{ack}");
+    let index: Value = r.http.get(format!("{}/debug/index", r.url)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(index["workers"]["w1"]["confirmed"], 10_000, "{index}");
+}
+
 #[tokio::test]
 async fn a_burst_of_one_new_prefix_lands_on_one_worker() {
     let w1 = fake_worker("w1", Behaviour::Ok).await;
