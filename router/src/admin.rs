@@ -19,9 +19,24 @@ use crate::routing;
 use crate::state::{AppState, now_ms};
 
 /// The endpoint a bare body belongs to: chat if it has `messages`.
+///
+/// Only the top-level keys are looked at; every value is skipped without
+/// being built (a `serde_json::Value` of a 16 MB body of small numbers took
+/// ~40 × its size, before any concurrency slot was taken).
 pub fn endpoint_of(body: &[u8]) -> Endpoint {
-    match serde_json::from_slice::<Value>(body) {
-        Ok(v) if v.get("messages").is_some() => Endpoint::ChatCompletions,
+    use serde::Deserialize;
+    use serde::de::IgnoredAny;
+    #[derive(Deserialize)]
+    struct Probe {
+        #[serde(default, deserialize_with = "present")]
+        messages: Option<IgnoredAny>,
+    }
+    // Present, whatever its value (`null` too).
+    fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<IgnoredAny>, D::Error> {
+        IgnoredAny::deserialize(d).map(Some)
+    }
+    match serde_json::from_slice::<Probe>(body) {
+        Ok(Probe { messages: Some(_) }) => Endpoint::ChatCompletions,
         _ => Endpoint::Completions,
     }
 }
@@ -188,4 +203,20 @@ pub async fn require_admin_token(
         }
     }
     Ok(next.run(req).await)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_body_is_chat_when_it_has_top_level_messages() {
+        let chat = br#"{"model": "m", "messages": [{"role": "user", "content": "hi"}]}"#;
+        assert_eq!(endpoint_of(chat), Endpoint::ChatCompletions);
+        assert_eq!(endpoint_of(br#"{"messages": null}"#), Endpoint::ChatCompletions);
+        assert_eq!(endpoint_of(br#"{"model": "m", "prompt": [1, 2, 3]}"#), Endpoint::Completions);
+        // Only a top-level key counts; anything unparsable is a completion.
+        assert_eq!(endpoint_of(br#"{"prompt": "x", "extra": {"messages": []}}"#), Endpoint::Completions);
+        assert_eq!(endpoint_of(b"[1, 2"), Endpoint::Completions);
+    }
 }

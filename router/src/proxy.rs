@@ -40,6 +40,14 @@ pub async fn read_body(state: &AppState, body: Body) -> Result<Bytes, RouterErro
     read_body_within(body, state.config.raw.max_body_bytes).await
 }
 
+/// Reads a client's body within `body_read_timeout` (408 beyond it).
+pub async fn read_body_in_time(state: &AppState, body: Body) -> Result<Bytes, RouterError> {
+    let timeout = state.config.raw.body_read_timeout;
+    tokio::time::timeout(timeout, read_body(state, body))
+        .await
+        .map_err(|_| RouterError::BodyTimeout { after: timeout })?
+}
+
 /// Reads a body up to `limit` bytes (413 beyond it).
 pub async fn read_body_within(body: Body, limit: usize) -> Result<Bytes, RouterError> {
     match http_body_util::Limited::new(body, limit).collect().await {
@@ -68,10 +76,7 @@ pub fn parse(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Prompt
 /// send slowly must not hold the slots real requests need), then a slot, then
 /// the prompt-size check that comes before any tokenizing.
 pub async fn admit(state: &AppState, body: Body) -> Result<(Bytes, OwnedSemaphorePermit), RouterError> {
-    let timeout = state.config.raw.body_read_timeout;
-    let body = tokio::time::timeout(timeout, read_body(state, body))
-        .await
-        .map_err(|_| RouterError::BodyTimeout { after: timeout })??;
+    let body = read_body_in_time(state, body).await?;
     let Ok(permit) = state.concurrency.clone().try_acquire_owned() else {
         state.metrics.shed.inc();
         return Err(RouterError::Overloaded);

@@ -669,6 +669,21 @@ async fn a_client_sending_its_body_slowly_holds_no_concurrency_slot() {
     drop(tx);
 }
 
+/// `POST /v1/context` reads its body under the same deadline as the
+/// completion endpoints.
+#[tokio::test]
+async fn a_context_body_that_never_completes_times_out() {
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let r = router(&[("w1", &w.url)], |raw| raw.body_read_timeout = Duration::from_millis(300)).await;
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(1);
+    tx.send(Ok(Bytes::from_static(b"{\"model\": \"m\", "))).await.unwrap();
+    let body = reqwest::Body::wrap_stream(tokio_stream_from(rx));
+    let send = r.http.post(format!("{}/v1/context", r.url)).body(body).send();
+    let resp = tokio::time::timeout(Duration::from_secs(20), send).await.expect("the body was waited for forever");
+    assert_eq!(resp.unwrap().status(), 408);
+    drop(tx);
+}
+
 fn tokio_stream_from(
     mut rx: mpsc::Receiver<Result<Bytes, std::io::Error>>,
 ) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> {
