@@ -71,6 +71,29 @@ pub fn parse(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Prompt
     Ok(req)
 }
 
+/// [`parse`], for a body over [`PARSE_INLINE_MAX_BYTES`] on the blocking
+/// pool under a tokenizer slot (one per core): a chat body of many small
+/// content parts parses to ~30 × its size, and thousands of such requests
+/// parsing at once on the async workers would take that many times over.
+pub async fn parse_off_runtime(
+    state: &Arc<AppState>,
+    endpoint: Endpoint,
+    body: &Bytes,
+) -> Result<PromptRequest, RouterError> {
+    if body.len() <= PARSE_INLINE_MAX_BYTES {
+        return parse(state, endpoint, body);
+    }
+    let _slot =
+        state.tokenize_slots.acquire().await.map_err(|_| RouterError::Internal("tokenizer pool closed".into()))?;
+    let (st, body) = (state.clone(), body.clone());
+    tokio::task::spawn_blocking(move || parse(&st, endpoint, &body))
+        .await
+        .map_err(|e| RouterError::Internal(format!("parse task failed: {e}")))?
+}
+
+/// Bodies up to this size are parsed on the async worker.
+pub const PARSE_INLINE_MAX_BYTES: usize = 256 << 10;
+
 /// Admits a request that will be planned (proxied or explained): its body is
 /// read under a deadline *before* a concurrency slot is taken (clients that
 /// send slowly must not hold the slots real requests need), then a slot, then
@@ -148,7 +171,7 @@ async fn proxy_from(
     arrived: Instant,
 ) -> Result<Response, RouterError> {
     let (body, _permit) = admit(state, body).await?;
-    let req = Arc::new(parse(state, endpoint, &body)?);
+    let req = Arc::new(parse_off_runtime(state, endpoint, &body).await?);
     if new_session.is_some() && !state.sessions.has_room(Instant::now()) {
         return Err(RouterError::SessionsFull { max: state.sessions.max() });
     }

@@ -669,6 +669,21 @@ async fn a_client_sending_its_body_slowly_holds_no_concurrency_slot() {
     drop(tx);
 }
 
+/// A body over 256 KB is parsed on the blocking pool: the same answer.
+#[tokio::test]
+async fn a_large_body_is_parsed_off_the_runtime_and_routed() {
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let r = router(&[("w1", &w.url)], |_| {}).await;
+    let parts: Vec<Value> = (0..20_000).map(|i| json!({"type": "text", "text": format!("part {i} ")})).collect();
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": parts}]});
+    assert!(body.to_string().len() > 256 << 10);
+    let resp = r.http.post(format!("{}/v1/chat/completions", r.url)).json(&body).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-kvroute-worker"], "w1");
+    let explained = r.explain(body).await;
+    assert_eq!(explained["decision"]["worker"], "w1", "{explained}");
+}
+
 /// `POST /v1/context` reads its body under the same deadline as the
 /// completion endpoints.
 #[tokio::test]
