@@ -187,8 +187,11 @@ async fn proxy_from(
         let worker =
             resp.headers().get(WORKER_HEADER).and_then(|v| v.to_str().ok()).map(kvroute_shared::WorkerId::from);
         // The id is returned only when it was stored: a client must never
-        // hold a session id the router does not know.
-        let stored = worker.is_some_and(|w| state.sessions.pin(&id, &w, ttl, Instant::now()));
+        // hold a session id the router does not know. Only an answer pins:
+        // requests the engine refused (4xx) would fill the table cheaply,
+        // for up to a day each.
+        let stored =
+            resp.status().is_success() && worker.is_some_and(|w| state.sessions.pin(&id, &w, ttl, Instant::now()));
         if stored && let Ok(v) = HeaderValue::from_str(&id) {
             resp.headers_mut().insert(SESSION_HEADER, v);
         }

@@ -669,6 +669,28 @@ async fn a_client_sending_its_body_slowly_holds_no_concurrency_slot() {
     drop(tx);
 }
 
+/// A request the engine refuses pins no session: invalid requests must not
+/// fill the session table (each for up to a day).
+#[tokio::test]
+async fn a_refused_request_pins_no_session() {
+    let w = fake_worker("w1", Behaviour::Status(400)).await;
+    let r = router(&[("w1", &w.url)], |_| {}).await;
+    let body = json!({"model": "m", "prompt": "x"});
+    let resp = r.http.post(format!("{}/v1/context", r.url)).json(&body).send().await.unwrap();
+    assert_eq!(resp.status(), 400);
+    assert!(resp.headers().get("x-session-id").is_none(), "a refused request got a session");
+    let resp = r
+        .http
+        .post(format!("{}/v1/completions", r.url))
+        .header("x-session-id", "client-chosen-1")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    assert!(resp.headers().get("x-session-id").is_none(), "a refused request pinned its session");
+}
+
 /// A body over 256 KB is parsed on the blocking pool: the same answer.
 #[tokio::test]
 async fn a_large_body_is_parsed_off_the_runtime_and_routed() {
