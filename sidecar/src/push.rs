@@ -250,6 +250,12 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut resync = pusher.state.resync_due();
     let mut backoff = BACKOFF_MIN;
+    // Full syncs in a row that the router at once asked to be followed by
+    // another (an `unknown_worker`, `stale` or digest-mismatch answer to a
+    // sync): past the first, each waits a backoff, so a router that never
+    // accepts one gets a paced sync, not a storm of them.
+    let mut refused_syncs = 0u32;
+    let mut sync_backoff = BACKOFF_MIN;
     loop {
         tokio::select! {
             _ = cancel.cancelled() => break,
@@ -262,8 +268,25 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
                 Ok(Round::Idle) => break,
                 Ok(Round::Sent(kind, ack)) => {
                     backoff = BACKOFF_MIN;
-                    if !pusher.on_ack(&mut link, kind, ack) {
-                        break;
+                    let again = pusher.on_ack(&mut link, kind, ack);
+                    if kind != MessageKind::Sync || !again {
+                        if kind == MessageKind::Sync {
+                            (refused_syncs, sync_backoff) = (0, BACKOFF_MIN);
+                        }
+                        if !again {
+                            break;
+                        }
+                        continue;
+                    }
+                    refused_syncs += 1;
+                    if refused_syncs > 1 {
+                        warn!(router = %link.target.0, refused_syncs, "the router asked for another full sync right after one: pacing them");
+                        let pause = jitter(sync_backoff);
+                        sync_backoff = (sync_backoff * 2).min(BACKOFF_MAX);
+                        tokio::select! {
+                            _ = cancel.cancelled() => return,
+                            _ = tokio::time::sleep(pause) => {}
+                        }
                     }
                 }
                 Err((_, e)) if e.protocol_refused() && link.v2() => {

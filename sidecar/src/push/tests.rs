@@ -34,6 +34,8 @@ struct FakeRouter {
     /// Attempts refused as if nothing listened on the router's port.
     unreachable_left: Mutex<usize>,
     stale_left: Mutex<usize>,
+    /// Messages answered `unknown_worker` (a router that will not register it).
+    unknown_left: Mutex<usize>,
     epoch: Mutex<String>,
     /// A router of the release before v2: it refuses a version-2 header.
     v1_only: Mutex<bool>,
@@ -57,6 +59,7 @@ impl FakeRouter {
             failures_left: Mutex::new(0),
             unreachable_left: Mutex::new(0),
             stale_left: Mutex::new(0),
+            unknown_left: Mutex::new(0),
             epoch: Mutex::new("r1".into()),
             v1_only: Mutex::new(false),
             lose_left: Mutex::new(0),
@@ -93,9 +96,13 @@ impl FakeRouter {
         let theirs = self.apply(&sent);
         self.log.lock().push((Instant::now(), sent));
         let mut stale = self.stale_left.lock();
+        let mut unknown = self.unknown_left.lock();
         let outcome = if *stale > 0 {
             *stale -= 1;
             AckOutcome::Stale
+        } else if *unknown > 0 {
+            *unknown -= 1;
+            AckOutcome::UnknownWorker
         } else {
             AckOutcome::Applied
         };
@@ -301,6 +308,28 @@ async fn a_stale_reply_draws_a_new_epoch_and_resyncs() {
     assert!(new_epoch > old_epoch, "epochs are ordered: {new_epoch} after {old_epoch}");
     assert!(resync.seq > stale.seq);
     assert_eq!(resync.hashes, vec![key([1, 1, 1, 1])]);
+    s.cancel.cancel();
+}
+
+/// A router that answers every sync by asking for another (here: it never
+/// registers the worker) gets them paced by a backoff, not back to back;
+/// once it accepts one, deltas follow at the usual interval.
+#[tokio::test(start_paused = true)]
+async fn a_router_that_keeps_refusing_syncs_gets_them_paced() {
+    let router = FakeRouter::new();
+    *router.unknown_left.lock() = 40;
+    let s = start_with(router, WallClock::system());
+    advance(1_000).await;
+    let syncs = s.router.sent().iter().filter(|m| matches!(m, Sent::Sync(_))).count();
+    // Back to back, all 40 refusals (and the 41st sync) came at once.
+    assert!((2..=12).contains(&syncs), "{syncs} syncs in the first second");
+    advance(60_000).await;
+    assert_eq!(*s.router.unknown_left.lock(), 0);
+    s.state.apply(Rank(0), &store(1, [1, 1, 1, 1]));
+    advance(100).await;
+    let sent = s.router.sent();
+    let Some(Sent::Eviction(last)) = sent.last() else { panic!("{sent:?}") };
+    assert_eq!(last.stored_hashes, vec![key([1, 1, 1, 1])]);
     s.cancel.cancel();
 }
 
