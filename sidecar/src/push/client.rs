@@ -22,6 +22,10 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(3);
 const SYNC_TIMEOUT_BASE: Duration = Duration::from_secs(10);
 const SYNC_TIMEOUT_PER_100K: Duration = Duration::from_secs(2);
 
+/// The most of a router's answer that is read: an ack is a few hundred
+/// bytes, an error message not much more.
+pub const MAX_ANSWER_BYTES: usize = 64 << 10;
+
 /// How long a sync of `keys` keys may take.
 pub fn sync_timeout(keys: usize) -> Duration {
     SYNC_TIMEOUT_BASE + SYNC_TIMEOUT_PER_100K.mul_f64(keys as f64 / 100_000.0)
@@ -43,6 +47,10 @@ pub enum PushError {
         #[source]
         source: reqwest::Error,
     },
+    /// The router's answer was not an ack: larger than [`MAX_ANSWER_BYTES`]
+    /// or not the ack's JSON.
+    #[error("{url} answered with no valid ack: {detail}")]
+    BadAnswer { url: String, detail: String },
     #[error("{url} answered {status}: {detail}")]
     Status {
         url: String,
@@ -112,19 +120,44 @@ impl HttpRouterClient {
         let resp = req.send().await.map_err(|e| {
             if e.is_connect() { PushError::Unreachable { url: url.clone(), source: Box::new(e) } } else { http(e) }
         })?;
-        if !resp.status().is_success() {
-            let status = resp.status().as_u16();
+        let status = resp.status();
+        let answer = read_capped(resp).await.map_err(|e| match e {
+            Capped::Http(e) => http(e),
+            Capped::TooLarge => {
+                PushError::BadAnswer { url: url.clone(), detail: format!("more than {MAX_ANSWER_BYTES} bytes") }
+            }
+        })?;
+        if !status.is_success() {
             // The router's error names the field and why (an unsupported
             // protocol version, a block-size mismatch, …): keep it for the log.
-            let detail = resp.text().await.unwrap_or_default();
+            let detail = String::from_utf8_lossy(&answer).into_owned();
             let (detail, param) = match serde_json::from_str::<ErrorBody>(&detail) {
                 Ok(e) => (e.error.message, e.error.param),
                 Err(_) => (detail, None),
             };
-            return Err(PushError::Status { url, status, detail, param });
+            return Err(PushError::Status { url, status: status.as_u16(), detail, param });
         }
-        resp.json::<InternalAck>().await.map_err(http)
+        serde_json::from_slice::<InternalAck>(&answer)
+            .map_err(|e| PushError::BadAnswer { url, detail: format!("not an ack: {e}") })
     }
+}
+
+enum Capped {
+    Http(reqwest::Error),
+    TooLarge,
+}
+
+/// A response's body, refused past [`MAX_ANSWER_BYTES`] (a router, or
+/// whatever answers at its address, cannot make the sidecar buffer more).
+async fn read_capped(mut resp: reqwest::Response) -> Result<Vec<u8>, Capped> {
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await.map_err(Capped::Http)? {
+        if body.len() + chunk.len() > MAX_ANSWER_BYTES {
+            return Err(Capped::TooLarge);
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
 }
 
 impl RouterClient for HttpRouterClient {
@@ -177,11 +210,41 @@ mod tests {
                 ),
             )
         };
+        let url = serve(Router::new().route(SYNC_PATH, post(handler))).await;
+        let client = HttpRouterClient::new(reqwest::Client::new(), None);
+        let err = client.sync(&RouterTarget(url), &empty_sync(), PROTOCOL_VERSION).await.unwrap_err();
+        assert_eq!(*seen.lock().unwrap(), [PROTOCOL_VERSION.to_string()]);
+        assert!(err.to_string().contains("this router speaks version 3"), "{err}");
+        assert!(err.protocol_refused(), "the version header was named as the fault: {err:?}");
+    }
+
+    /// Whatever answers at a router's address cannot make the sidecar
+    /// buffer more than [`MAX_ANSWER_BYTES`], success or error.
+    #[tokio::test]
+    async fn an_answer_larger_than_an_ack_is_refused_unread() {
+        let huge = "x".repeat(4 << 20);
+        let (ok, err) = (huge.clone(), huge);
+        let app = Router::new()
+            .route(SYNC_PATH, post(move || async move { ok }))
+            .route(EVICTION_PATH, post(move || async move { (StatusCode::BAD_REQUEST, err) }));
+        let url = RouterTarget(serve(app).await);
+        let client = HttpRouterClient::new(reqwest::Client::new(), None);
+        let e = client.sync(&url, &empty_sync(), PROTOCOL_VERSION).await.unwrap_err();
+        assert!(matches!(e, PushError::BadAnswer { .. }), "{e:?}");
+        let batch: EvictionBatch = kvroute_shared::wire::decode_valid(br#"{"worker_id":"w1"}"#).unwrap();
+        let e = client.eviction(&url, &batch, PROTOCOL_VERSION).await.unwrap_err();
+        assert!(matches!(e, PushError::BadAnswer { .. }), "{e:?}");
+    }
+
+    async fn serve(app: Router) -> String {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
-        tokio::spawn(async move { axum::serve(listener, Router::new().route(SYNC_PATH, post(handler))).await });
-        let client = HttpRouterClient::new(reqwest::Client::new(), None);
-        let body = SyncSnapshot {
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        url
+    }
+
+    fn empty_sync() -> SyncSnapshot {
+        SyncSnapshot {
             worker_id: WorkerId::new("w1"),
             epoch: None,
             seq: None,
@@ -194,10 +257,6 @@ mod tests {
             block_size: None,
             hashes: Vec::new(),
             load: None,
-        };
-        let err = client.sync(&RouterTarget(url), &body, PROTOCOL_VERSION).await.unwrap_err();
-        assert_eq!(*seen.lock().unwrap(), [PROTOCOL_VERSION.to_string()]);
-        assert!(err.to_string().contains("this router speaks version 3"), "{err}");
-        assert!(err.protocol_refused(), "the version header was named as the fault: {err:?}");
+        }
     }
 }
