@@ -231,7 +231,7 @@ impl Stream {
 
     fn apply(&mut self, seq: Seq, batch: &EventBatch) {
         self.state.apply(self.source.rank, batch);
-        self.expected = Some(Seq(seq.0 + 1));
+        self.expected = Some(Seq(seq.0.wrapping_add(1)));
         // A new live batch: copies of replayed ones are behind us, so an older
         // seq from now on means a restart again.
         self.replayed_through = None;
@@ -287,10 +287,10 @@ impl Stream {
                 merged.sort_by_key(|(s, _)| *s);
                 // Batches both replayed and received live appear twice.
                 merged.dedup_by_key(|(s, _)| *s);
-                if merged.windows(2).all(|w| w[1].0.0 == w[0].0.0 + 1) {
+                if merged.windows(2).all(|w| w[1].0.0 == w[0].0.0.wrapping_add(1)) {
                     for (s, b) in merged {
                         self.state.apply(rank, b);
-                        self.expected = Some(Seq(s.0 + 1));
+                        self.expected = Some(Seq(s.0.wrapping_add(1)));
                         self.replayed_through = Some(*s);
                     }
                     ReplayOutcome::Recovered
@@ -315,7 +315,7 @@ impl Stream {
         // stores chained to forgotten blocks are counted as unanchored.
         for (s, b) in &buffered {
             self.state.apply(rank, b);
-            self.expected = Some(Seq(s.0 + 1));
+            self.expected = Some(Seq(s.0.wrapping_add(1)));
         }
     }
 }
