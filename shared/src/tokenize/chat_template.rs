@@ -68,12 +68,26 @@ impl ChatTemplate {
         ctx.insert("documents".into(), opts.documents.map_or(Json::Null, |d| Json::Array(d.to_vec())));
         ctx.insert("add_generation_prompt".into(), Json::Bool(opts.add_generation_prompt));
         if let Some(kw) = opts.kwargs {
-            for (k, v) in kw {
+            // `apply_chat_template(messages=…, **kwargs)` refuses a second
+            // `messages` (Python: "got multiple values"): the request's own
+            // messages, tools and documents are what the engine renders, and
+            // what `max_messages` was checked on.
+            for (k, v) in kw.iter().filter(|(k, _)| !RESERVED.contains(&k.as_str())) {
                 ctx.insert(k.clone(), v.clone());
             }
         }
         let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(|e| template_error(&e))?;
-        let mut out = tmpl.render(Value::from(minijinja::value::Serde(&ctx))).map_err(|e| template_error(&e))?;
+        let mut out = Capped { text: Vec::new(), over: false };
+        let rendered = tmpl.render_captured_to(Value::from(minijinja::value::Serde(&ctx)), &mut out).map(drop);
+        if out.over {
+            return Err(TokenizeError::Template {
+                line: None,
+                message: format!("the rendered prompt exceeds {MAX_RENDERED_BYTES} bytes"),
+            });
+        }
+        rendered.map_err(|e| template_error(&e))?;
+        let mut out =
+            String::from_utf8(out.text).map_err(|e| TokenizeError::Template { line: None, message: e.to_string() })?;
         if opts.continue_final_message {
             truncate_after_final_message(&mut out, messages.last())?;
         }
@@ -169,6 +183,10 @@ fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
         serde_json::to_value(value).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     let mut out = String::new();
     python_dumps(&json, indent, sort_keys.unwrap_or(false), 0, &mut out);
+    if out.len() > MAX_RENDERED_BYTES {
+        let message = format!("tojson: the text exceeds {MAX_RENDERED_BYTES} bytes");
+        return Err(Error::new(ErrorKind::InvalidOperation, message));
+    }
     Ok(Value::from_safe_string(out))
 }
 
@@ -180,10 +198,17 @@ fn python_dumps(v: &Json, indent: Option<usize>, sort: bool, depth: usize, out: 
         }
     };
     let item_sep = if indent.is_some() { "," } else { ", " };
+    // Past the cap the caller refuses the text: stop building it.
+    if out.len() > MAX_RENDERED_BYTES {
+        return;
+    }
     match v {
         Json::Array(items) if !items.is_empty() => {
             out.push('[');
             for (i, item) in items.iter().enumerate() {
+                if out.len() > MAX_RENDERED_BYTES {
+                    return;
+                }
                 if i > 0 {
                     out.push_str(item_sep);
                 }
@@ -200,6 +225,9 @@ fn python_dumps(v: &Json, indent: Option<usize>, sort: bool, depth: usize, out: 
             }
             out.push('{');
             for (i, (k, item)) in entries.into_iter().enumerate() {
+                if out.len() > MAX_RENDERED_BYTES {
+                    return;
+                }
                 if i > 0 {
                     out.push_str(item_sep);
                 }
@@ -214,6 +242,37 @@ fn python_dumps(v: &Json, indent: Option<usize>, sort: bool, depth: usize, out: 
         // Scalars, `[]` and `{}` print as serde_json prints them, which for
         // strings (escapes), integers and finite floats matches Python.
         other => out.push_str(&other.to_string()),
+    }
+}
+
+/// Template variables the request itself sets; `chat_template_kwargs` cannot
+/// replace them.
+const RESERVED: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
+
+/// The most a template may render: ~16 M tokens, beyond any model's
+/// context. A template that indents JSON (`tojson(indent=4)` of tools) can
+/// expand a body of deeply nested arrays hundreds of times: a 4 MB request
+/// rendered to a gigabyte before the token limit was checked.
+pub const MAX_RENDERED_BYTES: usize = 64 << 20;
+
+/// The rendered text, refused past [`MAX_RENDERED_BYTES`].
+struct Capped {
+    text: Vec<u8>,
+    over: bool,
+}
+
+impl std::io::Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.text.len() + buf.len() > MAX_RENDERED_BYTES {
+            self.over = true;
+            return Err(std::io::Error::other("the rendered prompt is too long"));
+        }
+        self.text.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -246,6 +305,42 @@ mod tests {
             out,
             "{\"b\": [1, 2.5, \"é<\"], \"a\": {}}|{\n  \"b\": [\n    1,\n    2.5,\n    \"é<\"\n  ],\n  \"a\": {}\n}"
         );
+    }
+
+    /// `chat_template_kwargs` set the template's other variables, never the
+    /// request's own messages (which `max_messages` checked) or tools.
+    #[test]
+    fn template_kwargs_cannot_replace_the_messages() {
+        let t = ChatTemplate::new("{{ messages | length }} {{ tools }} {{ flag }}".into(), Map::new()).unwrap();
+        let msgs: Vec<Map<String, Json>> = serde_json::from_value(serde_json::json!([{"role": "user"}])).unwrap();
+        let kwargs: Map<String, Json> =
+            serde_json::from_value(serde_json::json!({"messages": [1, 2, 3], "tools": ["x"], "flag": true})).unwrap();
+        let out = t.render(&msgs, &ChatOptions { kwargs: Some(&kwargs), ..Default::default() }).unwrap();
+        assert_eq!(out, "1 None True");
+    }
+
+    /// A template that expands its input (indented JSON of nested arrays)
+    /// stops at MAX_RENDERED_BYTES instead of rendering gigabytes.
+    #[test]
+    fn a_render_past_the_cap_is_refused() {
+        let mut nested = Json::from(0);
+        for _ in 0..100 {
+            nested = Json::Array(vec![nested; 2]);
+            if serde_json::to_string(&nested).unwrap().len() > 2 << 20 {
+                break;
+            }
+        }
+        // 2 MB of nesting, indented 4 spaces a level: ~180 MB uncapped.
+        let out = render("{{ messages[0].x | tojson(indent=4) }}", serde_json::json!([{"role": "user", "x": nested}]));
+        let Err(TokenizeError::Template { message, .. }) = out else { panic!("rendered {:?}", out.map(|s| s.len())) };
+        assert!(message.contains("exceeds"), "{message}");
+        // Plain output is capped as well.
+        let line = "x".repeat(1_000);
+        let src =
+            format!("{{% for i in range(10000) %}}{{% for j in range(10000) %}}{line}{{% endfor %}}{{% endfor %}}");
+        let out = render(&src, serde_json::json!([]));
+        let Err(TokenizeError::Template { message, .. }) = out else { panic!("rendered {:?}", out.map(|s| s.len())) };
+        assert!(message.contains("exceeds"), "{message}");
     }
 
     #[test]
