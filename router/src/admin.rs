@@ -135,8 +135,12 @@ pub async fn debug_index(
             .iter()
             .find(|w| w.id.as_str() == id)
             .ok_or_else(|| RouterError::NotFound(format!("no worker {id:?}")))?;
+        // Copied under the lock; sorted and encoded after it is released (a
+        // million-key worker: a read lock held that long makes routing wait
+        // behind the writers queued meanwhile).
         let mut keys = map.index.keys_of(w.slot);
-        keys.sort_by_key(|(k, _)| *k);
+        drop(map);
+        keys.sort_unstable_by_key(|(k, _)| *k);
         let of = |kind: Kind| keys.iter().filter(|(_, k)| *k == kind).map(|(key, _)| *key).collect::<Vec<_>>();
         return Ok(Json(json!({
             "worker": id,
