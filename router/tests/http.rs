@@ -116,6 +116,14 @@ async fn fake_worker(name: &'static str, behaviour: Behaviour) -> Fake {
     Fake { url: serve_engine(app).await, hits }
 }
 
+/// A [`Behaviour::Stream`] slot: the sender of its chunks, the signal
+/// that its response was dropped, and the slot.
+fn stream_slot() -> (mpsc::Sender<Option<&'static str>>, oneshot::Receiver<()>, StreamSlot) {
+    let (tx, rx) = mpsc::channel(4);
+    let (cancel_tx, cancelled) = oneshot::channel();
+    (tx, cancelled, Arc::new(tokio::sync::Mutex::new(Some((rx, cancel_tx)))))
+}
+
 struct CancelGuard(Option<oneshot::Sender<()>>);
 impl Drop for CancelGuard {
     fn drop(&mut self) {
@@ -210,9 +218,7 @@ async fn proxies_and_names_the_worker() {
 
 #[tokio::test]
 async fn streams_chunk_by_chunk_without_buffering() {
-    let (tx, rx) = mpsc::channel(4);
-    let (cancel_tx, _cancel_rx) = oneshot::channel();
-    let slot = Arc::new(tokio::sync::Mutex::new(Some((rx, cancel_tx))));
+    let (tx, _cancel_rx, slot) = stream_slot();
     let w = fake_worker("w1", Behaviour::Stream(slot)).await;
     let r = router(&[("w1", &w.url)], |_| {}).await;
     tx.send(Some("data: {\"n\":1}\n\n")).await.unwrap();
@@ -229,9 +235,7 @@ async fn streams_chunk_by_chunk_without_buffering() {
 
 #[tokio::test]
 async fn client_disconnect_cancels_the_upstream_request() {
-    let (tx, rx) = mpsc::channel(4);
-    let (cancel_tx, cancelled) = oneshot::channel();
-    let slot = Arc::new(tokio::sync::Mutex::new(Some((rx, cancel_tx))));
+    let (tx, cancelled, slot) = stream_slot();
     let w = fake_worker("w1", Behaviour::Stream(slot)).await;
     let r = router(&[("w1", &w.url)], |_| {}).await;
     tx.send(Some("data: {\"n\":1}\n\n")).await.unwrap();
@@ -245,9 +249,7 @@ async fn client_disconnect_cancels_the_upstream_request() {
 
 #[tokio::test]
 async fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
-    let (tx, rx) = mpsc::channel(4);
-    let (cancel_tx, _c) = oneshot::channel();
-    let slot = Arc::new(tokio::sync::Mutex::new(Some((rx, cancel_tx))));
+    let (tx, _c, slot) = stream_slot();
     let w = fake_worker("w1", Behaviour::Stream(slot)).await;
     let r = router(&[("w1", &w.url)], |_| {}).await;
     tx.send(Some("data: {\"n\":1}\n\n")).await.unwrap();
@@ -727,34 +729,6 @@ fn tokio_stream_from(
     futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
 }
 
-/// Slow-loris: connections that never finish their headers are cut at the
-/// header deadline (they would otherwise stay open forever), which also
-/// frees the connection slots they hold.
-#[tokio::test]
-async fn slow_headers_are_cut_off_and_free_their_connection_slots() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let w = fake_worker("w1", Behaviour::Ok).await;
-    let r = router(&[("w1", &w.url)], |raw| {
-        raw.max_connections = 2;
-        raw.header_read_timeout = Duration::from_millis(300);
-    })
-    .await;
-    let addr = r.url.trim_start_matches("http://").to_owned();
-    let mut slow = Vec::new();
-    for _ in 0..2 {
-        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
-        s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n").await.unwrap();
-        slow.push(s);
-    }
-    for s in &mut slow {
-        let mut rest = Vec::new();
-        let closed = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await;
-        assert!(closed.is_ok(), "a connection stuck in its headers was left open");
-    }
-    let resp = r.http.get(format!("{}/health", r.url)).send().await.unwrap();
-    assert_eq!(resp.status(), 200, "the slots are free again");
-}
-
 /// Waits until the server closes `s` (EOF or a reset), with a bound far
 /// beyond any deadline under test: a socket left open fails the test.
 async fn closed_by_server(s: &mut tokio::net::TcpStream) -> bool {
@@ -763,16 +737,18 @@ async fn closed_by_server(s: &mut tokio::net::TcpStream) -> bool {
     tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await.is_ok()
 }
 
-/// hyper's header deadline starts once it knows the protocol: a socket that
-/// sends nothing, half the HTTP/2 preface, or the whole preface and then no
-/// request, held its connection slot forever before the first-request
-/// deadline.
+/// Connections that never start a request are cut at the header deadline,
+/// which frees the connection slots they hold: headers sent a byte at a
+/// time (slow-loris), and, since hyper's own deadline starts only once it
+/// knows the protocol, a socket that sends nothing, half the HTTP/2
+/// preface, or the whole preface and then no request (these held their
+/// slots forever).
 #[tokio::test]
-async fn silent_sockets_and_idle_http2_connections_are_closed_and_free_their_slots() {
+async fn connections_that_never_start_a_request_are_cut_off_and_free_their_slots() {
     use tokio::io::AsyncWriteExt;
     let w = fake_worker("w1", Behaviour::Ok).await;
     let r = router(&[("w1", &w.url)], |raw| {
-        raw.max_connections = 3;
+        raw.max_connections = 4;
         raw.header_read_timeout = Duration::from_millis(300);
     })
     .await;
@@ -780,14 +756,16 @@ async fn silent_sockets_and_idle_http2_connections_are_closed_and_free_their_slo
     let preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
     // An empty SETTINGS frame: length 0, type 4, no flags, stream 0.
     let settings = [0u8, 0, 0, 4, 0, 0, 0, 0, 0];
+    let openings: [&[u8]; 4] =
+        [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", b"", &preface[..16], &[&preface[..], &settings[..]].concat()];
     let mut idle = Vec::new();
-    for opening in [&b""[..], &preface[..16], &[&preface[..], &settings[..]].concat()[..]] {
+    for opening in openings {
         let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
         s.write_all(opening).await.unwrap();
         idle.push(s);
     }
     for (i, s) in idle.iter_mut().enumerate() {
-        assert!(closed_by_server(s).await, "idle connection {i} was left open");
+        assert!(closed_by_server(s).await, "connection {i} was left open");
     }
     let resp = r.http.get(format!("{}/health", r.url)).send().await.unwrap();
     assert_eq!(resp.status(), 200, "the slots are free again");
@@ -798,9 +776,7 @@ async fn silent_sockets_and_idle_http2_connections_are_closed_and_free_their_slo
 #[tokio::test]
 async fn an_idle_connection_is_shut_down_but_its_stream_under_way_finishes() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let (tx, rx) = mpsc::channel(4);
-    let (cancel_tx, _cancel_rx) = oneshot::channel();
-    let slot = Arc::new(tokio::sync::Mutex::new(Some((rx, cancel_tx))));
+    let (tx, _cancel_rx, slot) = stream_slot();
     let w = fake_worker("w1", Behaviour::Stream(slot)).await;
     let r = router(&[("w1", &w.url)], |raw| {
         raw.header_read_timeout = Duration::from_millis(200);
