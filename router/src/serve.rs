@@ -5,10 +5,11 @@
 //!   client sending its headers a byte at a time (slow-loris) is cut off
 //!   instead of holding a connection and a task forever;
 //! - a deadline on a connection's first request (`header_read_timeout`),
-//!   and on each next one (`keep_alive_timeout`): hyper's header deadline
-//!   starts only once it knows the protocol, so a socket that sends
-//!   nothing, or part of the HTTP/2 preface, or an HTTP/2 connection that
-//!   goes quiet, held its slot forever (10,000 of them shut every client, sidecar and replica out).
+//!   and on each next one (`keep_alive_timeout` after the last answer
+//!   ended): hyper's header deadline starts only once it knows the
+//!   protocol, so a socket that sends nothing, or part of the HTTP/2
+//!   preface, or an HTTP/2 connection that goes quiet, held its slot
+//!   forever (10,000 of them shut every client, sidecar and replica out).
 //!   A connection with a request under way (a long streamed answer) is
 //!   never idle; past the deadline one is shut down gracefully;
 //! - a write deadline (`idle_timeout`): a client that takes no bytes for
@@ -35,7 +36,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::TryFutureExt;
 use http_body_util::BodyExt;
@@ -111,17 +112,22 @@ where
             let mut conn = std::pin::pin!(conn);
             // The first request must start within the header deadline, each
             // next one within the keep-alive time of the last one's end.
-            let (mut seen, mut wait) = (0, limits.header_read_timeout);
+            let mut wait = limits.header_read_timeout;
             let finished = loop {
                 tokio::select! {
                     // Errors here are the client's (a reset, a header timeout): nothing to do.
                     _ = conn.as_mut() => break true,
                     () = tokio::time::sleep(wait) => {
-                        let started = activity.started.load(Ordering::Relaxed);
-                        if started == seen && activity.busy.load(Ordering::Relaxed) == 0 {
-                            break false;
+                        let limit = if activity.started.load(Ordering::Relaxed) == 0 {
+                            limits.header_read_timeout
+                        } else {
+                            limits.keep_alive_timeout
+                        };
+                        match activity.idle_for() {
+                            Some(idle) if idle >= limit => break false,
+                            Some(idle) => wait = limit - idle,
+                            None => wait = limit,
                         }
-                        (seen, wait) = (started, limits.keep_alive_timeout);
                     }
                     () = shutdown.cancelled() => break false,
                 }
@@ -149,19 +155,48 @@ where
     connections.wait().await;
 }
 
-/// One connection's requests: how many started, and how many are under way
-/// (until their response body has been sent or dropped).
-#[derive(Debug, Default)]
+/// One connection's requests: how many started, how many are under way
+/// (until their response body has been sent or dropped), and when the
+/// last one began or ended.
+#[derive(Debug)]
 struct Activity {
+    opened: Instant,
     started: AtomicU64,
     busy: AtomicU64,
+    /// Ms after `opened` of the last request's start or end.
+    last_ms: AtomicU64,
+}
+
+impl Default for Activity {
+    fn default() -> Self {
+        Activity {
+            opened: Instant::now(),
+            started: AtomicU64::new(0),
+            busy: AtomicU64::new(0),
+            last_ms: AtomicU64::new(0),
+        }
+    }
 }
 
 impl Activity {
     fn begin(this: &Arc<Activity>) -> Busy {
         this.started.fetch_add(1, Ordering::Relaxed);
         this.busy.fetch_add(1, Ordering::Relaxed);
+        this.touch();
         Busy(this.clone())
+    }
+
+    fn touch(&self) {
+        self.last_ms.store(self.opened.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// How long the connection has had nothing under way; `None` while a
+    /// request is.
+    fn idle_for(&self) -> Option<Duration> {
+        (self.busy.load(Ordering::Acquire) == 0).then(|| {
+            let last = Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
+            self.opened.elapsed().saturating_sub(last)
+        })
     }
 }
 
@@ -170,7 +205,9 @@ struct Busy(Arc<Activity>);
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        self.0.busy.fetch_sub(1, Ordering::Relaxed);
+        // The end's time first: whoever sees nothing under way sees it.
+        self.0.touch();
+        self.0.busy.fetch_sub(1, Ordering::Release);
     }
 }
 
