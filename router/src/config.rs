@@ -120,9 +120,8 @@ pub struct RawConfig {
     /// beyond it (slow-loris clients).
     #[serde(with = "humantime_serde")]
     pub header_read_timeout: Duration,
-    /// Time a client connection may stay without starting a request once it
-    /// has served one; it is then shut down gracefully (requests under way
-    /// finish).
+    /// Time a client connection may stay with nothing under way after its
+    /// last answer ended; it is then shut down gracefully.
     #[serde(with = "humantime_serde")]
     pub keep_alive_timeout: Duration,
     /// Time allowed to receive a request's whole body (408 beyond it).
@@ -374,8 +373,15 @@ impl RawConfig {
         if self.max_connections == 0 {
             return Err(invalid("max_connections", "must be at least 1"));
         }
-        if self.header_read_timeout.is_zero() || self.keep_alive_timeout.is_zero() {
-            return Err(invalid("header_read_timeout", "it and keep_alive_timeout must be above 0"));
+        for (key, d) in [
+            ("header_read_timeout", self.header_read_timeout),
+            ("keep_alive_timeout", self.keep_alive_timeout),
+            ("idle_timeout", self.idle_timeout),
+            ("body_read_timeout", self.body_read_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(invalid(key, "must be above 0"));
+            }
         }
         if self.max_prompt_tokens == 0 {
             return Err(invalid("max_prompt_tokens", "must be at least 1"));
@@ -529,6 +535,11 @@ mod tests {
         assert!(RawConfig { predicted_ttft: uncapped, ..Default::default() }.validate().is_ok());
         let e = RawConfig { block_size: 0, ..Default::default() }.validate().unwrap_err();
         assert!(e.to_string().contains("`block_size`"), "{e}");
+        // A zero deadline would fail every connection at once.
+        let e = RawConfig { idle_timeout: Duration::ZERO, ..Default::default() }.validate().unwrap_err();
+        assert!(e.to_string().contains("`idle_timeout`"), "{e}");
+        let e = RawConfig { keep_alive_timeout: Duration::ZERO, ..Default::default() }.validate().unwrap_err();
+        assert!(e.to_string().contains("`keep_alive_timeout`"), "{e}");
     }
 
     #[test]

@@ -54,10 +54,10 @@ use tower::ServiceExt;
 pub struct Limits {
     pub max_connections: usize,
     pub header_read_timeout: Duration,
-    /// A connection that has served a request and starts none for this long
-    /// is shut down (75 s by default, nginx's `keepalive_timeout`): clients
-    /// keep pools of idle connections, and this bounds the slots they hold
-    /// for nothing.
+    /// A connection with nothing under way for this long after its last
+    /// answer ended is shut down (75 s by default, nginx's
+    /// `keepalive_timeout`): clients keep pools of idle connections, and
+    /// this bounds the slots they hold for nothing.
     pub keep_alive_timeout: Duration,
     /// A connection whose client takes no bytes for this long is closed
     /// (`idle_timeout`): a client that never reads a long streamed answer
