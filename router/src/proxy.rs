@@ -83,12 +83,8 @@ pub async fn parse_off_runtime(
     if body.len() <= PARSE_INLINE_MAX_BYTES {
         return parse(state, endpoint, body);
     }
-    let _slot =
-        state.tokenize_slots.acquire().await.map_err(|_| RouterError::Internal("tokenizer pool closed".into()))?;
     let (st, body) = (state.clone(), body.clone());
-    tokio::task::spawn_blocking(move || parse(&st, endpoint, &body))
-        .await
-        .map_err(|e| RouterError::Internal(format!("parse task failed: {e}")))?
+    routing::on_tokenizer_pool(state, move || parse(&st, endpoint, &body)).await
 }
 
 /// Bodies up to this size are parsed on the async worker.

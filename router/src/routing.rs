@@ -114,10 +114,8 @@ pub async fn prepare_off_runtime(
     req: Arc<PromptRequest>,
     body_bytes: usize,
 ) -> Result<Prepared, RouterError> {
-    let _slot =
-        state.tokenize_slots.acquire().await.map_err(|_| RouterError::Internal("tokenizer pool closed".into()))?;
     let st = state.clone();
-    tokio::task::spawn_blocking(move || {
+    on_tokenizer_pool(state, move || {
         let prepared = prepare(&st, &req);
         if body_bytes >= RELEASE_MEMORY_AFTER_BYTES {
             release_free_memory();
@@ -125,7 +123,17 @@ pub async fn prepare_off_runtime(
         prepared
     })
     .await
-    .map_err(|e| RouterError::Internal(format!("tokenizer task failed: {e}")))?
+}
+
+/// Runs `job` on tokio's blocking pool under a tokenizer slot (one per
+/// core), waiting for the slot asynchronously.
+pub async fn on_tokenizer_pool<T: Send + 'static>(
+    state: &AppState,
+    job: impl FnOnce() -> Result<T, RouterError> + Send + 'static,
+) -> Result<T, RouterError> {
+    let _slot =
+        state.tokenize_slots.acquire().await.map_err(|_| RouterError::Internal("tokenizer pool closed".into()))?;
+    tokio::task::spawn_blocking(job).await.map_err(|e| RouterError::Internal(format!("tokenizer task failed: {e}")))?
 }
 
 /// Tokenizing a prompt of several MB allocates hundreds of MB of
