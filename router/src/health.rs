@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use crate::index::Compaction;
 use crate::metrics::{ENGINE_KINDS, INDEX_KINDS, WorkerKind, WorkerLabel};
-use crate::proxy::note_failure;
+use crate::proxy::{note_failure, read_response_within};
 use crate::state::{AppState, now_ms};
 use crate::workers::{Source, Worker};
 
@@ -83,18 +83,6 @@ async fn check(state: &AppState, worker: &Arc<Worker>) {
 /// KB; a histogram per model and LoRA adapter adds a few).
 const MAX_METRICS_BYTES: usize = 8 << 20;
 
-/// A response's text, `None` past `limit` bytes or on a broken body.
-async fn read_capped(mut resp: reqwest::Response, limit: usize) -> Option<String> {
-    let mut body = Vec::new();
-    while let Some(chunk) = resp.chunk().await.ok()? {
-        if body.len() + chunk.len() > limit {
-            return None;
-        }
-        body.extend_from_slice(&chunk);
-    }
-    Some(String::from_utf8_lossy(&body).into_owned())
-}
-
 /// The worker's KV capacity in blocks from
 /// `vllm:cache_config_info{num_gpu_blocks="…"}`, read once (again after the
 /// worker was ejected and re-admitted): the policy weighs the blocks it has
@@ -105,9 +93,9 @@ async fn read_capped(mut resp: reqwest::Response, limit: usize) -> Option<String
 async fn learn_capacity(state: &AppState, worker: &Worker) {
     let timeout = state.config.raw.health_check_timeout;
     let text = match state.client.get(format!("{}/metrics", worker.url)).timeout(timeout).send().await {
-        Ok(r) if r.status().is_success() => match read_capped(r, MAX_METRICS_BYTES).await {
-            Some(text) => text,
-            None => return,
+        Ok(r) if r.status().is_success() => match read_response_within(r, MAX_METRICS_BYTES).await {
+            Ok(Some(body)) => String::from_utf8_lossy(&body).into_owned(),
+            _ => return,
         },
         _ => return,
     };

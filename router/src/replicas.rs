@@ -49,7 +49,7 @@ use tracing::Instrument;
 
 use crate::error::RouterError;
 use crate::index::MAX_WORKERS;
-use crate::proxy::read_body_within;
+use crate::proxy::{read_body_within, read_response_within};
 use crate::state::{AppState, now_ms};
 use crate::workers::Worker;
 
@@ -533,15 +533,9 @@ async fn send(state: &AppState, url: &str, report: &ReplicaReport) -> Result<Rep
     if let Some(token) = &state.config.raw.internal_token {
         req = req.bearer_auth(token.expose());
     }
-    let mut resp = req.send().await?;
+    let resp = req.send().await?;
     let status = resp.status();
-    let mut body = Vec::new();
-    while let Some(chunk) = resp.chunk().await? {
-        if body.len() + chunk.len() > MAX_REPORT_BODY_BYTES {
-            return Err(SendError::TooLarge);
-        }
-        body.extend_from_slice(&chunk);
-    }
+    let body = read_response_within(resp, MAX_REPORT_BODY_BYTES).await?.ok_or(SendError::TooLarge)?;
     if !status.is_success() {
         let body = String::from_utf8_lossy(&body).chars().take(300).collect();
         return Err(SendError::Status { status, body });
