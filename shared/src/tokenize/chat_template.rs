@@ -198,14 +198,11 @@ fn python_dumps(v: &Json, indent: Option<usize>, sort: bool, depth: usize, out: 
         }
     };
     let item_sep = if indent.is_some() { "," } else { ", " };
-    // Past the cap the caller refuses the text: stop building it.
-    if out.len() > MAX_RENDERED_BYTES {
-        return;
-    }
     match v {
         Json::Array(items) if !items.is_empty() => {
             out.push('[');
             for (i, item) in items.iter().enumerate() {
+                // Past the cap the caller refuses the text: stop building it.
                 if out.len() > MAX_RENDERED_BYTES {
                     return;
                 }
