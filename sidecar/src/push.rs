@@ -269,17 +269,17 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
                 Ok(Round::Sent(kind, ack)) => {
                     backoff = BACKOFF_MIN;
                     let again = pusher.on_ack(&mut link, kind, ack);
-                    if kind != MessageKind::Sync || !again {
-                        if kind == MessageKind::Sync {
+                    if kind == MessageKind::Sync {
+                        if again {
+                            refused_syncs += 1;
+                        } else {
                             (refused_syncs, sync_backoff) = (0, BACKOFF_MIN);
                         }
-                        if !again {
-                            break;
-                        }
-                        continue;
                     }
-                    refused_syncs += 1;
-                    if refused_syncs > 1 {
+                    if !again {
+                        break;
+                    }
+                    if kind == MessageKind::Sync && refused_syncs > 1 {
                         warn!(router = %link.target.0, refused_syncs, "the router asked for another full sync right after one: pacing them");
                         let pause = jitter(sync_backoff);
                         sync_backoff = (sync_backoff * 2).min(BACKOFF_MAX);
