@@ -187,6 +187,7 @@ fn busy_report(seed: u64) -> ReplicaReport {
                 keys: prefixes::sample(&chain(seed * 1_000 + r, 576)),
             })
             .collect(),
+        loads_only: false,
     }
 }
 

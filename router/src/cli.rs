@@ -78,6 +78,11 @@ pub struct ServeArgs {
     /// How often to report to each replica [default: 100ms].
     #[arg(long, value_name = "DURATION")]
     pub replica_exchange_interval: Option<String>,
+    /// Between full reports, tell each replica this router's new per-worker
+    /// figures once this long after the last report when it routes a
+    /// request; 0 for full reports only [default: 10ms].
+    #[arg(long, value_name = "DURATION")]
+    pub replica_news_interval: Option<String>,
     /// Log level or filter, e.g. `debug` or `kvroute_router=debug` [env:
     /// KVROUTE_LOG; default: info].
     #[arg(long, value_name = "FILTER")]
@@ -146,6 +151,7 @@ const ENV_KEYS: &[&str] = &[
     "workers",
     "replicas",
     "replica_exchange_interval",
+    "replica_news_interval",
     "tokenizer",
     "block_size",
     "policy",
@@ -253,6 +259,7 @@ impl ServeArgs {
         set("workers", (!workers.is_empty()).then(|| workers.into()))?;
         set("replicas", (!self.replicas.is_empty()).then(|| self.replicas.clone().into()))?;
         set("replica_exchange_interval", self.replica_exchange_interval.clone().map(Into::into))?;
+        set("replica_news_interval", self.replica_news_interval.clone().map(Into::into))?;
         set("tokenizer", self.tokenizer.as_ref().map(|p| p.display().to_string().into()))?;
         set("block_size", self.block_size.map(|n| i64::from(n).into()))?;
         set("policy", self.policy.clone().map(Into::into))?;
@@ -387,8 +394,10 @@ mod tests {
         let env = [
             ("KVROUTE_REPLICAS".to_string(), "http://r1:8080,http://r2:8080".to_string()),
             ("KVROUTE_REPLICA_EXCHANGE_INTERVAL".into(), "250ms".into()),
+            ("KVROUTE_REPLICA_NEWS_INTERVAL".into(), "0s".into()),
         ];
         let listed = ServeArgs::default().load(env).unwrap();
+        assert_eq!(listed.replica_news_interval, std::time::Duration::ZERO);
         assert_eq!(listed.replicas, ["http://r1:8080", "http://r2:8080"]);
         assert_eq!(listed.replica_exchange_interval, std::time::Duration::from_millis(250));
         let argv = ["kvroute-router", "--replica", "http://r1:8080", "--replica", "http://r2:8080"];

@@ -61,6 +61,11 @@ pub struct RawConfig {
     pub replicas: Vec<String>,
     #[serde(with = "humantime_serde")]
     pub replica_exchange_interval: Duration,
+    /// Between full reports, a replica that routes a request tells the
+    /// others its new per-worker figures once this long has passed since
+    /// its last report there (`crate::replicas`). Zero: full reports only.
+    #[serde(with = "humantime_serde")]
+    pub replica_news_interval: Duration,
     /// Tokenizer directory for models without their own entry in `tokenizers`.
     pub tokenizer: Option<PathBuf>,
     /// Model name → tokenizer directory.
@@ -163,6 +168,7 @@ impl Default for RawConfig {
             workers: Vec::new(),
             replicas: Vec::new(),
             replica_exchange_interval: Duration::from_millis(100),
+            replica_news_interval: Duration::from_millis(10),
             tokenizer: None,
             tokenizers: BTreeMap::new(),
             block_size: 16,
@@ -317,6 +323,14 @@ impl RawConfig {
         }
         if !(Duration::from_millis(10)..=Duration::from_secs(10)).contains(&self.replica_exchange_interval) {
             return Err(invalid("replica_exchange_interval", "must be between 10ms and 10s"));
+        }
+        if !self.replica_news_interval.is_zero()
+            && !(Duration::from_millis(1)..self.replica_exchange_interval).contains(&self.replica_news_interval)
+        {
+            return Err(invalid(
+                "replica_news_interval",
+                "must be 0 (full reports only) or at least 1ms and shorter than replica_exchange_interval",
+            ));
         }
         let policy = match self.policy.as_str() {
             "cache_aware" => PolicyConfig::CacheAware(self.cache_aware),
@@ -574,6 +588,13 @@ mod tests {
         for bad in [Duration::ZERO, Duration::from_secs(11)] {
             let e = RawConfig { replica_exchange_interval: bad, ..Default::default() }.validate().unwrap_err();
             assert!(e.to_string().contains("`replica_exchange_interval`"), "{e}");
+        }
+        for bad in [Duration::from_micros(500), Duration::from_millis(100), Duration::from_secs(1)] {
+            let e = RawConfig { replica_news_interval: bad, ..Default::default() }.validate().unwrap_err();
+            assert!(e.to_string().contains("`replica_news_interval`"), "{e}");
+        }
+        for good in [Duration::ZERO, Duration::from_millis(1), Duration::from_millis(99)] {
+            RawConfig { replica_news_interval: good, ..Default::default() }.validate().unwrap();
         }
         let dir = std::env::temp_dir().join(format!("kvroute-replica-tokens-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();

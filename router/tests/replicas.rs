@@ -115,6 +115,46 @@ async fn a_replica_routes_around_the_prefill_another_replica_sent() {
     assert!(text.lines().any(|l| l == gauge), "no {gauge} in\n{text}");
 }
 
+/// Between full reports, a router that routes a request tells its replicas
+/// its new figures (news): the report after the request is loads-only and
+/// counts it, though the next full report is 10 s away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_routed_request_is_news_to_the_replicas_before_the_next_full_report() {
+    let engine = hanging_engine().await;
+    let (told, mut heard) = tokio::sync::mpsc::unbounded_channel::<Value>();
+    let replica = Router::new().route(
+        "/internal/replica",
+        post(move |axum::Json(report): axum::Json<Value>| {
+            let seq = report["seq"].clone();
+            told.send(report).unwrap();
+            async move { axum::Json(json!({"router_epoch": "listening-replica", "seq": seq, "workers": []})) }
+        }),
+    );
+    let replica = serve_engine(replica).await;
+    let r = router(&[("w1", engine.as_str())], |c| {
+        c.replicas = vec![replica];
+        c.replica_exchange_interval = Duration::from_secs(10);
+    })
+    .await;
+    let first = next_report(&mut heard).await;
+    assert_eq!((&first["loads_only"], &first["workers"]), (&Value::Null, &json!([])), "{first}");
+
+    let sent = r.http.post(format!("{}/v1/completions", r.url)).json(&json!({"model": "m", "prompt": words(3, 300)}));
+    let _hanging = tokio::spawn(sent.send());
+    let news = next_report(&mut heard).await;
+    assert_eq!(news["loads_only"], true, "{news}");
+    assert_eq!(news["sent"], json!([]), "{news}");
+    let w1 = &news["workers"][0];
+    assert_eq!((&w1["id"], &w1["inflight"]), (&json!("w1"), &json!(1)), "{news}");
+    assert!(w1["pending_prefill_tokens"].as_u64().unwrap() > 256, "{news}");
+}
+
+/// The next report a listening replica took (60 s at most, against a hang).
+async fn next_report(heard: &mut tokio::sync::mpsc::UnboundedReceiver<Value>) -> Value {
+    let next = tokio::time::timeout(Duration::from_secs(60), heard.recv()).await;
+    next.expect("a report within 60 s").expect("the replica is up")
+}
+
 /// The same replica list on every replica, each one included (a headless
 /// service's name): a router hears its own report, recognises it, stops
 /// sending to itself, and never counts its own work twice.
