@@ -121,6 +121,12 @@ pub struct Scenario {
     /// earlier figures and the CI gate, which modelled replicas without
     /// it, stay comparable.
     pub peer_exchange: Option<Micros>,
+    /// With [`Self::peer_exchange`]: a replica that routes a request tells
+    /// the others its new per-worker figures (not its prefixes) this long
+    /// after its last report at the soonest, as `kvroute-router`'s
+    /// `replica_news_interval` (10 ms) does between full reports; delivered
+    /// 1 ms after it is made (a POST on a LAN). `None`: full reports only.
+    pub peer_news: Option<Micros>,
 }
 
 impl Scenario {
@@ -143,6 +149,7 @@ impl Scenario {
             slow: SlowWorkers::default(),
             shared_pending: false,
             peer_exchange: None,
+            peer_news: None,
         }
     }
 
@@ -243,6 +250,10 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
 
     let (mut progress, mut events) = (Vec::new(), Vec::new());
     let mut finished = 0usize;
+    // Per router: its last report to the others, and whether news is due.
+    let news = scenario.peer_exchange.and(scenario.peer_news);
+    let mut last_report = vec![Micros::ZERO; scenario.routers];
+    let mut news_due = vec![false; scenario.routers];
     while finished < reqs.len() {
         let Some((now, ev)) = q.pop() else { break };
         match ev {
@@ -285,6 +296,12 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
                     ..Default::default()
                 };
                 routed[i] = Some((r, decision));
+                if let Some(gap) = news
+                    && !news_due[r]
+                {
+                    news_due[r] = true;
+                    q.push((now + Micros::from_ms(1)).max(last_report[r] + gap), Event::PeerNews(r as u32));
+                }
                 let delay = match scenario.measured_path.as_deref().and_then(|m| m.get(i)) {
                     Some(&measured) => measured,
                     None => scenario.path.delay(tokens.len()),
@@ -370,7 +387,18 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
                 routers[r as usize].housekeeping(now.as_ms());
                 q.push(now + Micros::from_ms(1_000), ev);
             }
+            Event::PeerNews(r) => {
+                let r = r as usize;
+                (news_due[r], last_report[r]) = (false, now);
+                let told = routers[r].own_load(now);
+                for (o, other) in routers.iter_mut().enumerate() {
+                    if o != r {
+                        other.hear_peer_loads(r, &told);
+                    }
+                }
+            }
             Event::PeerExchange(r) => {
+                last_report[r as usize] = now;
                 let told = routers[r as usize].own_load(now);
                 for (o, other) in routers.iter_mut().enumerate() {
                     if o != r as usize {

@@ -48,6 +48,7 @@ pub fn spec(kind: WorkloadKind, seed: u64) -> MatrixSpec {
         slow: Default::default(),
         shared_pending: false,
         peer_exchange: None,
+        peer_news: None,
         trace_path: default_trace_path(),
         closed_loop: false,
         goodput: None,

@@ -49,9 +49,19 @@ struct Common {
     /// in-flight requests per worker, and their recent requests' prefixes.
     #[arg(long)]
     peer_exchange_ms: Option<u64>,
+    /// With `--peer-exchange-ms`: between full reports, a replica that
+    /// routes a request tells the others its new per-worker figures this
+    /// many ms after its last report at the soonest, as `kvroute-router`'s
+    /// `replica_news_interval` does (10 ms there); 0: full reports only.
+    #[arg(long, default_value_t = 10)]
+    peer_news_ms: u64,
 }
 
 impl Common {
+    fn peer_news(&self) -> Option<kvroute_lab::time::Micros> {
+        (self.peer_news_ms > 0).then(|| kvroute_lab::time::Micros::from_ms(self.peer_news_ms))
+    }
+
     fn slow(&self) -> anyhow::Result<SlowWorkers> {
         anyhow::ensure!((0.0..=1.0).contains(&self.slow_share), "--slow-share must be within 0..=1");
         anyhow::ensure!(
@@ -189,6 +199,7 @@ fn main() -> anyhow::Result<()> {
             // Calibrated as deployed, so a what-if runs at the same rate.
             s.shared_pending = common.shared_pending;
             s.peer_exchange = common.peer_exchange_ms.map(kvroute_lab::time::Micros::from_ms);
+            s.peer_news = common.peer_news();
             let r = run(&s, &w.at_rate(load * unit), &factory(&policy)?);
             eprintln!(
                 "{} requests at {:.1} req/s (load {load} of {unit:.1} req/s) in {:.2} s wall",
@@ -232,6 +243,7 @@ fn main() -> anyhow::Result<()> {
                 slow: common.slow()?,
                 shared_pending: common.shared_pending,
                 peer_exchange: common.peer_exchange_ms.map(kvroute_lab::time::Micros::from_ms),
+                peer_news: common.peer_news(),
                 trace_path: common.trace,
                 closed_loop: common.closed_loop,
                 goodput: goodput_slo_ms.map(|slo| GoodputSpec {

@@ -38,6 +38,8 @@ pub struct MatrixSpec {
     pub shared_pending: bool,
     /// [`Scenario::peer_exchange`] in every scenario.
     pub peer_exchange: Option<crate::time::Micros>,
+    /// [`Scenario::peer_news`] in every scenario.
+    pub peer_news: Option<crate::time::Micros>,
     pub trace_path: std::path::PathBuf,
     /// Sessions' turns wait for the previous answer (`Shape::closed_loop`).
     pub closed_loop: bool,
@@ -150,6 +152,7 @@ pub fn run_matrix(spec: &MatrixSpec, mut progress: impl FnMut(&Row)) -> Result<M
                     let (w, u) = workload_for(kind, &s, spec.requests, &spec.trace_path, spec.closed_loop)?;
                     s.shared_pending = spec.shared_pending;
                     s.peer_exchange = spec.peer_exchange;
+                    s.peer_news = spec.peer_news;
                     Ok::<_, MatrixError>((s, w, u))
                 })
                 .into_iter()
@@ -195,6 +198,7 @@ pub fn run_matrix(spec: &MatrixSpec, mut progress: impl FnMut(&Row)) -> Result<M
             let (w, unit_rate) = workload_for(kind, &s, g.requests, &spec.trace_path, spec.closed_loop)?;
             s.shared_pending = spec.shared_pending;
             s.peer_exchange = spec.peer_exchange;
+            s.peer_news = spec.peer_news;
             for (name, f) in spec.policies.iter().zip(&factories) {
                 let gp = goodput(&s, &w, f, g.slo_p90_ms, 0.5 * unit_rate, 4);
                 out.goodput.push(GoodputRow {

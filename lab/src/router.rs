@@ -154,6 +154,18 @@ impl LabRouter {
         self.hints = PrefixHints::build(self.peers.iter().flatten().flat_map(|t| &t.sent));
     }
 
+    /// Replica `peer` told this one its new per-worker figures between full
+    /// reports: its prefixes are as it last said.
+    pub fn hear_peer_loads(&mut self, peer: usize, told: &Told) {
+        match self.peers.get_mut(peer) {
+            Some(Some(last)) => {
+                last.pending.clone_from(&told.pending);
+                last.inflight.clone_from(&told.inflight);
+            }
+            _ => self.hear_peer(peer, &Told { sent: Vec::new(), ..told.clone() }),
+        }
+    }
+
     /// Routes a request (as `routing::plan` does for a live request), records
     /// it speculatively and counts it in flight. `everyone_pending`
     /// ([`crate::cluster::Scenario::shared_pending`]): every replica's

@@ -64,6 +64,9 @@ pub enum Event {
     /// requests and recent prefixes per worker
     /// ([`crate::cluster::Scenario::peer_exchange`]).
     PeerExchange(u32),
+    /// Router `n` tells the other replicas its new per-worker figures
+    /// between full reports ([`crate::cluster::Scenario::peer_news`]).
+    PeerNews(u32),
 }
 
 /// A min-queue of events; ties keep insertion order.
