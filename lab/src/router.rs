@@ -408,4 +408,20 @@ mod tests {
         assert_eq!(routed.worker, 0);
         assert!(routed.matched_blocks >= 448, "{}", routed.matched_blocks);
     }
+
+    /// News replaces what a replica said of its figures and keeps the
+    /// prefixes of its last full report; news from a replica not yet heard
+    /// names no prefixes.
+    #[test]
+    fn news_replaces_the_figures_and_keeps_the_prefixes() {
+        let sent = vec![SentPrefix { worker: WorkerId::new("w0"), keys: vec![BlockKey(7)] }];
+        let mut r = replica();
+        r.hear_peer(1, &Told { pending: vec![100, 0], inflight: vec![1, 0], sent: sent.clone() });
+        // What a replica's news is made of names its prefixes; they are not taken.
+        let newer = vec![SentPrefix { worker: WorkerId::new("w1"), keys: vec![BlockKey(8)] }];
+        r.hear_peer_loads(1, &Told { pending: vec![0, 900], inflight: vec![0, 2], sent: newer.clone() });
+        assert_eq!(r.peers[1], Some(Told { pending: vec![0, 900], inflight: vec![0, 2], sent }));
+        r.hear_peer_loads(2, &Told { pending: vec![5, 5], inflight: vec![1, 1], sent: newer });
+        assert_eq!(r.peers[2].as_ref().map(|t| t.sent.len()), Some(0));
+    }
 }
