@@ -317,7 +317,7 @@ impl Metrics {
         let replica_reports = Family::<DirectionOutcome, Counter>::default();
         registry.register(
             "replica_reports",
-            "In-flight reports exchanged with other router replicas, by direction and outcome",
+            "In-flight reports exchanged with other router replicas (full reports and news), by direction and outcome",
             replica_reports.clone(),
         );
         for outcome in crate::replicas::SENT_OUTCOMES {

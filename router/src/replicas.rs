@@ -22,8 +22,8 @@
 //! `loads_only`, without the `sent` list, answered the same way. A burst of
 //! one new prefix or a wave of chat turns reaches every replica within a
 //! few requests instead of within 100 ms; in the lab that cut 3 replicas'
-//! TTFT by about 6 % at p50 and 14 % at p99 (4 and 16 workers), 10 % and
-//! 20 % at 64 workers (BENCHMARKS.md, "news between reports"). The prefixes
+//! TTFT by 6 % at p50 and 13 % at p99 (4 and 16 workers), 13 % and 20 % at
+//! 64 workers (BENCHMARKS.md, "News between the replicas' reports"). The prefixes
 //! wait for the full report: each one received rebuilds the prefix hints,
 //! too dear to do a hundred times a second per replica.
 //!
@@ -534,7 +534,8 @@ async fn exchange_with(state: Arc<AppState>, base: String) {
     loop {
         let loads_only = tokio::select! {
             _ = tick.tick() => false,
-            Ok(()) = routed.changed(), if !news_every.is_zero() => {
+            // No news for a replica that does not answer: the full reports retry it.
+            Ok(()) = routed.changed(), if !news_every.is_zero() && !failing => {
                 tokio::select! {
                     _ = tokio::time::sleep_until(last + news_every) => true,
                     _ = state.shutdown.cancelled() => return,
