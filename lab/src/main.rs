@@ -82,7 +82,8 @@ enum Cmd {
         workers: usize,
         #[arg(long, default_value_t = 1)]
         routers: usize,
-        #[arg(long, default_value = "cache_aware")]
+        /// A policy, or a variant `name:param=value+…` [default: the router's default]
+        #[arg(long, default_value = kvroute_router::policy::DEFAULT_POLICY)]
         policy: String,
         /// Load level (1 = saturation for a perfect router).
         #[arg(long, default_value_t = 0.6)]
