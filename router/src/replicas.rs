@@ -19,7 +19,10 @@
 //! Between those full reports, a replica that routes a request tells the
 //! others its new per-worker figures as soon as `replica_news_interval`
 //! (10 ms) has passed since its last report there: a report marked
-//! `loads_only`, without the `sent` list, answered the same way. A burst of
+//! `loads_only`, without the `sent` list, answered the same way. While
+//! either end of a link has anything in flight, news goes every interval,
+//! so the answers bring the other end's news back: one link per pair
+//! suffices for news too. A burst of
 //! one new prefix or a wave of chat turns reaches every replica within a
 //! few requests instead of within 100 ms; in the lab that cut 3 replicas'
 //! TTFT by 6 % at p50 and 13 % at p99 (4 and 16 workers), 13 % and 20 % at
@@ -519,7 +522,8 @@ async fn resolve(url: &str) -> Result<Vec<String>, kvroute_shared::resolve::Reso
 }
 
 /// One replica address: a full report every interval and news between
-/// them, the answer taken as that replica's. One exchange at a time, so a
+/// them (when this router routes a request, and every news interval while
+/// either side has anything in flight), the answer taken as that replica's. One exchange at a time, so a
 /// slow replica is asked less often, never by a pile of requests. An
 /// address that turns out to be this router itself is left alone until
 /// shutdown (or until it is no longer resolved).
@@ -531,11 +535,17 @@ async fn exchange_with(state: Arc<AppState>, base: String) {
     let mut routed = state.replicas.routed();
     let mut last = tokio::time::Instant::now();
     let mut failing = false;
+    // Either side had something in flight at the last exchange.
+    let mut busy = false;
     loop {
+        // No news for a replica that does not answer: the full reports retry it.
+        let news = !news_every.is_zero() && !failing;
         let loads_only = tokio::select! {
             _ = tick.tick() => false,
-            // No news for a replica that does not answer: the full reports retry it.
-            Ok(()) = routed.changed(), if !news_every.is_zero() && !failing => {
+            // While either side is busy, news every interval: the answers
+            // carry the other's news back, so one link per pair suffices.
+            _ = tokio::time::sleep_until(last + news_every), if news && busy => true,
+            Ok(()) = routed.changed(), if news => {
                 tokio::select! {
                     _ = tokio::time::sleep_until(last + news_every) => true,
                     _ = state.shutdown.cancelled() => return,
@@ -556,6 +566,7 @@ async fn exchange_with(state: Arc<AppState>, base: String) {
             }
             Ok(answer) => {
                 state.metrics.replica_report("sent", "ok");
+                busy = !report.workers.is_empty() || !answer.workers.is_empty();
                 take(&state, answer);
                 if failing {
                     tracing::info!("replica exchange works again");

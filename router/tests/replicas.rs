@@ -149,6 +149,39 @@ async fn a_routed_request_is_news_to_the_replicas_before_the_next_full_report() 
     assert!(w1["pending_prefill_tokens"].as_u64().unwrap() > 256, "{news}");
 }
 
+/// One link per pair carries news both ways: while the replica at the other
+/// end has something in flight, this router asks it for news every news
+/// interval though it routes nothing itself (the answers carry it back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_replica_is_asked_for_its_news_though_this_router_routes_nothing() {
+    let (told, mut heard) = tokio::sync::mpsc::unbounded_channel::<Value>();
+    let replica = Router::new().route(
+        "/internal/replica",
+        post(move |axum::Json(report): axum::Json<Value>| {
+            let seq = report["seq"].clone();
+            let loads_only = report["loads_only"].as_bool().unwrap_or(false);
+            told.send(report).unwrap();
+            let busy = [json!({"id": "w1", "pending_prefill_tokens": 5_000, "inflight": 2})];
+            async move {
+                axum::Json(
+                    json!({"router_epoch": "busy-replica", "seq": seq, "workers": busy, "loads_only": loads_only}),
+                )
+            }
+        }),
+    );
+    let replica = serve_engine(replica).await;
+    let engine = hanging_engine().await;
+    let _r = router(&[("w1", engine.as_str())], |c| {
+        c.replicas = vec![replica];
+        c.replica_exchange_interval = Duration::from_secs(10);
+    })
+    .await;
+    let first = next_report(&mut heard).await;
+    assert_eq!(first["loads_only"], Value::Null, "{first}");
+    let news = next_report(&mut heard).await;
+    assert_eq!((&news["loads_only"], &news["workers"]), (&json!(true), &json!([])), "{news}");
+}
+
 /// The next report a listening replica took (60 s at most, against a hang).
 async fn next_report(heard: &mut tokio::sync::mpsc::UnboundedReceiver<Value>) -> Value {
     let next = tokio::time::timeout(Duration::from_secs(60), heard.recv()).await;
