@@ -22,13 +22,13 @@
 //! `loads_only`, without the `sent` list, answered the same way. While
 //! either end of a link has anything in flight, news goes every interval,
 //! so the answers bring the other end's news back: one link per pair
-//! suffices for news too. A burst of
-//! one new prefix or a wave of chat turns reaches every replica within a
-//! few requests instead of within 100 ms; in the lab that cut 3 replicas'
-//! TTFT by 6 % at p50 and 13 % at p99 (4 and 16 workers), 13 % and 20 % at
-//! 64 workers (BENCHMARKS.md, "News between the replicas' reports"). The prefixes
-//! wait for the full report: each one received rebuilds the prefix hints,
-//! too dear to do a hundred times a second per replica.
+//! suffices for news too. A burst of one new prefix or a wave of chat
+//! turns reaches every replica within a few requests instead of within
+//! 100 ms; in the lab that cut 3 replicas' TTFT by 6 % at p50 and 13 % at
+//! p99 (4 and 16 workers), 13 % and 20 % at 64 workers (BENCHMARKS.md,
+//! "News between the replicas' reports"). The prefixes wait for the full
+//! report: each one received rebuilds the prefix hints, too dear to do a
+//! hundred times a second per replica.
 //!
 //! What a replica heard from the others is added to its own figures when it
 //! routes (`WorkerLive::load`): their pending tokens to its pending prefill,
@@ -523,10 +523,11 @@ async fn resolve(url: &str) -> Result<Vec<String>, kvroute_shared::resolve::Reso
 
 /// One replica address: a full report every interval and news between
 /// them (when this router routes a request, and every news interval while
-/// either side has anything in flight), the answer taken as that replica's. One exchange at a time, so a
-/// slow replica is asked less often, never by a pile of requests. An
-/// address that turns out to be this router itself is left alone until
-/// shutdown (or until it is no longer resolved).
+/// either side has anything in flight), the answer taken as that
+/// replica's. One exchange at a time, so a slow replica is asked less
+/// often, never by a pile of requests. An address that turns out to be
+/// this router itself is left alone until shutdown (or until it is no
+/// longer resolved).
 async fn exchange_with(state: Arc<AppState>, base: String) {
     let url = format!("{base}{REPLICA_PATH}");
     let mut tick = tokio::time::interval(state.config.raw.replica_exchange_interval);
