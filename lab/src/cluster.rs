@@ -387,25 +387,20 @@ pub fn run(scenario: &Scenario, workload: &Workload, policy: &dyn Fn() -> Box<dy
                 routers[r as usize].housekeeping(now.as_ms());
                 q.push(now + Micros::from_ms(1_000), ev);
             }
-            Event::PeerNews(r) => {
-                let r = r as usize;
-                (news_due[r], last_report[r]) = (false, now);
+            Event::PeerExchange(r) | Event::PeerNews(r) => {
+                let (r, news) = (r as usize, matches!(ev, Event::PeerNews(_)));
+                last_report[r] = now;
                 let told = routers[r].own_load(now);
-                for (o, other) in routers.iter_mut().enumerate() {
-                    if o != r {
+                for (_, other) in routers.iter_mut().enumerate().filter(|(o, _)| *o != r) {
+                    if news {
                         other.hear_peer_loads(r, &told);
+                    } else {
+                        other.hear_peer(r, &told);
                     }
                 }
-            }
-            Event::PeerExchange(r) => {
-                last_report[r as usize] = now;
-                let told = routers[r as usize].own_load(now);
-                for (o, other) in routers.iter_mut().enumerate() {
-                    if o != r as usize {
-                        other.hear_peer(r as usize, &told);
-                    }
-                }
-                if let Some(every) = scenario.peer_exchange {
+                if news {
+                    news_due[r] = false;
+                } else if let Some(every) = scenario.peer_exchange {
                     q.push(now + every, ev);
                 }
             }
