@@ -33,6 +33,13 @@ const QWEN: &str =
 /// Word-cache entries kept before the cache is cleared (a few MB).
 const WORD_CAPACITY: usize = 200_000;
 
+/// Longest piece the word cache keeps, bytes. Words are short; a piece
+/// longer than this (a run of letters or digits with nothing to split it,
+/// as a client can send megabytes of) is encoded each time: cached, each
+/// such request kept its whole text, and `WORD_CAPACITY` entries of it
+/// were gigabytes.
+const MAX_CACHED_PIECE: usize = 64;
+
 /// ASCII piece → its token ids.
 type Words = HashMap<Box<[u8]>, Box<[u32]>, BuildHasherDefault<Fx>>;
 
@@ -209,7 +216,9 @@ impl FastBpe {
         }
         for (&(k, _), ids) in misses.iter().zip(encoded) {
             let (s, e) = pieces[k];
-            words.insert(bytes[s..e].into(), ids);
+            if e - s <= MAX_CACHED_PIECE {
+                words.insert(bytes[s..e].into(), ids);
+            }
         }
         Some(Ok(()))
     }
@@ -591,6 +600,25 @@ mod tests {
             }
             assert!(merges.encode(&[b' '; Merges::MAX_SYMBOLS + 1], &mut scratch).is_none());
         }
+    }
+
+    /// A long run of letters is one piece: it is encoded as HF does, and
+    /// the word cache keeps none of it (kept, a client's megabytes of
+    /// letters, one new run per request, filled the router's memory).
+    #[test]
+    fn a_long_piece_is_encoded_but_not_cached() {
+        let dir = crate::testdata::tokenizer_dir("gpt2").unwrap_or_else(|why| panic!("no gpt2 tokenizer: {why}"));
+        let tok = Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+        let fast = FastBpe::new(&tok).expect("GPT-2 takes the fast path");
+        let long: String = (0..10_000u32).map(|i| char::from(b'a' + (i * 7 % 26) as u8)).collect();
+        let text = format!("hello {long} world");
+        let mut ids = Vec::new();
+        fast.encode(&tok, &text, &mut ids).unwrap().unwrap();
+        assert_eq!(ids, tok.encode_fast(text.as_str(), false).unwrap().get_ids());
+        let words = fast.words.lock().unwrap();
+        assert!(words.contains_key(&b"hello"[..]) && words.contains_key(&b" world"[..]));
+        let longest = words.keys().map(|k| k.len()).max().unwrap();
+        assert!(longest <= MAX_CACHED_PIECE, "a {longest}-byte piece was cached");
     }
 
     #[test]
