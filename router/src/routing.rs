@@ -45,7 +45,7 @@ impl Plan {
     }
 }
 
-fn tokenize_error(req: &PromptRequest, e: TokenizeError) -> RouterError {
+fn tokenize_error(req: &PromptRequest, e: TokenizeError, max_prompt_tokens: usize) -> RouterError {
     let field = match req {
         PromptRequest::Completion(_) => "prompt",
         PromptRequest::Chat(_) => "messages",
@@ -54,6 +54,7 @@ fn tokenize_error(req: &PromptRequest, e: TokenizeError) -> RouterError {
         TokenizeError::Template { .. } | TokenizeError::NoChatTemplate | TokenizeError::Encode(_) => {
             RouterError::bad_request(field, e.to_string())
         }
+        TokenizeError::TooLong { .. } => RouterError::PromptTooLong { tokens: None, max: max_prompt_tokens },
         other => RouterError::Internal(other.to_string()),
     }
 }
@@ -69,9 +70,10 @@ pub struct Prepared {
     exact_tokenizer: bool,
 }
 
-/// Upper bound of prompt bytes per token, for refusing a body before paying
-/// to tokenize it: byte-level BPE tokens cover at least one byte each, and
-/// real text averages about 4; JSON escapes can double a character.
+/// Upper bound of prompt bytes per token, for refusing a body, or a chat
+/// template's rendering of it, before paying to tokenize it: byte-level BPE
+/// tokens cover at least one byte each, and real text averages about 4;
+/// JSON escapes can double a character.
 const MAX_BYTES_PER_TOKEN: usize = 16;
 
 /// Refuses a body too large to hold an acceptable prompt, before tokenizing.
@@ -87,8 +89,12 @@ pub fn check_prompt_bytes(state: &AppState, body_len: usize) -> Result<(), Route
 pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, RouterError> {
     let model = req.model().to_owned();
     let tokenizer = state.tokenizers.for_model(&model);
-    let tokens = tokenizer.prompt_tokens(req).map_err(|e| tokenize_error(req, e))?;
     let max = state.config.raw.max_prompt_tokens;
+    // A chat template can expand a small body hundreds of times: the text
+    // is held to the same bound as a body before it is tokenized.
+    let tokens = tokenizer
+        .prompt_tokens_within(req, max.saturating_mul(MAX_BYTES_PER_TOKEN))
+        .map_err(|e| tokenize_error(req, e, max))?;
     if tokens.len() > max {
         return Err(RouterError::PromptTooLong { tokens: Some(tokens.len()), max });
     }

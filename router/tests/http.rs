@@ -151,6 +151,10 @@ impl TestRouter {
         self.http.post(format!("{}/v1/completions", self.url)).json(&body).send().await.unwrap()
     }
 
+    async fn chat(&self, body: Value) -> reqwest::Response {
+        self.http.post(format!("{}/v1/chat/completions", self.url)).json(&body).send().await.unwrap()
+    }
+
     async fn internal(&self, path: &str, body: Value) -> reqwest::Response {
         self.http.post(format!("{}{path}", self.url)).bearer_auth(TOKEN).json(&body).send().await.unwrap()
     }
@@ -648,6 +652,38 @@ async fn prompts_beyond_max_prompt_tokens_are_refused_before_or_after_tokenizing
     assert_eq!(explain.await.unwrap().status(), 413, "/debug/route has the same limits");
     assert_eq!(r.complete(json!({"model": "m", "prompt": prompt(50)})).await.status(), 200);
     assert_eq!(w.hits.load(Ordering::SeqCst), 1, "refused prompts never reached the engine");
+}
+
+/// A chat template that indents JSON expands a small body of nested
+/// arrays hundreds of times; the rendered text is held to the body's bound
+/// (16 bytes a token) before it is tokenized: uncapped, a 100 kB request
+/// rendered and tokenized megabytes.
+#[tokio::test]
+async fn a_chat_template_cannot_expand_a_small_request_past_the_prompt_limit() {
+    let gpt2 = kvroute_shared::testdata::tokenizer_dir("gpt2").unwrap_or_else(|why| panic!("no gpt2 tokenizer: {why}"));
+    let dir = std::env::temp_dir().join(format!("kvroute-expanding-template-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(gpt2.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+    let template = "{{ tools | tojson(indent=4) }}{% for m in messages %}{{ m.content }}{% endfor %}";
+    std::fs::write(dir.join("tokenizer_config.json"), json!({"chat_template": template}).to_string()).unwrap();
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let r = router(&[("w1", &w.url)], |raw| {
+        raw.tokenizer = Some(dir.clone());
+        raw.max_prompt_tokens = 10_000;
+    })
+    .await;
+    let mut nested = json!(0);
+    while nested.to_string().len() < 20_000 {
+        nested = json!([nested.clone(), nested]);
+    }
+    let body = |tools: Value| json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools});
+    let expanding = body(json!([nested]));
+    assert!(expanding.to_string().len() < 160_000, "the body itself is within 10,000 × 16 bytes");
+    let (status, err) = error_of(r.chat(expanding).await).await;
+    assert_eq!(status, 413, "{err}");
+    assert_eq!(r.chat(body(json!([{"name": "f"}]))).await.status(), 200);
+    assert_eq!(w.hits.load(Ordering::SeqCst), 1, "the expanded request never reached the engine");
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[tokio::test]

@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value as Json};
 
 use crate::openai::{ChatRequest, CompletionRequest, Prompt, PromptRequest};
-use chat_template::{ChatOptions, ChatTemplate};
+use chat_template::{ChatOptions, ChatTemplate, MAX_RENDERED_BYTES};
 use segments::SegmentCache;
 
 #[derive(Debug, thiserror::Error)]
@@ -47,6 +47,10 @@ pub enum TokenizeError {
     NoChatTemplate,
     #[error("tokenizer failed: {0}")]
     Encode(String),
+    /// The prompt's text is longer than the caller accepts
+    /// ([`PromptTokenizer::prompt_tokens_within`]).
+    #[error("the prompt text exceeds {max_bytes} bytes")]
+    TooLong { max_bytes: usize },
 }
 
 /// Tokenizes prompts for one served model.
@@ -113,20 +117,32 @@ impl PromptTokenizer {
     /// A batch prompt is keyed by its first entry (the whole batch goes to one
     /// worker).
     pub fn prompt_tokens(&self, req: &PromptRequest) -> Result<Vec<u32>, TokenizeError> {
+        self.prompt_tokens_within(req, MAX_RENDERED_BYTES)
+    }
+
+    /// [`Self::prompt_tokens`], refusing ([`TokenizeError::TooLong`]) a
+    /// prompt whose text, as given or as the chat template renders it, is
+    /// longer than `max_bytes`, before encoding it (a template can expand
+    /// a small request hundreds of times).
+    pub fn prompt_tokens_within(&self, req: &PromptRequest, max_bytes: usize) -> Result<Vec<u32>, TokenizeError> {
         match req {
-            PromptRequest::Completion(c) => self.completion_tokens(c),
+            PromptRequest::Completion(c) => self.completion_tokens(c, max_bytes),
             PromptRequest::Chat(c) => {
-                let text = self.render_chat(c)?;
+                let text = self.render_chat_within(c, Some(max_bytes))?;
                 self.encode(&text, c.add_special_tokens.unwrap_or(false))
             }
         }
     }
 
-    fn completion_tokens(&self, c: &CompletionRequest) -> Result<Vec<u32>, TokenizeError> {
+    fn completion_tokens(&self, c: &CompletionRequest, max_bytes: usize) -> Result<Vec<u32>, TokenizeError> {
         let special = c.add_special_tokens.unwrap_or(true);
+        let within = |t: &str| if t.len() > max_bytes { Err(TokenizeError::TooLong { max_bytes }) } else { Ok(()) };
         match &c.prompt {
-            Prompt::Text(t) => self.encode(t, special),
-            Prompt::TextBatch(ts) => self.encode(ts.first().map_or("", String::as_str), special),
+            Prompt::Text(t) => within(t).and_then(|()| self.encode(t, special)),
+            Prompt::TextBatch(ts) => {
+                let first = ts.first().map_or("", String::as_str);
+                within(first).and_then(|()| self.encode(first, special))
+            }
             Prompt::Tokens(ids) => Ok(ids.clone()),
             Prompt::TokenBatch(b) => Ok(b.first().cloned().unwrap_or_default()),
         }
@@ -134,7 +150,12 @@ impl PromptTokenizer {
 
     /// The chat prompt text, as `apply_chat_template(..., tokenize=False)`.
     pub fn render_chat(&self, c: &ChatRequest) -> Result<String, TokenizeError> {
+        self.render_chat_within(c, None)
+    }
+
+    fn render_chat_within(&self, c: &ChatRequest, max_bytes: Option<usize>) -> Result<String, TokenizeError> {
         let opts = ChatOptions {
+            max_bytes,
             tools: c.tools.as_deref(),
             documents: c.documents.as_deref(),
             add_generation_prompt: c.add_generation_prompt.unwrap_or(true),
@@ -145,7 +166,13 @@ impl PromptTokenizer {
             PromptTokenizer::Hf(hf) => {
                 hf.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?.render(&c.messages, &opts)
             }
-            PromptTokenizer::Bytes => Ok(render_plain(&c.messages, opts.add_generation_prompt)),
+            PromptTokenizer::Bytes => {
+                let text = render_plain(&c.messages, opts.add_generation_prompt);
+                match max_bytes {
+                    Some(max_bytes) if text.len() > max_bytes => Err(TokenizeError::TooLong { max_bytes }),
+                    _ => Ok(text),
+                }
+            }
         }
     }
 

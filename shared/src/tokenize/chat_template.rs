@@ -41,6 +41,10 @@ pub struct ChatOptions<'a> {
     pub add_generation_prompt: bool,
     pub continue_final_message: bool,
     pub kwargs: Option<&'a Map<String, Json>>,
+    /// The most the rendered prompt may take, bytes (`None`:
+    /// [`MAX_RENDERED_BYTES`]); past it the render stops with
+    /// [`TokenizeError::TooLong`].
+    pub max_bytes: Option<usize>,
 }
 
 impl ChatTemplate {
@@ -77,13 +81,11 @@ impl ChatTemplate {
             }
         }
         let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(|e| template_error(&e))?;
-        let mut out = Capped { text: Vec::new(), over: false };
+        let limit = opts.max_bytes.unwrap_or(MAX_RENDERED_BYTES).min(MAX_RENDERED_BYTES);
+        let mut out = Capped { text: Vec::new(), limit, over: false };
         let rendered = tmpl.render_captured_to(Value::from(minijinja::value::Serde(&ctx)), &mut out).map(drop);
         if out.over {
-            return Err(TokenizeError::Template {
-                line: None,
-                message: format!("the rendered prompt exceeds {MAX_RENDERED_BYTES} bytes"),
-            });
+            return Err(TokenizeError::TooLong { max_bytes: limit });
         }
         rendered.map_err(|e| template_error(&e))?;
         let mut out =
@@ -252,15 +254,16 @@ const RESERVED: [&str; 4] = ["messages", "tools", "documents", "add_generation_p
 /// rendered to a gigabyte before the token limit was checked.
 pub const MAX_RENDERED_BYTES: usize = 64 << 20;
 
-/// The rendered text, refused past [`MAX_RENDERED_BYTES`].
+/// The rendered text, refused past `limit` bytes.
 struct Capped {
     text: Vec<u8>,
+    limit: usize,
     over: bool,
 }
 
 impl std::io::Write for Capped {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        if self.text.len() + buf.len() > MAX_RENDERED_BYTES {
+        if self.text.len() + buf.len() > self.limit {
             self.over = true;
             return Err(std::io::Error::other("the rendered prompt is too long"));
         }
@@ -336,8 +339,27 @@ mod tests {
         let src =
             format!("{{% for i in range(10000) %}}{{% for j in range(10000) %}}{line}{{% endfor %}}{{% endfor %}}");
         let out = render(&src, serde_json::json!([]));
-        let Err(TokenizeError::Template { message, .. }) = out else { panic!("rendered {:?}", out.map(|s| s.len())) };
-        assert!(message.contains("exceeds"), "{message}");
+        assert!(matches!(out, Err(TokenizeError::TooLong { max_bytes: MAX_RENDERED_BYTES })), "{out:?}");
+    }
+
+    /// The caller's cap (the router's: its longest acceptable prompt) stops
+    /// a render that expands a small request far sooner than
+    /// MAX_RENDERED_BYTES: a 100 kB body of nested arrays, indented, came
+    /// to 64 MB, all of it tokenized before the token count was checked.
+    #[test]
+    fn a_render_stops_at_the_callers_cap() {
+        let mut nested = Json::from(0);
+        while serde_json::to_string(&nested).unwrap().len() < 100_000 {
+            nested = Json::Array(vec![nested; 2]);
+        }
+        let t = ChatTemplate::new("{{ tools | tojson(indent=4) }}".into(), Map::new()).unwrap();
+        let tools = [nested];
+        let opts = |max_bytes| ChatOptions { tools: Some(&tools), max_bytes, ..Default::default() };
+        let full = t.render(&[], &opts(None)).expect("under MAX_RENDERED_BYTES");
+        assert!(full.len() > 2 << 20, "{} bytes", full.len());
+        let out = t.render(&[], &opts(Some(1 << 20)));
+        assert!(matches!(out, Err(TokenizeError::TooLong { max_bytes: 1_048_576 })), "{:?}", out.map(|s| s.len()));
+        assert_eq!(t.render(&[], &opts(Some(full.len()))).unwrap(), full);
     }
 
     #[test]
