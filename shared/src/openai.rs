@@ -25,7 +25,7 @@ pub enum Prompt {
 pub struct CompletionRequest {
     pub model: String,
     pub prompt: Prompt,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub stream: bool,
     /// vLLM's per-request cache isolation; folded into the key root.
     #[serde(default)]
@@ -45,7 +45,7 @@ pub struct CompletionRequest {
 pub struct ChatRequest {
     pub model: String,
     pub messages: Vec<Map<String, Value>>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub stream: bool,
     #[serde(default)]
     pub cache_salt: Option<String>,
@@ -68,6 +68,12 @@ pub struct ChatRequest {
     pub max_completion_tokens: Option<u32>,
     #[serde(default)]
     pub prefix_len: Option<u32>,
+}
+
+/// vLLM declares `stream` `Optional[bool] = False`: `"stream": null` is a
+/// request not streamed, not a bad request.
+fn null_is_false<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Ok(Option::<bool>::deserialize(d)?.unwrap_or(false))
 }
 
 /// Either kind of request, told apart by the endpoint it came to.
@@ -196,6 +202,17 @@ mod tests {
                 PromptRequest::Chat(_) => panic!("completion expected"),
             }
         }
+    }
+
+    /// vLLM takes `"stream": null` as not streamed; so does the router.
+    #[test]
+    fn a_null_stream_is_not_streamed() {
+        let c = PromptRequest::parse(Endpoint::Completions, br#"{"model":"m","prompt":"x","stream":null}"#).unwrap();
+        assert!(!c.stream());
+        let chat = br#"{"model":"m","messages":[{"role":"user","content":"x"}],"stream":null}"#;
+        assert!(!PromptRequest::parse(Endpoint::ChatCompletions, chat).unwrap().stream());
+        let streamed = br#"{"model":"m","messages":[{"role":"user","content":"x"}],"stream":true}"#;
+        assert!(PromptRequest::parse(Endpoint::ChatCompletions, streamed).unwrap().stream());
     }
 
     #[test]
