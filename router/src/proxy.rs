@@ -367,13 +367,17 @@ async fn send(
     match tokio::time::timeout(state.config.raw.first_byte_timeout, rb.send()).await {
         Err(_) => Err(timeout()),
         Ok(Err(e)) if e.is_timeout() => Err(timeout()),
-        Ok(Err(e)) => Err(Failure {
-            request_sent: !e.is_connect(),
-            error: RouterError::UpstreamFailed {
-                worker: worker.id.clone(),
-                message: kvroute_shared::logging::error_chain(&e),
-            },
-        }),
+        Ok(Err(e)) => {
+            // reqwest's message names the worker's URL: logged, never
+            // returned (error.rs).
+            let chain = kvroute_shared::logging::error_chain(&e);
+            tracing::warn!(worker = %worker.id, error = %chain, "request to the worker failed");
+            let message = if e.is_connect() { "could not connect" } else { "the connection closed without an answer" };
+            Err(Failure {
+                request_sent: !e.is_connect(),
+                error: RouterError::UpstreamFailed { worker: worker.id.clone(), message: message.into() },
+            })
+        }
         Ok(Ok(resp)) => Ok(resp),
     }
 }

@@ -1026,6 +1026,26 @@ async fn a_request_every_worker_refuses_ejects_none_of_them() {
     }
 }
 
+/// A failed worker's address stays in the router's log: reqwest's error
+/// text names the URL, and it went into the client's 502 body.
+#[tokio::test]
+async fn a_502_names_no_workers_address() {
+    let door = picky_door("a").await;
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    for url in [&door, &closed] {
+        let r = router(&[("a", url)], |raw| raw.retries = 0).await;
+        let (status, body) = error_of(r.complete(json!({"model": "m", "prompt": "poison pill"})).await).await;
+        assert_eq!(status, 502, "{body}");
+        let port = url.rsplit(':').next().unwrap();
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(!message.contains("127.0.0.1") && !message.contains(port), "{message}");
+        assert!(message.contains("upstream worker a"), "{message}");
+    }
+}
+
 /// A worker that drops what another worker answers is at fault: charged, and
 /// ejected after `eject_after_failures`.
 #[tokio::test]
