@@ -40,6 +40,11 @@ pub const MAX_WORKER_ID_LEN: usize = 128;
 /// Data-parallel ranks per engine a sidecar follows, and the bound on a
 /// pushed `dp_rank`.
 pub const MAX_DP_RANKS: u32 = 1024;
+/// Model names a sync may list (a base model and its LoRA adapters), and the
+/// longest name: every routed request scans a worker's list, and
+/// `/v1/models` returns every name to any client.
+pub const MAX_MODELS: usize = 1024;
+pub const MAX_MODEL_NAME_LEN: usize = 1024;
 /// The request header vLLM's API server (internal load balancing) reads to
 /// pin a request to one data-parallel rank.
 pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
@@ -290,9 +295,15 @@ impl Validate for SyncSnapshot {
         if self.dp_rank.is_some_and(|r| r >= MAX_DP_RANKS) {
             return Err(DecodeError::new("dp_rank", format!("must be below {MAX_DP_RANKS}")));
         }
+        if self.models.len() > MAX_MODELS {
+            return Err(DecodeError::new("models", format!("at most {MAX_MODELS} names")));
+        }
         for (i, m) in self.models.iter().enumerate() {
-            if m.as_str().is_empty() {
-                return Err(DecodeError::new(format!("models[{i}]"), "must not be empty"));
+            if m.as_str().is_empty() || m.as_str().len() > MAX_MODEL_NAME_LEN {
+                return Err(DecodeError::new(
+                    format!("models[{i}]"),
+                    format!("must be 1 to {MAX_MODEL_NAME_LEN} bytes"),
+                ));
             }
         }
         Ok(())
@@ -362,6 +373,20 @@ mod tests {
         assert!(e.message.contains("unknown field"), "{e}");
         let e = decode_valid::<EvictionBatch>(b"{not json").unwrap_err();
         assert_eq!(e.field, ".");
+    }
+
+    /// Every routed request scans a worker's model list and `/v1/models`
+    /// returns it to any client: a sync may not name millions.
+    #[test]
+    fn a_sync_names_a_bounded_list_of_models() {
+        let sync = |models: Vec<String>| {
+            let body = serde_json::json!({"worker_id": "w1", "hashes": [], "models": models});
+            decode_valid::<SyncSnapshot>(body.to_string().as_bytes())
+        };
+        assert!(sync(vec!["m".into(); MAX_MODELS]).is_ok());
+        assert_eq!(sync(vec!["m".into(); MAX_MODELS + 1]).unwrap_err().field, "models");
+        assert_eq!(sync(vec!["m".into(), "x".repeat(MAX_MODEL_NAME_LEN + 1)]).unwrap_err().field, "models[1]");
+        assert_eq!(sync(vec![String::new()]).unwrap_err().field, "models[0]");
     }
 
     #[test]
