@@ -129,7 +129,8 @@ pub struct RawConfig {
     /// last answer ended; it is then shut down gracefully.
     #[serde(with = "humantime_serde")]
     pub keep_alive_timeout: Duration,
-    /// Time allowed to receive a request's whole body (408 beyond it).
+    /// Time allowed to receive a request's whole body (408 beyond it): a
+    /// client's, a sidecar's push, a replica's report.
     #[serde(with = "humantime_serde")]
     pub body_read_timeout: Duration,
     pub max_body_bytes: usize,

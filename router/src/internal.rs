@@ -34,7 +34,7 @@ use kvroute_shared::WorkerId;
 use crate::config::Secret;
 use crate::error::RouterError;
 use crate::index::{Covers, SyncOutcome, SyncPlan};
-use crate::proxy::read_body_within;
+use crate::proxy::read_in_time;
 use crate::state::{AppState, Registered, now_ms};
 use crate::workers::{RegistryError, Source, Target, Upsert, Worker};
 
@@ -109,7 +109,7 @@ async fn push_body<T: serde::de::DeserializeOwned + Validate + Send + 'static>(
 ) -> Result<(T, u32), RouterError> {
     authenticate(state, headers)?;
     let protocol = check_protocol(state, headers)?;
-    let body = read_body_within(body, state.config.raw.max_internal_body_bytes).await?;
+    let body = read_in_time(state, body, state.config.raw.max_internal_body_bytes).await?;
     // A sync of a million keys is ~19 MB of JSON, a few hundred ms to
     // decode: on the blocking pool, as its apply is, not on an async worker
     // that every request shares.

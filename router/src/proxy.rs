@@ -35,15 +35,19 @@ pub const SESSION_TTL_HEADER: &str = "x-session-ttl";
 /// Request headers passed on to the engine.
 const FORWARDED: &[&str] = &["authorization", "x-request-id", "traceparent", "tracestate", "accept"];
 
-/// Reads a body up to the configured limit (413 beyond it).
-pub async fn read_body(state: &AppState, body: Body) -> Result<Bytes, RouterError> {
-    read_body_within(body, state.config.raw.max_body_bytes).await
+/// Reads a client's body up to `max_body_bytes` (413 beyond it) within
+/// `body_read_timeout` (408 beyond it).
+pub async fn read_body_in_time(state: &AppState, body: Body) -> Result<Bytes, RouterError> {
+    read_in_time(state, body, state.config.raw.max_body_bytes).await
 }
 
-/// Reads a client's body within `body_read_timeout` (408 beyond it).
-pub async fn read_body_in_time(state: &AppState, body: Body) -> Result<Bytes, RouterError> {
+/// Reads a body up to `limit` bytes (413 beyond it) within
+/// `body_read_timeout` (408 beyond it): a client's, a sidecar's push or a
+/// replica's report. The connection counts as busy while a body is read, so
+/// one trickled in forever would hold it and its task.
+pub async fn read_in_time(state: &AppState, body: Body, limit: usize) -> Result<Bytes, RouterError> {
     let timeout = state.config.raw.body_read_timeout;
-    tokio::time::timeout(timeout, read_body(state, body))
+    tokio::time::timeout(timeout, read_body_within(body, limit))
         .await
         .map_err(|_| RouterError::BodyTimeout { after: timeout })?
 }
@@ -65,7 +69,7 @@ pub async fn read_response_within(
 }
 
 /// Reads a body up to `limit` bytes (413 beyond it).
-pub async fn read_body_within(body: Body, limit: usize) -> Result<Bytes, RouterError> {
+async fn read_body_within(body: Body, limit: usize) -> Result<Bytes, RouterError> {
     match http_body_util::Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(RouterError::PayloadTooLarge { limit }),

@@ -63,7 +63,7 @@ use tracing::Instrument;
 
 use crate::error::RouterError;
 use crate::index::MAX_WORKERS;
-use crate::proxy::{read_body_within, read_response_within};
+use crate::proxy::{read_in_time, read_response_within};
 use crate::state::{AppState, now_ms};
 use crate::workers::Worker;
 
@@ -443,7 +443,7 @@ pub async fn report(
     body: Body,
 ) -> Result<Json<ReplicaReport>, RouterError> {
     crate::internal::authenticate_replica(&state, &headers)?;
-    let body = read_body_within(body, MAX_REPORT_BODY_BYTES).await?;
+    let body = read_in_time(&state, body, MAX_REPORT_BODY_BYTES).await?;
     let report: ReplicaReport = decode_valid(&body)?;
     let loads_only = report.loads_only;
     let heard = take(&state, report);

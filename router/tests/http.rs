@@ -707,6 +707,31 @@ async fn a_client_sending_its_body_slowly_holds_no_concurrency_slot() {
     drop(tx);
 }
 
+/// A sidecar's push that never finishes arriving is refused (408) at
+/// `body_read_timeout`: the connection counts as busy while a body is read,
+/// so without a deadline a token holder trickling bytes held it and its
+/// task for ever.
+#[tokio::test]
+async fn a_push_that_never_finishes_arriving_times_out() {
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let r = router(&[("w1", &w.url)], |raw| raw.body_read_timeout = Duration::from_millis(300)).await;
+    for path in ["/internal/eviction", "/internal/sync"] {
+        let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(1);
+        tx.send(Ok(Bytes::from_static(b"{\"worker_id\": \"w1\", "))).await.unwrap();
+        let resp = r
+            .http
+            .post(format!("{}{path}", r.url))
+            .bearer_auth(TOKEN)
+            .body(reqwest::Body::wrap_stream(tokio_stream_from(rx)))
+            .timeout(Duration::from_secs(20)) // a deadline for a broken build
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("{path}: no answer while the body was unfinished: {e}"));
+        assert_eq!(resp.status(), 408, "{path}");
+        drop(tx);
+    }
+}
+
 /// A request the engine refuses pins no session: invalid requests must not
 /// fill the session table (each for up to a day).
 #[tokio::test]
