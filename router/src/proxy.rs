@@ -112,15 +112,22 @@ pub const PARSE_INLINE_MAX_BYTES: usize = 256 << 10;
 
 /// Admits a request that will be planned (proxied or explained): its body is
 /// read under a deadline *before* a concurrency slot is taken (clients that
-/// send slowly must not hold the slots real requests need), then a slot, then
-/// the prompt-size check that comes before any tokenizing.
+/// send slowly must not hold the slots real requests need), and refused as
+/// soon as it is longer than any acceptable prompt's (it was read up to
+/// `max_body_bytes`, 16 MB, first), then a slot.
 pub async fn admit(state: &AppState, body: Body) -> Result<(Bytes, OwnedSemaphorePermit), RouterError> {
-    let body = read_body_in_time(state, body).await?;
+    let prompt_limit = routing::prompt_body_limit(state);
+    let body =
+        read_in_time(state, body, state.config.raw.max_body_bytes.min(prompt_limit)).await.map_err(|e| match e {
+            RouterError::PayloadTooLarge { limit } if limit == prompt_limit => {
+                RouterError::PromptTooLong { tokens: None, max: state.config.raw.max_prompt_tokens }
+            }
+            e => e,
+        })?;
     let Ok(permit) = state.concurrency.clone().try_acquire_owned() else {
         state.metrics.shed.inc();
         return Err(RouterError::Overloaded);
     };
-    routing::check_prompt_bytes(state, body.len())?;
     Ok((body, permit))
 }
 

@@ -76,13 +76,11 @@ pub struct Prepared {
 /// JSON escapes can double a character.
 const MAX_BYTES_PER_TOKEN: usize = 16;
 
-/// Refuses a body too large to hold an acceptable prompt, before tokenizing.
-pub fn check_prompt_bytes(state: &AppState, body_len: usize) -> Result<(), RouterError> {
-    let max = state.config.raw.max_prompt_tokens;
-    if body_len > max.saturating_mul(MAX_BYTES_PER_TOKEN) {
-        return Err(RouterError::PromptTooLong { tokens: None, max });
-    }
-    Ok(())
+/// The largest body that can hold an acceptable prompt: a larger one is
+/// refused as it arrives ([`crate::proxy::admit`]), before it is buffered
+/// whole or tokenized.
+pub fn prompt_body_limit(state: &AppState) -> usize {
+    state.config.raw.max_prompt_tokens.saturating_mul(MAX_BYTES_PER_TOKEN)
 }
 
 /// Renders, tokenizes and keys `req` on the calling thread.
