@@ -53,7 +53,7 @@ pub async fn ready(State(state): State<Arc<AppState>>) -> Response {
 }
 
 pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    crate::health::housekeeping_gauges(&state);
+    crate::health::housekeeping_gauges(&state, false);
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], state.metrics.encode())
         .into_response()
 }

@@ -144,7 +144,7 @@ pub fn housekeeping(state: &AppState) {
             expire(state, w, now);
         }
     }
-    housekeeping_gauges(state);
+    housekeeping_gauges(state, true);
 }
 
 /// Compacts the reverse vectors too large to compact inline, each scanned
@@ -222,11 +222,17 @@ fn expire(state: &AppState, w: &Worker, now: u64) {
 }
 
 /// Brings the gauges up to date (also done right before each scrape).
-pub fn housekeeping_gauges(state: &AppState) {
+/// `count_keys`: also the distinct keys, which past 64 workers is a scan of
+/// the index under its read lock that every routed request waits on: done
+/// by the once-a-second housekeeping, not by each scrape (`/metrics` needs
+/// no token).
+pub fn housekeeping_gauges(state: &AppState, count_keys: bool) {
     let m = &state.metrics;
     let workers = state.workers.snapshot();
     let map = state.map.read();
-    m.index_keys.set(map.index.key_count() as i64);
+    if count_keys {
+        m.index_keys.set(map.index.key_count() as i64);
+    }
     m.index_entries.set(map.index.entry_count() as i64);
     for w in workers.iter() {
         let c = map.index.counts(w.slot);
