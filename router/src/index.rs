@@ -264,6 +264,11 @@ impl Index {
         self.workers.get(&slot).map_or(0, |w| w.live)
     }
 
+    /// Does `slot` hold `key` (of any kind)?
+    pub fn holds(&self, slot: Slot, key: &BlockKey) -> bool {
+        self.forward.holds(slot, key)
+    }
+
     pub fn counts(&self, slot: Slot) -> Counts {
         self.workers.get(&slot).map(|w| w.counts).unwrap_or_default()
     }

@@ -16,6 +16,7 @@
 //! at most [`SYNC_WRITE_CHUNK`] keys at a time. Both versions are accepted:
 //! a v1 push simply has no digest.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -29,7 +30,7 @@ use kvroute_shared::wire::{
 };
 use subtle::ConstantTimeEq;
 
-use kvroute_shared::WorkerId;
+use kvroute_shared::{BlockKey, WorkerId};
 
 use crate::config::Secret;
 use crate::error::RouterError;
@@ -260,9 +261,18 @@ fn apply_eviction(state: &AppState, worker: &Worker, batch: &EvictionBatch) -> P
     // never waits for a key set to be accepted.
     worker.live.last_report_ms.store(now_ms(), Ordering::Relaxed);
     // A worker holds at most max_sync_keys entries, however they arrive.
+    // Only evictions of keys it holds make room: keys made up to evict
+    // let a pusher reach twice the cap.
     let max = state.config.raw.max_sync_keys;
-    let held = map.index.counts(worker.slot);
-    if held.confirmed + held.speculative + batch.stored_hashes.len() > max + batch.evicted_hashes.len() {
+    let kept = if batch.cleared {
+        0
+    } else {
+        let held = map.index.counts(worker.slot);
+        let evicted: HashSet<&BlockKey> =
+            batch.evicted_hashes.iter().filter(|k| map.index.holds(worker.slot, k)).collect();
+        (held.confirmed + held.speculative).saturating_sub(evicted.len())
+    };
+    if kept + batch.stored_hashes.len() > max {
         return Push::TooLarge;
     }
     if !map.seq(worker.slot).accept(batch.epoch.as_deref(), batch.seq) {

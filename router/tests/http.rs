@@ -455,6 +455,18 @@ async fn stored_hashes_are_bounded_like_syncs() {
     assert_eq!(push(keys(0, 5)).await.status(), 413, "one batch beyond max_sync_keys");
     assert_eq!(push(keys(0, 3)).await.status(), 200);
     assert_eq!(push(keys(10, 3)).await.status(), 413, "the worker would hold 6 > 4 entries");
+    // Evicting keys it does not hold makes no room: 3 held + 2 stored > 4.
+    let evicting = |stored: Vec<String>, evicted: Vec<String>| {
+        r.internal("/internal/eviction", json!({"worker_id": "w1", "stored_hashes": stored, "evicted_hashes": evicted}))
+    };
+    assert_eq!(evicting(keys(10, 2), keys(100, 2)).await.status(), 413, "made-up evictions");
+    assert_eq!(evicting(keys(10, 2), keys(0, 2)).await.status(), 200, "its own evictions make room");
+    let cleared = json!({"worker_id": "w1", "cleared": true, "stored_hashes": keys(20, 4)});
+    assert_eq!(
+        r.internal("/internal/eviction", cleared).await.status(),
+        200,
+        "a cleared worker holds only what it stores"
+    );
 }
 
 #[tokio::test]
