@@ -1,7 +1,7 @@
 //! Optional TLS for the router's listener (rustls, ring provider), with
 //! concurrent handshakes from `tls-listener`.
 //!
-//! The serve loop stays `serve::serve` (hyper-util), shared with plain HTTP,
+//! The serve loop stays `kvroute_serve::serve` (hyper-util), shared with plain HTTP,
 //! rather than `axum-server`'s: axum-server has no cap on open connections
 //! (`max_connections` pauses accepting at the cap), and its `tls-rustls`
 //! feature builds aws-lc-rs (C, cmake) where the router uses ring.

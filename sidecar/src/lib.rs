@@ -54,9 +54,19 @@ pub enum RunError {
     HttpClient(#[source] reqwest::Error),
     #[error("cannot use CA bundle {path}: {message}")]
     Ca { path: std::path::PathBuf, message: String },
-    #[error("the /health and /metrics server failed")]
-    Serve(#[source] std::io::Error),
 }
+
+/// The `/health` and `/metrics` server's connection limits: its clients are
+/// a probe and a scraper, and anything else that reaches its port (it is
+/// often bound to every interface) must not hold connections for ever
+/// (slow-loris: headers a byte at a time, or nothing at all) and exhaust
+/// the file descriptors its pushes to the routers need.
+const SERVER_LIMITS: kvroute_serve::Limits = kvroute_serve::Limits {
+    max_connections: 256,
+    header_read_timeout: std::time::Duration::from_secs(10),
+    keep_alive_timeout: std::time::Duration::from_secs(75),
+    write_timeout: std::time::Duration::from_secs(30),
+};
 
 /// The client for the engine and the routers, trusting `--tls-ca` for
 /// `https://` routers.
@@ -88,9 +98,7 @@ pub async fn run(
         targets: targets_slot.clone(),
     });
     let server_cancel = cancel.clone();
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app).with_graceful_shutdown(server_cancel.cancelled_owned()).await
-    });
+    let server = tokio::spawn(kvroute_serve::serve(listener, app, SERVER_LIMITS, server_cancel));
 
     let http = http_client(&config)?;
     let engine = EngineClient::new(http.clone(), config.engine_url.clone(), config.engine_api_key.clone());
@@ -202,9 +210,8 @@ async fn discover_models(engine: &EngineClient) -> (ModelName, Vec<ModelName>) {
     }
 }
 
-async fn finish(server: tokio::task::JoinHandle<std::io::Result<()>>) -> Result<(), RunError> {
-    match server.await {
-        Ok(r) => r.map_err(RunError::Serve),
-        Err(_) => Ok(()),
-    }
+async fn finish(server: tokio::task::JoinHandle<()>) -> Result<(), RunError> {
+    // A panicked server task has nothing left to wait for.
+    let _ = server.await;
+    Ok(())
 }

@@ -1,5 +1,6 @@
 //! The binary: layered configuration (file < env < flags), the
-//! `listening on http://ADDR` line tools parse, and `/health` + `/metrics`.
+//! `listening on http://ADDR` line tools parse, `/health` + `/metrics`, and
+//! the header deadline of that server.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -58,6 +59,17 @@ fn binary_prints_its_address_and_serves_health() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     });
+    // A client that sends half its headers and stops is cut off at the
+    // header deadline (10 s), not held for ever (slow-loris).
+    {
+        use std::io::{Read, Write};
+        let mut sock = std::net::TcpStream::connect(&addr).unwrap();
+        sock.write_all(b"GET /health HTTP/1.1\r\nHo").unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(60))).unwrap(); // a deadline for a broken build
+        let mut rest = Vec::new();
+        let closed = sock.read_to_end(&mut rest);
+        assert!(closed.is_ok(), "the half-sent request was not cut off: {closed:?}");
+    }
     child.kill().unwrap();
     child.wait().unwrap();
     let _ = std::fs::remove_dir_all(dir);

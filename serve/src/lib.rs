@@ -1,5 +1,6 @@
-//! The HTTP server loop: the axum app served by hyper (HTTP/1.1 and HTTP/2),
-//! with the limits `axum::serve` does not expose:
+//! The HTTP server loop of `kvroute-router` and of `kvroute-sidecar`'s
+//! `/health` and `/metrics` server: the axum app served by hyper (HTTP/1.1
+//! and HTTP/2), with the limits `axum::serve` does not expose:
 //!
 //! - a deadline on reading a request's headers (`header_read_timeout`): a
 //!   client sending its headers a byte at a time (slow-loris) is cut off
@@ -22,8 +23,8 @@
 //! Shutdown is graceful: on cancellation no new connection is accepted and
 //! open ones finish their requests (the caller bounds the wait).
 //!
-//! Request-level load shedding (`max_concurrent_requests`, 503 with
-//! `retry-after`, `kvroute_shed_total`) is `proxy::admit`'s semaphore, not
+//! The router's request-level load shedding (`max_concurrent_requests`, 503
+//! with `retry-after`, `kvroute_shed_total`) is `proxy::admit`'s semaphore, not
 //! tower's `ConcurrencyLimit` + `LoadShed`: those take the slot before the
 //! body is read (a slow sender would hold one) and give it back when the
 //! response's headers are ready, while a streamed answer must keep its slot
