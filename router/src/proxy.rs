@@ -112,9 +112,9 @@ pub const PARSE_INLINE_MAX_BYTES: usize = 256 << 10;
 
 /// Admits a request that will be planned (proxied or explained): its body is
 /// read under a deadline *before* a concurrency slot is taken (clients that
-/// send slowly must not hold the slots real requests need), and refused as
-/// soon as it is longer than any acceptable prompt's (it was read up to
-/// `max_body_bytes`, 16 MB, first), then a slot.
+/// send slowly must not hold the slots real requests need) and refused as
+/// soon as it is longer than any acceptable prompt's could be, not read on
+/// to `max_body_bytes`; then a slot.
 pub async fn admit(state: &AppState, body: Body) -> Result<(Bytes, OwnedSemaphorePermit), RouterError> {
     let prompt_limit = routing::prompt_body_limit(state);
     let body =
