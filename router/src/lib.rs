@@ -217,7 +217,7 @@ pub async fn run_with(
     let stopping = token.clone();
     let mut serve = match tls {
         Some(config) => {
-            let listener = tls::TlsListener::new(listener, config)?;
+            let listener = tls::TlsListener::new(listener, config, state.config.raw.max_connections)?;
             tokio::spawn(serve::serve(listener, router, limits, stopping))
         }
         // Nagle would hold a streamed token back until the previous one is

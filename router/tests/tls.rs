@@ -125,6 +125,50 @@ async fn stalled_handshakes_do_not_block_other_clients() {
     drop(stalled);
 }
 
+/// A connection still in its handshake counts against `max_connections`:
+/// with both slots held by sockets that never send a ClientHello, a real
+/// client is served only once the handshake timeout has dropped one of
+/// them. Uncounted, every silent socket held a descriptor for 10 s beyond
+/// the cap.
+#[tokio::test]
+async fn connections_in_their_handshake_count_against_max_connections() {
+    use tokio::io::AsyncReadExt;
+    let c = certs("capped");
+    let addr = serve_router(RawConfig {
+        tls_cert: Some(c.cert.clone()),
+        tls_key: Some(c.key.clone()),
+        internal_token: Some(Secret::new(TOKEN)),
+        max_connections: 2,
+        ..Default::default()
+    })
+    .await;
+    let mut silent = Vec::new();
+    for _ in 0..2 {
+        silent.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    }
+    let client = reqwest::Client::builder()
+        .add_root_certificate(reqwest::Certificate::from_pem(c.pem.as_bytes()).unwrap())
+        .timeout(Duration::from_secs(60)) // a deadline for a broken build
+        .build()
+        .unwrap();
+    let order = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let served = {
+        let order = order.clone();
+        let url = format!("https://{addr}/health");
+        tokio::spawn(async move {
+            let status = client.get(url).send().await.unwrap().status();
+            order.lock().unwrap().push("served");
+            status
+        })
+    };
+    let mut first = silent.remove(0);
+    let mut rest = Vec::new();
+    let _ = first.read_to_end(&mut rest).await; // the router drops it at the handshake timeout
+    order.lock().unwrap().push("dropped");
+    assert_eq!(served.await.unwrap(), 200);
+    assert_eq!(*order.lock().unwrap(), ["dropped", "served"], "the client was served past the cap");
+}
+
 /// ALPN offers h2 and http/1.1, and the router speaks both: curl (the tool
 /// operators reach for) gets an answer with either.
 #[tokio::test]
