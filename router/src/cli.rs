@@ -144,7 +144,9 @@ pub struct ServeArgs {
     pub sets: Vec<String>,
 }
 
-/// Top-level keys that `KVROUTE_<KEY>` may set (lists are comma-separated).
+/// Top-level keys that `KVROUTE_<KEY>` may set (lists are comma-separated):
+/// every scalar of [`RawConfig`] (test `the_limits_have_their_variables_too`).
+/// Other `KVROUTE_` variables belong to the scripts and the vLLM plugin.
 const ENV_KEYS: &[&str] = &[
     "listen",
     "metrics_listen",
@@ -183,6 +185,13 @@ const ENV_KEYS: &[&str] = &[
     "tls_cert",
     "tls_key",
     "tls_ca",
+    "consistent_hash_load_factor",
+    "worker_tokens_file",
+    "max_sessions",
+    "max_session_ttl",
+    "max_sync_keys",
+    "max_internal_body_bytes",
+    "shutdown_grace",
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -404,6 +413,27 @@ mod tests {
         let flags = Cli::try_parse_from(argv).unwrap().serve.load(Vec::new()).unwrap();
         assert_eq!(flags.replicas, ["http://r1:8080", "http://r2:8080"]);
         assert_eq!(raw.speculative_ttl, std::time::Duration::from_secs(3));
+    }
+
+    /// The README names `KVROUTE_<KEY>` for every key; these were read
+    /// from the file and flags only, their variables silently ignored.
+    #[test]
+    fn the_limits_have_their_variables_too() {
+        let env = [
+            ("KVROUTE_CONSISTENT_HASH_LOAD_FACTOR", "2.5"),
+            ("KVROUTE_WORKER_TOKENS_FILE", "/etc/kvroute/worker-tokens"),
+            ("KVROUTE_MAX_SESSIONS", "7"),
+            ("KVROUTE_MAX_SESSION_TTL", "2h"),
+            ("KVROUTE_MAX_SYNC_KEYS", "1000"),
+            ("KVROUTE_MAX_INTERNAL_BODY_BYTES", "65536"),
+            ("KVROUTE_SHUTDOWN_GRACE", "3s"),
+        ];
+        let raw = ServeArgs::default().load(env.map(|(k, v)| (k.to_owned(), v.to_owned()))).unwrap();
+        assert_eq!(raw.consistent_hash_load_factor, 2.5);
+        assert_eq!(raw.worker_tokens_file.as_deref(), Some(std::path::Path::new("/etc/kvroute/worker-tokens")));
+        assert_eq!((raw.max_sessions, raw.max_sync_keys, raw.max_internal_body_bytes), (7, 1000, 65536));
+        assert_eq!(raw.max_session_ttl, std::time::Duration::from_secs(7200));
+        assert_eq!(raw.shutdown_grace, std::time::Duration::from_secs(3));
     }
 
     #[test]

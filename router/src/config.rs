@@ -330,7 +330,11 @@ impl RawConfig {
         {
             return Err(invalid(
                 "replica_news_interval",
-                "must be 0 (full reports only) or at least 1ms and shorter than replica_exchange_interval",
+                format!(
+                    "is {:?} (default 10ms): it must be 0 (full reports only) or at least 1ms and shorter than \
+                     replica_exchange_interval ({:?})",
+                    self.replica_news_interval, self.replica_exchange_interval
+                ),
             ));
         }
         let policy = match self.policy.as_str() {
@@ -388,15 +392,38 @@ impl RawConfig {
         if self.max_connections == 0 {
             return Err(invalid("max_connections", "must be at least 1"));
         }
+        // A zero period panics tokio's interval (the health checks stopped,
+        // and no ejected worker came back); a zero timeout fails everything.
         for (key, d) in [
             ("header_read_timeout", self.header_read_timeout),
             ("keep_alive_timeout", self.keep_alive_timeout),
             ("idle_timeout", self.idle_timeout),
             ("body_read_timeout", self.body_read_timeout),
+            ("health_check_interval", self.health_check_interval),
+            ("health_check_timeout", self.health_check_timeout),
+            ("connect_timeout", self.connect_timeout),
+            ("first_byte_timeout", self.first_byte_timeout),
+            ("first_token_timeout", self.first_token_timeout),
         ] {
             if d.is_zero() {
                 return Err(invalid(key, "must be above 0"));
             }
+        }
+        if self.worker_expiry <= Duration::from_millis(500) {
+            return Err(invalid("worker_expiry", "must be above the sidecars' 500ms heartbeat"));
+        }
+        if self.session_ttl > self.max_session_ttl {
+            return Err(invalid("session_ttl", "must not exceed max_session_ttl"));
+        }
+        if self.max_sync_keys == 0 {
+            return Err(invalid("max_sync_keys", "must be at least 1"));
+        }
+        // A sync of max_sync_keys keys takes 19 bytes a key on the wire.
+        if self.max_internal_body_bytes < self.max_sync_keys.saturating_mul(20).max(1 << 16) {
+            return Err(invalid(
+                "max_internal_body_bytes",
+                "must hold a sync of max_sync_keys keys (20 bytes a key, at least 64 KiB), or its sidecar loops on 413s",
+            ));
         }
         if self.max_prompt_tokens == 0 {
             return Err(invalid("max_prompt_tokens", "must be at least 1"));
@@ -404,17 +431,20 @@ impl RawConfig {
         if self.head_tokens == 0 {
             return Err(invalid("head_tokens", "must be at least 1"));
         }
-        if self.max_concurrent_requests == 0 || self.max_body_bytes < 1024 {
-            return Err(invalid("max_concurrent_requests", "limits must allow at least one small request"));
+        if self.max_concurrent_requests == 0 {
+            return Err(invalid("max_concurrent_requests", "must be at least 1"));
+        }
+        if self.max_body_bytes < 1024 {
+            return Err(invalid("max_body_bytes", "must be at least 1024"));
         }
         if self.eject_after_failures == 0 {
             return Err(invalid("eject_after_failures", "must be at least 1"));
         }
         if let Some(t) = &self.admin_token {
-            check_token(t.expose()).map_err(|m| invalid("admin_token", m))?;
+            kvroute_shared::wire::check_token(t.expose()).map_err(|m| invalid("admin_token", m))?;
         }
         if let Some(t) = &self.internal_token {
-            check_token(t.expose()).map_err(|m| invalid("internal_token", m))?;
+            kvroute_shared::wire::check_token(t.expose()).map_err(|m| invalid("internal_token", m))?;
         }
         let worker_tokens = match &self.worker_tokens_file {
             Some(path) => load_worker_tokens(path)?,
@@ -466,18 +496,6 @@ impl RawConfig {
     }
 }
 
-/// A bearer token must be long and not trivially guessable.
-fn check_token(t: &str) -> Result<(), String> {
-    if t.len() < 16 {
-        return Err("must be at least 16 characters".into());
-    }
-    let first = t.chars().next().unwrap_or(' ');
-    if t.chars().any(|c| c.is_whitespace() || c.is_control()) || t.chars().all(|c| c == first) {
-        return Err("must have no whitespace and not be one repeated character".into());
-    }
-    Ok(())
-}
-
 fn load_worker_tokens(path: &std::path::Path) -> Result<BTreeMap<WorkerId, Secret>, ConfigError> {
     let field = "worker_tokens_file";
     let text = std::fs::read_to_string(path).map_err(|e| invalid(field, format!("{}: {e}", path.display())))?;
@@ -493,7 +511,7 @@ fn load_worker_tokens(path: &std::path::Path) -> Result<BTreeMap<WorkerId, Secre
         if id.as_str().is_empty() {
             return Err(at("empty worker id".into()));
         }
-        check_token(token.trim()).map_err(at)?;
+        kvroute_shared::wire::check_token(token.trim()).map_err(at)?;
         if out.insert(id.clone(), Secret::new(token.trim())).is_some() {
             return Err(at(format!("worker {id} appears twice")));
         }
@@ -555,6 +573,37 @@ mod tests {
         assert!(e.to_string().contains("`idle_timeout`"), "{e}");
         let e = RawConfig { keep_alive_timeout: Duration::ZERO, ..Default::default() }.validate().unwrap_err();
         assert!(e.to_string().contains("`keep_alive_timeout`"), "{e}");
+    }
+
+    /// Values that would stop or fail the router's work at run time are
+    /// refused at start, naming the field: a zero health-check period
+    /// panicked the health task (ejected workers never came back).
+    #[test]
+    fn settings_that_would_fail_at_run_time_are_refused_at_start() {
+        let zero = Duration::ZERO;
+        let cases: Vec<(&str, RawConfig)> = vec![
+            ("health_check_interval", RawConfig { health_check_interval: zero, ..Default::default() }),
+            ("health_check_timeout", RawConfig { health_check_timeout: zero, ..Default::default() }),
+            ("connect_timeout", RawConfig { connect_timeout: zero, ..Default::default() }),
+            ("first_byte_timeout", RawConfig { first_byte_timeout: zero, ..Default::default() }),
+            ("first_token_timeout", RawConfig { first_token_timeout: zero, ..Default::default() }),
+            ("worker_expiry", RawConfig { worker_expiry: Duration::from_millis(500), ..Default::default() }),
+            ("session_ttl", RawConfig { session_ttl: Duration::from_secs(7 * 86_400), ..Default::default() }),
+            ("max_sync_keys", RawConfig { max_sync_keys: 0, ..Default::default() }),
+            ("max_internal_body_bytes", RawConfig { max_internal_body_bytes: 1 << 20, ..Default::default() }),
+            ("max_body_bytes", RawConfig { max_body_bytes: 100, ..Default::default() }),
+            ("max_concurrent_requests", RawConfig { max_concurrent_requests: 0, ..Default::default() }),
+        ];
+        for (field, raw) in cases {
+            let e = raw.validate().unwrap_err();
+            assert!(e.to_string().contains(&format!("`{field}`")), "{field}: {e}");
+        }
+        let small = RawConfig { max_sync_keys: 1_000, max_internal_body_bytes: 1 << 16, ..Default::default() };
+        assert!(small.validate().is_ok(), "64 KiB holds a 1,000-key sync");
+        let e = RawConfig { replica_exchange_interval: Duration::from_millis(10), ..Default::default() }
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("default 10ms") && e.to_string().contains("10ms"), "{e}");
     }
 
     #[test]
