@@ -40,6 +40,20 @@ pub const MAX_WORKER_ID_LEN: usize = 128;
 /// Data-parallel ranks per engine a sidecar follows, and the bound on a
 /// pushed `dp_rank`.
 pub const MAX_DP_RANKS: u32 = 1024;
+/// A bearer token (the internal, admin and per-worker ones) must be long
+/// and not trivially guessable: routers refuse to start with one that is
+/// not, and sidecars too, rather than meet 401s at run time.
+pub fn check_token(t: &str) -> Result<(), String> {
+    if t.len() < 16 {
+        return Err("must be at least 16 characters".into());
+    }
+    let first = t.chars().next().unwrap_or(' ');
+    if t.chars().any(|c| c.is_whitespace() || c.is_control()) || t.chars().all(|c| c == first) {
+        return Err("must have no whitespace and not be one repeated character".into());
+    }
+    Ok(())
+}
+
 /// Model names a sync may list (a base model and its LoRA adapters), and the
 /// longest name: every routed request scans a worker's list, and
 /// `/v1/models` returns every name to any client.

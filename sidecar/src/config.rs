@@ -113,8 +113,22 @@ impl RawConfig {
         let fast_interval = self.fast_interval.unwrap_or(Duration::from_millis(100));
         let sync_interval = self.sync_interval.unwrap_or(Duration::from_secs(5));
         let full_sync_interval = self.full_sync_interval.unwrap_or(Duration::from_secs(300));
-        if fast_interval.is_zero() || sync_interval.is_zero() || full_sync_interval.is_zero() {
-            return Err(ConfigError::new("fast_interval", "intervals must be positive"));
+        for (field, d) in [
+            ("fast_interval", fast_interval),
+            ("sync_interval", sync_interval),
+            ("full_sync_interval", full_sync_interval),
+        ] {
+            if d.is_zero() {
+                return Err(ConfigError::new(field, "must be above 0"));
+            }
+        }
+        // Pushes are also the sidecar's heartbeat (every 500 ms at most): a
+        // router reclaims the slot of a worker silent 2 s when it needs one.
+        if fast_interval > Duration::from_secs(1) {
+            return Err(ConfigError::new("fast_interval", "must be at most 1s (pushes are the heartbeat)"));
+        }
+        if let Some(t) = &self.internal_token {
+            kvroute_shared::wire::check_token(t).map_err(|m| ConfigError::new("internal_token", m))?;
         }
         let block_size = self
             .block_size
@@ -194,6 +208,16 @@ impl ZmqEndpoint {
             let port = port.parse().map_err(|_| bad())?;
             if host.is_empty() {
                 return Err(bad());
+            }
+            // vLLM binds `tcp://*:5557`; the sidecar connects, and `*` is
+            // no address to connect to (it warned about failed connects for ever).
+            if host == "*" {
+                return Err(ConfigError::new(
+                    field,
+                    format!(
+                        "{s:?}: the sidecar connects to the engine: give its address (tcp://127.0.0.1:{port}), not *"
+                    ),
+                ));
             }
             endpoints.push((host.to_owned(), port));
         }
@@ -366,6 +390,25 @@ mod tests {
         assert_eq!(raw.validate("h").unwrap_err().field, "router");
         let raw = RawConfig { events: Some("tcp://h:1".into()), block_size: Some(0), ..RawConfig::default() };
         assert_eq!(raw.validate("h").unwrap_err().field, "block_size");
+        let events = || Some("tcp://h:1".to_owned());
+        let zero = Some(Duration::ZERO);
+        for (field, raw) in [
+            ("sync_interval", RawConfig { events: events(), sync_interval: zero, ..RawConfig::default() }),
+            ("full_sync_interval", RawConfig { events: events(), full_sync_interval: zero, ..RawConfig::default() }),
+            (
+                "fast_interval",
+                RawConfig { events: events(), fast_interval: Some(Duration::from_secs(3)), ..RawConfig::default() },
+            ),
+            (
+                "internal_token",
+                RawConfig { events: events(), internal_token: Some("short".into()), ..RawConfig::default() },
+            ),
+            ("events", RawConfig { events: Some("tcp://*:5557".into()), ..RawConfig::default() }),
+        ] {
+            assert_eq!(raw.validate("h").unwrap_err().field, field);
+        }
+        let e = RawConfig { events: Some("tcp://*:5557".into()), ..RawConfig::default() }.validate("h").unwrap_err();
+        assert!(e.message.contains("tcp://127.0.0.1:5557"), "{e}");
     }
 
     #[test]

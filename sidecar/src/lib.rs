@@ -54,6 +54,11 @@ pub enum RunError {
     HttpClient(#[source] reqwest::Error),
     #[error("cannot use CA bundle {path}: {message}")]
     Ca { path: std::path::PathBuf, message: String },
+    #[error(
+        "--block-size is {configured} but the engine reports {engine} (vllm:cache_config_info): \
+         set --block-size to the engine's (and the routers' block_size with it), or leave it unset"
+    )]
+    BlockSize { configured: BlockSize, engine: BlockSize },
 }
 
 /// The `/health` and `/metrics` server's connection limits: its clients are
@@ -108,7 +113,14 @@ pub async fn run(
             cancel.cancel();
             return finish(server).await;
         }
-        r = start(&config, engine, http, metrics, &cancel) => r,
+        r = start(&config, engine, http, metrics, &cancel) => match r {
+            Ok(running) => running,
+            Err(e) => {
+                cancel.cancel();
+                let _ = finish(server).await;
+                return Err(e);
+            }
+        },
     };
     let _ = targets_slot.set(running.targets);
     info!(worker.id = %config.worker_id, targets = config.targets.len(), "sidecar running");
@@ -133,7 +145,7 @@ async fn start(
     http: reqwest::Client,
     metrics: Arc<Metrics>,
     cancel: &CancellationToken,
-) -> Running {
+) -> Result<Running, RunError> {
     let (base_model, models) = match &config.model {
         Some(m) => {
             let models = engine.models().await.unwrap_or_else(|_| vec![m.clone()]);
@@ -141,12 +153,17 @@ async fn start(
         }
         None => discover_models(&engine).await,
     };
-    let block_size = match config.block_size {
-        Some(b) => b,
-        None => engine.block_size().await.unwrap_or_else(|| {
+    let engine_block_size = engine.block_size().await;
+    let block_size = match (config.block_size, engine_block_size) {
+        // Keys chunked by another size than the engine's never match a
+        // request: refused at start, not counted in a metric nobody reads.
+        (Some(b), Some(e)) if b != e => return Err(RunError::BlockSize { configured: b, engine: e }),
+        (Some(b), _) => b,
+        (None, Some(e)) => e,
+        (None, None) => {
             warn!("engine did not report its block size; assuming 16");
             BlockSize::DEFAULT
-        }),
+        }
     };
     info!(model = %base_model, block_size = block_size.get(), "engine facts");
     let view = Arc::new(EngineView::new(models, config.targets.iter().filter_map(|t| t.dp_rank).collect()));
@@ -192,7 +209,7 @@ async fn start(
         targets.push((target.worker_id.clone(), state));
     }
     tasks.push(tokio::spawn(engine::watch(engine, view, metrics, config.sync_interval, cancel.clone())));
-    Running { targets, tasks }
+    Ok(Running { targets, tasks })
 }
 
 /// Waits for the engine to list its models (it may still be loading weights).

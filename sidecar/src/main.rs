@@ -17,7 +17,7 @@ async fn main() -> anyhow::Result<()> {
     )?;
     let mut layers = config::Config::builder();
     if let Some(path) = cli.config.take() {
-        layers = layers.add_source(config::File::from(path));
+        layers = layers.add_source(config::File::from(path).format(config::FileFormat::Toml));
     }
     let lower: RawConfig = layers
         // No `try_parsing`: it would turn a numeric-looking token into a number.

@@ -17,7 +17,7 @@ fn binary_prints_its_address_and_serves_health() {
         .args(["--events", "tcp://127.0.0.1:1", "--engine-url", "http://127.0.0.1:1"])
         .env("KVROUTE_SIDECAR_WORKER_ID", "w-env")
         // Numeric-looking strings stay strings; numbers parse from strings.
-        .env("KVROUTE_SIDECAR_INTERNAL_TOKEN", "1e5678")
+        .env("KVROUTE_SIDECAR_INTERNAL_TOKEN", "1e5678901234567890")
         .env("KVROUTE_SIDECAR_DATA_PARALLEL_SIZE", "2")
         .env("KVROUTE_SIDECAR_ROUTER", "http://127.0.0.1:2,http://127.0.0.1:3")
         .env("RUST_LOG", "warn")
@@ -73,4 +73,42 @@ fn binary_prints_its_address_and_serves_health() {
     child.kill().unwrap();
     child.wait().unwrap();
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A `--block-size` other than the engine's is refused at start, naming
+/// both: keys chunked by another size never match a request, and a counter
+/// was all that said so.
+#[tokio::test]
+async fn a_block_size_other_than_the_engines_is_refused_at_start() {
+    use axum::routing::get;
+    let metrics = "vllm:cache_config_info{block_size=\"32\",enable_prefix_caching=\"True\"} 1.0\n";
+    let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let engine_url = format!("http://{}", engine.local_addr().unwrap());
+    let app = axum::Router::new().route("/metrics", get(move || async move { metrics }));
+    tokio::spawn(async move { axum::serve(engine, app).await });
+    let raw = |block_size| kvroute_sidecar::config::RawConfig {
+        engine_url: Some(engine_url.clone()),
+        model: Some("m".into()),
+        events: Some("tcp://127.0.0.1:1".into()),
+        block_size,
+        ..Default::default()
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let config = raw(Some(16)).validate("w").unwrap();
+    let refused = kvroute_sidecar::run(listener, config, std::future::pending());
+    let e = tokio::time::timeout(std::time::Duration::from_secs(20), refused) // a deadline for a broken build
+        .await
+        .expect("the sidecar started with the wrong block size")
+        .unwrap_err();
+    let message = e.to_string();
+    assert!(message.contains("--block-size is 16") && message.contains("engine reports 32"), "{message}");
+    // The engine's own size, given or read, starts.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let config = raw(Some(32)).validate("w").unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(kvroute_sidecar::run(listener, config, async move {
+        let _ = stopped.await;
+    }));
+    stop.send(()).unwrap();
+    running.await.unwrap().expect("a matching block size starts and stops cleanly");
 }
