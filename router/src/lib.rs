@@ -66,8 +66,17 @@ pub enum RunError {
 
 /// Loads tokenizers, registers static workers: the state `app` serves.
 pub fn build_state(config: Config, shutdown: CancellationToken) -> Result<Arc<AppState>, RunError> {
-    let load = |model: &str, dir: &std::path::Path| {
-        PromptTokenizer::load(dir).map(Arc::new).map_err(|source| RunError::Tokenizer { model: model.into(), source })
+    let load = |model: &str, dir: &std::path::Path| -> Result<Arc<PromptTokenizer>, RunError> {
+        let tokenizer =
+            PromptTokenizer::load(dir).map_err(|source| RunError::Tokenizer { model: model.into(), source })?;
+        if !tokenizer.has_chat_template() {
+            tracing::warn!(
+                dir = %dir.display(),
+                "no chat template (tokenizer_config.json's chat_template, or chat_template.jinja): \
+                 /v1/chat/completions for {model} will be refused (400)"
+            );
+        }
+        Ok(Arc::new(tokenizer))
     };
     let default = match &config.raw.tokenizer {
         Some(dir) => load("the default model", dir)?,

@@ -108,6 +108,15 @@ impl PromptTokenizer {
         Ok(PromptTokenizer::Hf(Box::new(HfTokenizer { tokenizer, chat, segments, dir: dir.to_owned() })))
     }
 
+    /// False for a tokenizer directory with no chat template: its model's
+    /// chat requests cannot be rendered.
+    pub fn has_chat_template(&self) -> bool {
+        match self {
+            PromptTokenizer::Hf(hf) => hf.chat.is_some(),
+            PromptTokenizer::Bytes => true,
+        }
+    }
+
     /// True when ids equal the engine's (a real tokenizer is loaded).
     pub fn is_exact(&self) -> bool {
         matches!(self, PromptTokenizer::Hf(_))
@@ -312,6 +321,16 @@ mod tests {
         assert!(matches!(err, TokenizeError::Load { .. }), "{err:?}");
         assert!(err.to_string().contains("tokenizer.json"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The router warns at start for a model whose chat requests it cannot
+    /// render: GPT-2's directory has no chat template, Qwen3's has one.
+    #[test]
+    fn a_directory_without_a_chat_template_says_so() {
+        for (name, has) in [("gpt2", false), ("qwen3", true)] {
+            let dir = crate::testdata::tokenizer_dir(name).unwrap_or_else(|why| panic!("no {name} tokenizer: {why}"));
+            assert_eq!(PromptTokenizer::load(&dir).unwrap().has_chat_template(), has, "{name}");
+        }
     }
 
     #[test]
