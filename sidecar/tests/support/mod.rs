@@ -24,7 +24,7 @@ use serde_json::{Value, json};
 use tokio::sync::oneshot;
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
-pub const TOKEN: &str = "test-token";
+pub const TOKEN: &str = "sidecar-test-token-0123";
 pub const BS: u32 = 4;
 pub const TOPIC: &str = "kv-events";
 
