@@ -105,6 +105,14 @@ pub async fn run(
     let server_cancel = cancel.clone();
     let server = tokio::spawn(kvroute_serve::serve(listener, app, SERVER_LIMITS, server_cancel));
 
+    if let Some(router) = loopback_advertised_to_remote(&config.advertise_url, &config.routers) {
+        warn!(
+            advertise_url = %config.advertise_url,
+            router = %router,
+            "the advertised URL is a loopback address but a router is elsewhere: it would send this worker's \
+             requests to its own host; set --advertise-url to an address the routers reach"
+        );
+    }
     let http = http_client(&config)?;
     let engine = EngineClient::new(http.clone(), config.engine_url.clone(), config.engine_api_key.clone());
     tokio::pin!(shutdown);
@@ -131,6 +139,21 @@ pub async fn run(
         let _ = task.await;
     }
     finish(server).await
+}
+
+/// The first router not on this host, when `advertise` is a loopback URL
+/// (the default: the engine's, usually `http://127.0.0.1:8000`).
+fn loopback_advertised_to_remote<'a>(advertise: &str, routers: &'a [String]) -> Option<&'a String> {
+    let loopback = |u: &str| match reqwest::Url::parse(u).ok().and_then(|u| u.host().map(|h| h.to_owned())) {
+        Some(url::Host::Domain(d)) => d == "localhost",
+        Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
+        Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
+        None => false,
+    };
+    if !loopback(advertise) {
+        return None;
+    }
+    routers.iter().find(|r| !loopback(r))
 }
 
 struct Running {
@@ -231,4 +254,20 @@ async fn finish(server: tokio::task::JoinHandle<()>) -> Result<(), RunError> {
     // A panicked server task has nothing left to wait for.
     let _ = server.await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::loopback_advertised_to_remote;
+
+    #[test]
+    fn a_loopback_advertised_url_is_noticed_only_with_a_remote_router() {
+        let routers = |rs: &[&str]| rs.iter().map(|r| (*r).to_owned()).collect::<Vec<_>>();
+        let local = routers(&["http://127.0.0.1:8080", "http://localhost:8081", "http://[::1]:8082"]);
+        assert_eq!(loopback_advertised_to_remote("http://127.0.0.1:8000", &local), None);
+        let remote = routers(&["http://127.0.0.1:8080", "http://router-b:8080"]);
+        let found = loopback_advertised_to_remote("http://localhost:8000", &remote);
+        assert_eq!(found.map(String::as_str), Some("http://router-b:8080"));
+        assert_eq!(loopback_advertised_to_remote("http://10.0.0.7:8000", &remote), None);
+    }
 }
