@@ -148,8 +148,16 @@ impl Translator {
         if bs != self.block_size.get() {
             // The router chunks requests by the configured size: keys computed
             // from a different size would never match. Key them anyway (they are
-            // correct for this engine) but make the misconfiguration visible.
-            self.counters.block_size_mismatches.inc();
+            // correct for this engine) but make the misconfiguration visible,
+            // in the log once (the engine was not up to be asked at start).
+            if self.counters.block_size_mismatches.inc() == 0 {
+                tracing::error!(
+                    engine = bs,
+                    configured = self.block_size.get(),
+                    "the engine's KV events have another block size than --block-size: no router key will match \
+                     a request; set --block-size (and the routers' block_size) to the engine's"
+                );
+            }
         }
         if ev.lora_id.is_some() && ev.lora_name.is_none() {
             self.counters.skipped(SkipReason::UnnamedLora).inc_by(n as u64);
