@@ -48,7 +48,9 @@ fn prompt_too_long(tokens: Option<usize>, max: usize) -> String {
     match tokens {
         Some(n) => format!("the prompt has {n} tokens, more than this router's max_prompt_tokens ({max})"),
         // The body, or the chat template's rendering of it, before tokenizing.
-        None => format!("the prompt is longer than max_prompt_tokens ({max}) tokens can be (refused before tokenizing)"),
+        None => {
+            format!("the prompt is longer than max_prompt_tokens ({max}) tokens can be (refused before tokenizing)")
+        }
     }
 }
 
