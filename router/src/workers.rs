@@ -237,24 +237,11 @@ pub enum RegistryError {
 }
 
 /// A worker's base URL, checked and normalised (no trailing `/`): `http(s)`,
-/// a host, no credentials, query or fragment.
+/// a host, no credentials, query or fragment
+/// ([`kvroute_shared::wire::check_http_url`], the sidecar's rule too).
 pub fn checked_url(url: &str) -> Result<String, RegistryError> {
-    let bad = |why: &str| RegistryError::BadUrl { url: url.chars().take(200).collect(), why: why.to_owned() };
-    let parsed = reqwest::Url::parse(url).map_err(|e| bad(&e.to_string()))?;
-    if !matches!(parsed.scheme(), "http" | "https") {
-        return Err(bad("the scheme must be http or https"));
-    }
-    if parsed.host_str().is_none_or(str::is_empty) {
-        return Err(bad("no host"));
-    }
-    if !parsed.username().is_empty()
-        || parsed.password().is_some()
-        || parsed.query().is_some()
-        || parsed.fragment().is_some()
-    {
-        return Err(bad("credentials, queries and fragments are not allowed"));
-    }
-    Ok(url.trim_end_matches('/').to_owned())
+    kvroute_shared::wire::check_http_url(url)
+        .map_err(|why| RegistryError::BadUrl { url: url.chars().take(200).collect(), why })
 }
 
 /// Where a worker's requests go: a base URL and, for a data-parallel rank

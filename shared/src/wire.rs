@@ -54,6 +54,27 @@ pub fn check_token(t: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// A worker's, a router's or a replica's base URL, checked and normalised
+/// (no trailing `/`): `http(s)`, a host, no credentials, query or fragment.
+/// The error says why.
+pub fn check_http_url(url: &str) -> Result<String, String> {
+    let parsed = url::Url::parse(url).map_err(|e| e.to_string())?;
+    if !matches!(parsed.scheme(), "http" | "https") {
+        return Err("the scheme must be http or https".into());
+    }
+    if parsed.host_str().is_none_or(str::is_empty) {
+        return Err("no host".into());
+    }
+    if !parsed.username().is_empty()
+        || parsed.password().is_some()
+        || parsed.query().is_some()
+        || parsed.fragment().is_some()
+    {
+        return Err("credentials, queries and fragments are not allowed".into());
+    }
+    Ok(url.trim_end_matches('/').to_owned())
+}
+
 /// Model names a sync may list (a base model and its LoRA adapters), and the
 /// longest name: every routed request scans a worker's list, and
 /// `/v1/models` returns every name to any client.

@@ -181,11 +181,11 @@ fn list_or_commas<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>,
     })
 }
 
+/// The routers' rule for a URL: `http(s)`, a host, no credentials, query
+/// or fragment (credentials would be logged and shown in metrics labels).
 fn http_url(field: &'static str, s: String) -> Result<String, ConfigError> {
-    if !(s.starts_with("http://") || s.starts_with("https://")) {
-        return Err(ConfigError::new(field, format!("{s:?} is not an http:// or https:// URL")));
-    }
-    Ok(s.trim_end_matches('/').to_owned())
+    kvroute_shared::wire::check_http_url(&s)
+        .map_err(|why| ConfigError::new(field, format!("{s:?} is not an http:// or https:// URL with a host: {why}")))
 }
 
 /// A `tcp://HOST:PORT` ZMQ endpoint, where data-parallel rank *r* is at
@@ -404,6 +404,11 @@ mod tests {
                 RawConfig { events: events(), internal_token: Some("short".into()), ..RawConfig::default() },
             ),
             ("events", RawConfig { events: Some("tcp://*:5557".into()), ..RawConfig::default() }),
+            ("router", RawConfig { events: events(), router: vec!["http://".into()], ..RawConfig::default() }),
+            (
+                "advertise_url",
+                RawConfig { events: events(), advertise_url: Some("http://u:p@h:1".into()), ..RawConfig::default() },
+            ),
         ] {
             assert_eq!(raw.validate("h").unwrap_err().field, field);
         }
