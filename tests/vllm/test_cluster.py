@@ -139,11 +139,12 @@ def test_openai_client_streams_through_the_router(cluster):
     )
     chunks = list(stream)
     pieces = [c.choices[0].text for c in chunks if c.choices]
-    # Six tokens, in several chunks: not one piece per token, since vLLM's
-    # detokenizer holds back a token that ends mid UTF-8 character (random
-    # weights sample such tokens) and sends its text with the next one.
+    # Six tokens' text, in as many chunks as vLLM sent: not one per token
+    # (its detokenizer holds back a token that ends mid UTF-8 character), and
+    # how many is timing (it merges the deltas a slower reader has not taken
+    # yet: on a busy machine all six came in one), so it is not asserted.
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
-    assert len(pieces) >= 2 and "".join(pieces), pieces
+    assert "".join(pieces), pieces
 
 
 def _goldens() -> list:
