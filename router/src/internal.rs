@@ -263,11 +263,15 @@ fn apply_eviction(state: &AppState, worker: &Worker, batch: &EvictionBatch) -> P
     // A worker holds at most max_sync_keys entries, however they arrive.
     // Only evictions of keys it holds make room: keys made up to evict
     // let a pusher reach twice the cap.
+    // The evictions are looked up only when the worker would be over the
+    // cap without them (not on every routine push, under the write lock).
     let max = state.config.raw.max_sync_keys;
+    let held = map.index.counts(worker.slot);
     let kept = if batch.cleared {
         0
+    } else if held.confirmed + held.speculative + batch.stored_hashes.len() <= max {
+        held.confirmed + held.speculative
     } else {
-        let held = map.index.counts(worker.slot);
         let evicted: HashSet<&BlockKey> =
             batch.evicted_hashes.iter().filter(|k| map.index.holds(worker.slot, k)).collect();
         (held.confirmed + held.speculative).saturating_sub(evicted.len())
