@@ -13,7 +13,7 @@ use kvroute_router::index::{Index, MAX_WORKERS, Slot};
 use kvroute_router::policy::{
     ArrivalRate, Candidate, ForeignTraffic, LoadView, Pace, Policy, PredictedTtftParams, Reason, ReportWatch, RouteView,
 };
-use kvroute_router::replicas::{PrefixHints, SentPrefix, prefixes, still_reported};
+use kvroute_router::replicas::{MAX_HINT_KEYS, PrefixHints, SentPrefix, prefixes, still_reported};
 use kvroute_router::workers::id_hash;
 use kvroute_shared::{BlockKey, WorkerId};
 
@@ -145,13 +145,16 @@ impl LabRouter {
         }
     }
 
-    /// Replica `peer` told this one `told`.
+    /// Replica `peer` told this one `told`. The hints are rebuilt at once:
+    /// the router spaces rebuilds by `MIN_HINTS_REBUILD_GAP` (10 ms), and
+    /// the lab's full reports, staggered over the exchange period, come at
+    /// least 33 ms apart (3 replicas), so the router would not defer one.
     pub fn hear_peer(&mut self, peer: usize, told: &Told) {
         if self.peers.len() <= peer {
             self.peers.resize(peer + 1, None);
         }
         self.peers[peer] = Some(told.clone());
-        self.hints = PrefixHints::build(self.peers.iter().flatten().flat_map(|t| &t.sent));
+        self.hints = PrefixHints::build(self.peers.iter().flatten().flat_map(|t| &t.sent), MAX_HINT_KEYS);
     }
 
     /// Replica `peer` told this one its new per-worker figures between full

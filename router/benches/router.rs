@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use kvroute_router::index::{Index, Slot};
 use kvroute_router::policy::{CacheAware, Candidate, LoadView, Policy, RouteView};
-use kvroute_router::replicas::{PrefixHints, ReplicaLoad, ReplicaReport, SentPrefix, prefixes};
+use kvroute_router::replicas::{MAX_HINT_KEYS, PrefixHints, ReplicaLoad, ReplicaReport, SentPrefix, prefixes};
 use kvroute_shared::{BlockKey, KeyRoot, WorkerId};
 
 /// Counts live heap bytes, to measure the index's memory per entry.
@@ -210,7 +210,19 @@ fn replicas(c: &mut Criterion) {
         b.iter(|| kvroute_shared::wire::decode_valid::<ReplicaReport>(black_box(&body)).expect("valid"))
     });
     g.bench_function("prefix hints from two busy peers", |b| {
-        b.iter(|| PrefixHints::build(black_box(&peers).iter().flat_map(|p| &p.sent)))
+        b.iter(|| PrefixHints::build(black_box(&peers).iter().flat_map(|p| &p.sent), MAX_HINT_KEYS))
+    });
+    // The most any set of reports can make a rebuild read: 64 replicas
+    // naming 1,024 requests of 128 distinct keys each, 8.4 M keys, of which
+    // the first MAX_HINT_KEYS are taken.
+    let flood: Vec<SentPrefix> = (0..64 * 1_024u64)
+        .map(|r| SentPrefix {
+            worker: WorkerId::new(format!("w{}", r % 64)),
+            keys: (0..128).map(|k| BlockKey(r << 8 | k)).collect(),
+        })
+        .collect();
+    g.bench_function("prefix hints at their cap (a flood of reports)", |b| {
+        b.iter(|| PrefixHints::build(black_box(&flood), MAX_HINT_KEYS))
     });
     g.finish();
 }

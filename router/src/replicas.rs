@@ -28,7 +28,9 @@
 //! p99 (4 and 16 workers), 13 % and 20 % at 64 workers (BENCHMARKS.md,
 //! "News between the replicas' reports"). The prefixes wait for the full
 //! report: each one received rebuilds the prefix hints, too dear to do a
-//! hundred times a second per replica.
+//! hundred times a second per replica (and rebuilds are spaced by
+//! [`MIN_HINTS_REBUILD_GAP`] and bounded by [`MAX_HINT_KEYS`] whatever
+//! the reports).
 //!
 //! What a replica heard from the others is added to its own figures when it
 //! routes (`WorkerLive::load`): their pending tokens to its pending prefill,
@@ -86,6 +88,20 @@ pub const MAX_REPORTED_PENDING_TOKENS: u64 = 1 << 40;
 
 /// Requests one report names in `sent` at most (the newest).
 pub const MAX_SENT: usize = 1024;
+/// Sampled keys the prefix hints hold at most, over every replica heard:
+/// three busy replicas name about 100,000 ([`MAX_SENT`] requests of ~35
+/// keys each). Past it the rest of the reports' requests give no hint, so
+/// no set of reports, however many replicas send them, makes a rebuild
+/// cost more than a few milliseconds.
+pub const MAX_HINT_KEYS: usize = 1 << 18;
+/// The prefix hints are rebuilt at most this often, and never sooner than
+/// ten times the last rebuild took after it: a report arriving in between
+/// is taken at once, its prefixes at the next publish past the gap (the
+/// next report, news or the exchange tick). A few a second per busy replica
+/// are taken (about 40 a second with 3 replicas), so however fast reports
+/// arrive, rebuilding costs a router at most a tenth of a core.
+pub const MIN_HINTS_REBUILD_GAP: Duration = Duration::from_millis(10);
+
 /// How long a request stays in `sent` after its first token: until the
 /// sidecar's report of its stored blocks has reached every replica (100 ms
 /// batches, and the push itself).
@@ -210,7 +226,8 @@ struct Latest {
     seq: u64,
     at: Instant,
     workers: Vec<ReplicaLoad>,
-    sent: Vec<SentPrefix>,
+    /// Shared, so a rebuild reads it after the lock is let go.
+    sent: Arc<Vec<SentPrefix>>,
 }
 
 /// A request this router sent, as its reports name it until
@@ -240,9 +257,12 @@ impl SentEntry {
 pub struct Replicas {
     heard: Mutex<HashMap<String, Latest>>,
     /// What the others' `sent` lists say, rebuilt when they change
-    /// (`hints_stale`: a report was taken since the last rebuild).
+    /// (`hints_stale`: a report was taken since the last rebuild), no
+    /// sooner than `next_rebuild` ([`MIN_HINTS_REBUILD_GAP`]); held while a
+    /// rebuild runs, so two never race to store theirs.
     hints: ArcSwap<PrefixHints>,
     hints_stale: AtomicBool,
+    next_rebuild: Mutex<Option<Instant>>,
     /// This router's own recent requests, oldest first, kept once it
     /// exchanges reports with anyone (`exchanging`).
     sent: Mutex<VecDeque<Arc<SentEntry>>>,
@@ -265,6 +285,7 @@ impl Replicas {
             heard: Mutex::new(HashMap::new()),
             hints: ArcSwap::from_pointee(PrefixHints::default()),
             hints_stale: AtomicBool::new(false),
+            next_rebuild: Mutex::new(None),
             sent: Mutex::new(VecDeque::new()),
             exchanging: AtomicBool::new(false),
             heard_count: AtomicUsize::new(0),
@@ -288,7 +309,7 @@ impl Replicas {
             self.hints_stale.store(true, Ordering::Relaxed);
         }
         let full = heard.len() >= MAX_REPLICAS;
-        let latest = Latest { seq: report.seq, at: now, workers: report.workers, sent: report.sent };
+        let latest = Latest { seq: report.seq, at: now, workers: report.workers, sent: Arc::new(report.sent) };
         match heard.get_mut(&report.router_epoch) {
             Some(l) if latest.seq <= l.seq => Heard::Stale,
             Some(l) if report.loads_only => {
@@ -311,14 +332,18 @@ impl Replicas {
 
     /// Forgets silent replicas and stores the sum of what the others said
     /// into each of `workers`' live figures (a worker none named gets 0),
-    /// and rebuilds the prefix hints from their `sent` lists. Returns how
-    /// many replicas are heard. Everything is written under the lock that
-    /// reports are taken under, so two publishes cannot interleave.
+    /// and rebuilds the prefix hints from their `sent` lists when they
+    /// changed and [`MIN_HINTS_REBUILD_GAP`] allows. Returns how many
+    /// replicas are heard. The figures are written under the lock that
+    /// reports are taken under, so two publishes cannot interleave; the
+    /// hints are built after it is let go, so reports are not held up.
     pub fn publish(&self, workers: &[Arc<Worker>], now: Instant) -> usize {
         let mut heard = self.heard.lock();
         let before = heard.len();
         heard.retain(|_, l| now.saturating_duration_since(l.at) < self.expiry);
-        let forgot = heard.len() < before;
+        if heard.len() < before {
+            self.hints_stale.store(true, Ordering::Relaxed);
+        }
         let mut sums: HashMap<&WorkerId, (u64, u32)> = HashMap::new();
         for l in heard.values() {
             for w in &l.workers {
@@ -332,16 +357,25 @@ impl Replicas {
             w.live.replica_pending_prefill_tokens.store(pending, Ordering::Relaxed);
             w.live.replica_inflight.store(inflight, Ordering::Relaxed);
         }
-        if self.hints_stale.swap(false, Ordering::Relaxed) || forgot {
-            // Only workers this router routes to: routing has no use for the
-            // others, and a replica naming thousands of made-up workers for
-            // one key would make every rebuild quadratic in them.
-            let known: std::collections::HashSet<&WorkerId> = workers.iter().map(|w| &w.id).collect();
-            let sent = heard.values().flat_map(|l| &l.sent).filter(|s| known.contains(&s.worker));
-            self.hints.store(Arc::new(PrefixHints::build(sent)));
+        let n = heard.len();
+        self.heard_count.store(n, Ordering::Relaxed);
+        // Another publish rebuilding: it leaves the stale mark to the next.
+        let Some(mut next_rebuild) = self.next_rebuild.try_lock() else { return n };
+        if !self.hints_stale.load(Ordering::Relaxed) || next_rebuild.is_some_and(|next| now < next) {
+            return n;
         }
-        self.heard_count.store(heard.len(), Ordering::Relaxed);
-        heard.len()
+        self.hints_stale.store(false, Ordering::Relaxed);
+        let lists: Vec<Arc<Vec<SentPrefix>>> = heard.values().map(|l| l.sent.clone()).collect();
+        drop(heard);
+        let started = Instant::now();
+        // Only workers this router routes to: routing has no use for the
+        // others, and a replica naming thousands of made-up workers for
+        // one key would make every rebuild quadratic in them.
+        let known: std::collections::HashSet<&WorkerId> = workers.iter().map(|w| &w.id).collect();
+        let sent = lists.iter().flat_map(|l| l.iter()).filter(|s| known.contains(&s.worker));
+        self.hints.store(Arc::new(PrefixHints::build(sent, MAX_HINT_KEYS)));
+        *next_rebuild = Some(now + MIN_HINTS_REBUILD_GAP.max(started.elapsed() * 10));
+        n
     }
 
     /// The prefix hints as of the last publish.
@@ -800,6 +834,35 @@ mod tests {
         assert!(replicas.hints().is_empty());
     }
 
+    /// However fast full reports arrive, the hints are rebuilt at most
+    /// once per [`MIN_HINTS_REBUILD_GAP`]; what came in between is taken at
+    /// the first publish past it. The figures are taken at once all along.
+    #[test]
+    fn hint_rebuilds_are_spaced() {
+        let replicas = Replicas::new(Duration::from_millis(100));
+        let (first, second): (Vec<BlockKey>, Vec<BlockKey>) =
+            ((0..40).map(BlockKey).collect(), (1_000..1_040).map(BlockKey).collect());
+        let (t0, w2) = (Instant::now(), [worker("w2")]);
+        let full = |seq, keys: &[BlockKey], pending| {
+            let mut r = report("p1", seq, &[("w2", pending, 1)]);
+            r.sent = vec![SentPrefix { worker: WorkerId::new("w2"), keys: prefixes::sample(keys) }];
+            r
+        };
+        replicas.hear(full(1, &first, 100), "me", t0);
+        replicas.publish(&w2, t0);
+        assert_eq!(replicas.hints().depths(&first).len(), 1);
+        let soon = t0 + MIN_HINTS_REBUILD_GAP / 2;
+        replicas.hear(full(2, &second, 200), "me", soon);
+        replicas.publish(&w2, soon);
+        assert_eq!(figures(&w2[0]), (200, 1), "the figures at once");
+        assert!(replicas.hints().depths(&second).is_empty(), "the prefixes after the gap");
+        assert_eq!(replicas.hints().depths(&first).len(), 1);
+        let later = t0 + MIN_HINTS_REBUILD_GAP;
+        replicas.publish(&w2, later);
+        assert_eq!(replicas.hints().depths(&second).len(), 1);
+        assert!(replicas.hints().depths(&first).is_empty());
+    }
+
     /// News between full reports replaces a replica's figures and keeps the
     /// prefixes its last full report named; the next full report replaces
     /// both.
@@ -820,8 +883,9 @@ mod tests {
         // Older news than what was heard is stale, like any report.
         let late = ReplicaReport { loads_only: true, ..report("p1", 2, &[]) };
         assert_eq!(replicas.hear(late, "me", t0), Heard::Stale);
-        replicas.hear(report("p1", 3, &[]), "me", t0);
-        replicas.publish(&w2, t0);
+        let later = t0 + MIN_HINTS_REBUILD_GAP;
+        replicas.hear(report("p1", 3, &[]), "me", later);
+        replicas.publish(&w2, later);
         assert_eq!(figures(&w2[0]), (0, 0));
         assert!(replicas.hints().is_empty(), "a full report replaces the prefixes too");
     }

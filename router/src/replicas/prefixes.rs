@@ -72,8 +72,9 @@ pub struct SentPrefix {
 /// key → the workers they were sent to (indices into `workers`, so a
 /// rebuild allocates no id per key).
 ///
-/// Rebuilt whenever a replica's report arrives (about 40 times a second on
-/// a busy router with 3 replicas), so built without an allocation per key:
+/// Rebuilt when a replica's full report arrives (about 40 times a second
+/// on a busy router with 3 replicas; `Replicas::publish` spaces rebuilds),
+/// so built without an allocation per key:
 /// the index's seeded hash rather than SipHash (a report's keys are the
 /// sender's to choose; see `index/hasher.rs`) and the first worker of a key
 /// inline, any further ones in a side map (a hot prefix sent to several):
@@ -88,10 +89,17 @@ pub struct PrefixHints {
 }
 
 impl PrefixHints {
-    pub fn build<'a>(sent: impl IntoIterator<Item = &'a SentPrefix>) -> PrefixHints {
+    /// The hints `sent` gives, from its first requests holding at most
+    /// `max_keys` sampled keys between them (the rest are left out).
+    pub fn build<'a>(sent: impl IntoIterator<Item = &'a SentPrefix>, max_keys: usize) -> PrefixHints {
         let mut hints = PrefixHints::default();
         let mut index_of: HashMap<&WorkerId, u32> = HashMap::new();
+        let mut taken = 0usize;
         for s in sent {
+            taken += s.keys.len();
+            if taken > max_keys {
+                break;
+            }
             let w = *index_of.entry(&s.worker).or_insert_with(|| {
                 hints.workers.push(s.worker.clone());
                 (hints.workers.len() - 1) as u32
@@ -116,6 +124,11 @@ impl PrefixHints {
 
     pub fn is_empty(&self) -> bool {
         self.first.is_empty()
+    }
+
+    /// Distinct sampled keys held.
+    pub fn len(&self) -> usize {
+        self.first.len()
     }
 
     /// For each worker the hints name, the deepest prefix of `keys` (in
@@ -172,7 +185,7 @@ mod tests {
         // Another replica sent a 560-block document + question to w1.
         let mut sent = keys(0, 560);
         sent.extend(keys(10_000, 12));
-        let hints = PrefixHints::build(&[SentPrefix { worker: WorkerId::new("w1"), keys: sample(&sent) }]);
+        let hints = PrefixHints::build(&[SentPrefix { worker: WorkerId::new("w1"), keys: sample(&sent) }], usize::MAX);
         // Another question about the same document.
         let mut mine = keys(0, 560);
         mine.extend(keys(20_000, 9));
@@ -190,16 +203,31 @@ mod tests {
     #[test]
     fn each_worker_gets_its_deepest_hint() {
         let doc = keys(0, 100);
-        let hints = PrefixHints::build(&[
-            SentPrefix { worker: WorkerId::new("a"), keys: sample(&doc[..20]) },
-            SentPrefix { worker: WorkerId::new("b"), keys: sample(&doc) },
-            SentPrefix { worker: WorkerId::new("a"), keys: sample(&doc[..5]) },
-        ]);
+        let hints = PrefixHints::build(
+            &[
+                SentPrefix { worker: WorkerId::new("a"), keys: sample(&doc[..20]) },
+                SentPrefix { worker: WorkerId::new("b"), keys: sample(&doc) },
+                SentPrefix { worker: WorkerId::new("a"), keys: sample(&doc[..5]) },
+            ],
+            usize::MAX,
+        );
         let mut depths: Vec<(String, usize)> =
             hints.depths(&doc).into_iter().map(|(w, d)| (w.to_string(), d)).collect();
         depths.sort();
         // a's 20 blocks are found at the deepest fixed index below them (18):
         // the sender's last block (19) is not one this prompt samples.
         assert_eq!(depths, [("a".to_string(), 19), ("b".to_string(), 100)]);
+    }
+
+    #[test]
+    fn the_hints_hold_no_more_than_their_cap_of_keys() {
+        // Four requests of 30 distinct sampled keys each; room for 100 keys.
+        let sent: Vec<SentPrefix> =
+            (0..4).map(|r| SentPrefix { worker: WorkerId::new("a"), keys: keys(r * 1_000, 30) }).collect();
+        assert_eq!(PrefixHints::build(&sent, usize::MAX).len(), 120);
+        let capped = PrefixHints::build(&sent, 100);
+        assert_eq!(capped.len(), 90, "the first three requests, whole");
+        assert_eq!(capped.depths(&keys(2_000, 30)).len(), 1);
+        assert!(capped.depths(&keys(3_000, 30)).is_empty(), "the fourth is left out");
     }
 }
