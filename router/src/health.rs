@@ -26,9 +26,10 @@ use std::time::{Duration, Instant};
 
 use crate::index::Compaction;
 use crate::metrics::{ENGINE_KINDS, INDEX_KINDS, WorkerKind, WorkerLabel};
-use crate::proxy::{note_failure, read_response_within};
+use crate::proxy::note_failure;
 use crate::state::{AppState, now_ms};
 use crate::workers::{Source, Worker};
+use kvroute_shared::body::read_within;
 
 /// Takes an unhealthy worker out of the index: its cache state is unknown
 /// (it may come back restarted and empty).
@@ -93,7 +94,7 @@ const MAX_METRICS_BYTES: usize = 8 << 20;
 async fn learn_capacity(state: &AppState, worker: &Worker) {
     let timeout = state.config.raw.health_check_timeout;
     let text = match state.client.get(format!("{}/metrics", worker.url)).timeout(timeout).send().await {
-        Ok(r) if r.status().is_success() => match read_response_within(r, MAX_METRICS_BYTES).await {
+        Ok(r) if r.status().is_success() => match read_within(reqwest::Body::from(r), MAX_METRICS_BYTES).await {
             Ok(Some(body)) => String::from_utf8_lossy(&body).into_owned(),
             _ => return,
         },

@@ -52,22 +52,6 @@ pub async fn read_in_time(state: &AppState, body: Body, limit: usize) -> Result<
         .map_err(|_| RouterError::BodyTimeout { after: timeout })?
 }
 
-/// Reads a response from another server (an engine, a replica) up to
-/// `limit` bytes: `None` past it, before buffering more.
-pub async fn read_response_within(
-    mut resp: reqwest::Response,
-    limit: usize,
-) -> Result<Option<Vec<u8>>, reqwest::Error> {
-    let mut body = Vec::new();
-    while let Some(chunk) = resp.chunk().await? {
-        if body.len() + chunk.len() > limit {
-            return Ok(None);
-        }
-        body.extend_from_slice(&chunk);
-    }
-    Ok(Some(body))
-}
-
 /// Reads a body up to `limit` bytes (413 beyond it).
 async fn read_body_within(body: Body, limit: usize) -> Result<Bytes, RouterError> {
     match http_body_util::Limited::new(body, limit).collect().await {

@@ -57,6 +57,7 @@ use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::HeaderMap;
+use kvroute_shared::body::read_within;
 use kvroute_shared::wire::{DecodeError, Validate, decode_valid, validate_worker_id};
 use kvroute_shared::{BlockKey, WorkerId};
 use parking_lot::Mutex;
@@ -65,7 +66,7 @@ use tracing::Instrument;
 
 use crate::error::RouterError;
 use crate::index::MAX_WORKERS;
-use crate::proxy::{read_in_time, read_response_within};
+use crate::proxy::read_in_time;
 use crate::state::{AppState, now_ms};
 use crate::workers::Worker;
 
@@ -638,7 +639,7 @@ async fn send(state: &AppState, url: &str, report: &ReplicaReport) -> Result<Rep
     }
     let resp = req.send().await?;
     let status = resp.status();
-    let body = read_response_within(resp, MAX_REPORT_BODY_BYTES).await?.ok_or(SendError::TooLarge)?;
+    let body = read_within(reqwest::Body::from(resp), MAX_REPORT_BODY_BYTES).await?.ok_or(SendError::TooLarge)?;
     if !status.is_success() {
         let body = String::from_utf8_lossy(&body).chars().take(300).collect();
         return Err(SendError::Status { status, body });

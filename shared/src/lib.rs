@@ -7,12 +7,14 @@
 //!   OpenAI-shaped error body;
 //! - [`openai`]: the prompt-deciding parts of OpenAI request bodies;
 //! - [`resolve`]: a base URL as every address its host resolves to;
+//! - [`body`]: an HTTP body read whole up to a cap (any `http_body::Body`);
 //! - [`tokenize`]: token ids exactly as vLLM computes them (HF tokenizer + chat
 //!   template).
 //!
 //! No async runtime or HTTP stack here: the simulator, the router, the sidecar
 //! and the benchmarks all depend on it.
 
+pub mod body;
 pub mod digest;
 pub mod hash;
 pub mod ids;

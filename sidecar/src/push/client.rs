@@ -5,6 +5,7 @@ use std::fmt;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
+use kvroute_shared::body::read_within;
 use kvroute_shared::wire::{
     EVICTION_PATH, ErrorBody, EvictionBatch, InternalAck, PROTOCOL_HEADER, SYNC_PATH, SyncSnapshot,
 };
@@ -121,12 +122,10 @@ impl HttpRouterClient {
             if e.is_connect() { PushError::Unreachable { url: url.clone(), source: Box::new(e) } } else { http(e) }
         })?;
         let status = resp.status();
-        let answer = read_capped(resp).await.map_err(|e| match e {
-            Capped::Http(e) => http(e),
-            Capped::TooLarge => {
+        let answer =
+            read_within(reqwest::Body::from(resp), MAX_ANSWER_BYTES).await.map_err(http)?.ok_or_else(|| {
                 PushError::BadAnswer { url: url.clone(), detail: format!("more than {MAX_ANSWER_BYTES} bytes") }
-            }
-        })?;
+            })?;
         if !status.is_success() {
             // The router's error names the field and why (an unsupported
             // protocol version, a block-size mismatch, …): keep it for the log.
@@ -140,24 +139,6 @@ impl HttpRouterClient {
         serde_json::from_slice::<InternalAck>(&answer)
             .map_err(|e| PushError::BadAnswer { url, detail: format!("not an ack: {e}") })
     }
-}
-
-enum Capped {
-    Http(reqwest::Error),
-    TooLarge,
-}
-
-/// A response's body, refused past [`MAX_ANSWER_BYTES`] (a router, or
-/// whatever answers at its address, cannot make the sidecar buffer more).
-async fn read_capped(mut resp: reqwest::Response) -> Result<Vec<u8>, Capped> {
-    let mut body = Vec::new();
-    while let Some(chunk) = resp.chunk().await.map_err(Capped::Http)? {
-        if body.len() + chunk.len() > MAX_ANSWER_BYTES {
-            return Err(Capped::TooLarge);
-        }
-        body.extend_from_slice(&chunk);
-    }
-    Ok(body)
 }
 
 impl RouterClient for HttpRouterClient {
