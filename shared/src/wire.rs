@@ -80,6 +80,21 @@ pub fn check_http_url(url: &str) -> Result<String, String> {
 /// `/v1/models` returns every name to any client.
 pub const MAX_MODELS: usize = 1024;
 pub const MAX_MODEL_NAME_LEN: usize = 1024;
+/// A model list a sync may carry: at most [`MAX_MODELS`] names of 1 to
+/// [`MAX_MODEL_NAME_LEN`] bytes (the sidecar checks its engine's list with
+/// it before sending one a router would refuse).
+pub fn check_models(models: &[ModelName]) -> Result<(), DecodeError> {
+    if models.len() > MAX_MODELS {
+        return Err(DecodeError::new("models", format!("at most {MAX_MODELS} names, not {}", models.len())));
+    }
+    for (i, m) in models.iter().enumerate() {
+        if m.as_str().is_empty() || m.as_str().len() > MAX_MODEL_NAME_LEN {
+            return Err(DecodeError::new(format!("models[{i}]"), format!("must be 1 to {MAX_MODEL_NAME_LEN} bytes")));
+        }
+    }
+    Ok(())
+}
+
 /// The request header vLLM's API server (internal load balancing) reads to
 /// pin a request to one data-parallel rank.
 pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
@@ -330,18 +345,7 @@ impl Validate for SyncSnapshot {
         if self.dp_rank.is_some_and(|r| r >= MAX_DP_RANKS) {
             return Err(DecodeError::new("dp_rank", format!("must be below {MAX_DP_RANKS}")));
         }
-        if self.models.len() > MAX_MODELS {
-            return Err(DecodeError::new("models", format!("at most {MAX_MODELS} names")));
-        }
-        for (i, m) in self.models.iter().enumerate() {
-            if m.as_str().is_empty() || m.as_str().len() > MAX_MODEL_NAME_LEN {
-                return Err(DecodeError::new(
-                    format!("models[{i}]"),
-                    format!("must be 1 to {MAX_MODEL_NAME_LEN} bytes"),
-                ));
-            }
-        }
-        Ok(())
+        check_models(&self.models)
     }
 }
 

@@ -8,7 +8,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use kvroute_shared::wire::{MAX_DP_RANKS, MAX_WORKER_ID_LEN};
+use kvroute_shared::wire::{MAX_DP_RANKS, MAX_MODEL_NAME_LEN, MAX_WORKER_ID_LEN};
 use kvroute_shared::{BlockSize, ModelName, WorkerId};
 use serde::Deserialize;
 
@@ -135,7 +135,9 @@ impl RawConfig {
             .map(|b| BlockSize::new(b).map_err(|e| ConfigError::new("block_size", e.to_string())))
             .transpose()?;
         let model = match self.model {
-            Some(m) if m.is_empty() => return Err(ConfigError::new("model", "must not be empty")),
+            Some(m) if m.is_empty() || m.len() > MAX_MODEL_NAME_LEN => {
+                return Err(ConfigError::new("model", format!("must be 1 to {MAX_MODEL_NAME_LEN} bytes")));
+            }
             m => m.map(ModelName::new),
         };
         if self.engine_api_key.as_deref().is_some_and(|k| k.is_empty() || k.chars().any(char::is_whitespace)) {
@@ -404,6 +406,7 @@ mod tests {
                 RawConfig { events: events(), internal_token: Some("short".into()), ..RawConfig::default() },
             ),
             ("events", RawConfig { events: Some("tcp://*:5557".into()), ..RawConfig::default() }),
+            ("model", RawConfig { events: events(), model: Some("m".repeat(1025)), ..RawConfig::default() }),
             ("router", RawConfig { events: events(), router: vec!["http://".into()], ..RawConfig::default() }),
             (
                 "advertise_url",

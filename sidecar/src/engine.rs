@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvroute_shared::wire::Load;
+use kvroute_shared::body::read_within;
+use kvroute_shared::wire::{Load, check_models};
 use kvroute_shared::{BlockSize, ModelName};
 use parking_lot::RwLock;
 use serde::Deserialize;
@@ -32,7 +33,19 @@ pub enum EngineError {
     },
     #[error("engine at {0} lists no model")]
     NoModel(String),
+    #[error("{url} answered more than {limit} bytes")]
+    TooLarge { url: String, limit: usize },
+    #[error("{url} answered no model list: {detail}")]
+    BadModels { url: String, detail: String },
 }
+
+/// The most of the engine's `/metrics` that is read (vLLM's is ~100 kB; the
+/// router reads as much of it).
+pub const MAX_METRICS_BYTES: usize = 8 << 20;
+/// The most of the engine's `/v1/models` that is read: room for
+/// `wire::MAX_MODELS` entries of vLLM's shape, ids of up to
+/// `wire::MAX_MODEL_NAME_LEN` bytes.
+pub const MAX_MODELS_BYTES: usize = 4 << 20;
 
 #[derive(Deserialize)]
 struct ModelList {
@@ -58,36 +71,35 @@ impl EngineClient {
         EngineClient { http, base, api_key }
     }
 
-    async fn get(&self, path: &str) -> Result<reqwest::Response, EngineError> {
+    /// The body at `path`, at most `limit` bytes of it.
+    async fn get(&self, path: &str, limit: usize) -> Result<Vec<u8>, EngineError> {
         let url = format!("{}{path}", self.base);
         let wrap = |source| EngineError::Http { url: url.clone(), source };
         let mut req = self.http.get(&url).timeout(Duration::from_secs(2));
         if let Some(key) = &self.api_key {
             req = req.bearer_auth(&key.0);
         }
-        req.send().await.and_then(|r| r.error_for_status()).map_err(wrap)
+        let resp = req.send().await.and_then(|r| r.error_for_status()).map_err(wrap)?;
+        read_within(reqwest::Body::from(resp), limit).await.map_err(wrap)?.ok_or(EngineError::TooLarge { url, limit })
     }
 
-    /// The served model names, base model first (as vLLM lists them).
+    /// The served model names, base model first (as vLLM lists them): a
+    /// list the routers would take in a sync (`wire::check_models`).
     pub async fn models(&self) -> Result<Vec<ModelName>, EngineError> {
-        let list: ModelList = self
-            .get("/v1/models")
-            .await?
-            .json()
-            .await
-            .map_err(|source| EngineError::Http { url: format!("{}/v1/models", self.base), source })?;
+        let body = self.get("/v1/models", MAX_MODELS_BYTES).await?;
+        let bad = |detail: String| EngineError::BadModels { url: format!("{}/v1/models", self.base), detail };
+        let list: ModelList = serde_json::from_slice(&body).map_err(|e| bad(e.to_string()))?;
         if list.data.is_empty() {
             return Err(EngineError::NoModel(self.base.clone()));
         }
-        Ok(list.data.into_iter().map(|m| ModelName::new(m.id)).collect())
+        let models: Vec<ModelName> = list.data.into_iter().map(|m| ModelName::new(m.id)).collect();
+        check_models(&models).map_err(|e| bad(e.to_string()))?;
+        Ok(models)
     }
 
     async fn metrics_text(&self) -> Result<String, EngineError> {
-        self.get("/metrics")
-            .await?
-            .text()
-            .await
-            .map_err(|source| EngineError::Http { url: format!("{}/metrics", self.base), source })
+        let body = self.get("/metrics", MAX_METRICS_BYTES).await?;
+        Ok(String::from_utf8_lossy(&body).into_owned())
     }
 
     /// The engine's block size from `vllm:cache_config_info`, if it says.
@@ -179,8 +191,11 @@ pub async fn watch(
                 metrics.events_silent.set(i64::from(silence.is_silent()));
             }
             _ = models_tick.tick() => {
-                if let Ok(models) = client.models().await {
-                    *view.models.write() = models;
+                match client.models().await {
+                    Ok(models) => *view.models.write() = models,
+                    // Down or restarting: its list comes back with it.
+                    Err(EngineError::Http { .. }) => {}
+                    Err(e) => warn!(error = %e, "the engine's model list is refused; the last one is kept"),
                 }
             }
         }
@@ -219,5 +234,50 @@ mod tests {
         assert_eq!(with.models().await.unwrap(), [ModelName::new("m")]);
         let without = EngineClient::new(http, url, None);
         assert!(matches!(without.models().await, Err(EngineError::Http { .. })));
+    }
+
+    /// An engine (or whatever answers at its address) whose `/metrics` never
+    /// ends and whose `/v1/models` lists what no router would take.
+    async fn hostile_engine(models: serde_json::Value) -> String {
+        let endless = || async {
+            let chunk = bytes::Bytes::from(vec![b'#'; 64 << 10]);
+            axum::body::Body::from_stream(futures::stream::repeat_with(move || Ok::<_, std::io::Error>(chunk.clone())))
+        };
+        let models = move || {
+            let models = models.clone();
+            async move { axum::Json(models) }
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let app = Router::new().route("/metrics", get(endless)).route("/v1/models", get(models));
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        url
+    }
+
+    #[tokio::test]
+    async fn an_endless_metrics_page_is_refused_at_its_cap() {
+        let client = EngineClient::new(reqwest::Client::new(), hostile_engine(serde_json::json!({})).await, None);
+        match client.metrics_text().await {
+            Err(EngineError::TooLarge { limit, .. }) => assert_eq!(limit, MAX_METRICS_BYTES),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(client.block_size().await, None);
+    }
+
+    #[tokio::test]
+    async fn a_model_list_no_router_would_take_is_refused_saying_why() {
+        let refused = |models: serde_json::Value| async move {
+            let client = EngineClient::new(reqwest::Client::new(), hostile_engine(models).await, None);
+            match client.models().await {
+                Err(e @ EngineError::BadModels { .. }) => e.to_string(),
+                other => panic!("{other:?}"),
+            }
+        };
+        let long = serde_json::json!({"data": [{"id": "m".repeat(1025)}]});
+        assert!(refused(long).await.contains("models[0]"));
+        let many: Vec<_> =
+            (0..=kvroute_shared::wire::MAX_MODELS).map(|i| serde_json::json!({"id": format!("m{i}")})).collect();
+        assert!(refused(serde_json::json!({ "data": many })).await.contains("at most 1024"));
+        assert!(refused(serde_json::json!({"data": "m"})).await.contains("invalid type"));
     }
 }
