@@ -15,7 +15,13 @@
 //!   never idle; past the deadline one is shut down gracefully;
 //! - a write deadline (`idle_timeout`): a client that takes no bytes for
 //!   that long is disconnected ([`WriteDeadline`]), and its answer's engine
-//!   request cancelled;
+//!   request cancelled. Over HTTP/2 a client can stop taking bytes without
+//!   the socket ever filling: it grants no flow-control window, and hyper
+//!   waits for one before it asks the answer for its next chunk, so no
+//!   write is ever pending. So the loop also watches each answer: one that
+//!   has had a chunk ready (or its headers sent) for that long without
+//!   being asked for more ([`Watched`]) closes its connection, and every
+//!   answer on it is dropped with its engine request and slot;
 //! - a cap on open connections (`max_connections`): at the cap the loop stops
 //!   accepting until one closes, so a flood queues in the kernel backlog
 //!   instead of exhausting file descriptors.
@@ -40,7 +46,6 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use futures::TryFutureExt;
-use http_body_util::BodyExt;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
 use hyper_util::service::TowerToHyperService;
@@ -98,12 +103,7 @@ where
             // The guard lives as long as the response body: a streamed answer
             // keeps its connection busy until its last chunk.
             app.clone().oneshot(req).map_ok(move |resp: axum::response::Response| {
-                resp.map(|body| {
-                    axum::body::Body::new(body.map_frame(move |frame| {
-                        let _busy = &guard;
-                        frame
-                    }))
-                })
+                resp.map(|body| axum::body::Body::new(Watched::new(body, guard)))
             })
         }));
         let io = WriteDeadline::new(io, limits.write_timeout);
@@ -113,27 +113,33 @@ where
             let mut conn = std::pin::pin!(conn);
             // The first request must start within the header deadline, each
             // next one within the keep-alive time of the last one's end.
-            let mut wait = limits.header_read_timeout;
-            let finished = loop {
+            let mut wait = limits.header_read_timeout.min(limits.write_timeout);
+            let end = loop {
                 tokio::select! {
                     // Errors here are the client's (a reset, a header timeout): nothing to do.
-                    _ = conn.as_mut() => break true,
+                    _ = conn.as_mut() => break End::Finished,
                     () = tokio::time::sleep(wait) => {
                         let limit = if activity.started.load(Ordering::Relaxed) == 0 {
                             limits.header_read_timeout
                         } else {
                             limits.keep_alive_timeout
                         };
-                        match activity.idle_for() {
-                            Some(idle) if idle >= limit => break false,
-                            Some(idle) => wait = limit - idle,
-                            None => wait = limit,
+                        match (activity.idle_for(), activity.unasked_for()) {
+                            (_, Some(unasked)) if unasked >= limits.write_timeout => break End::Stalled,
+                            (_, Some(unasked)) => wait = limits.write_timeout - unasked,
+                            (Some(idle), None) if idle >= limit => break End::Idle,
+                            (Some(idle), None) => wait = limit - idle,
+                            // Busy: an answer may stall from now on.
+                            (None, None) => wait = limit.min(limits.write_timeout),
                         }
                     }
-                    () = shutdown.cancelled() => break false,
+                    () = shutdown.cancelled() => break End::Idle,
                 }
             };
-            if !finished {
+            // A stalled client would never let a graceful close finish:
+            // dropping the connection drops its answers, their engine
+            // requests and their slots.
+            if end == End::Idle {
                 // No new request; those under way finish. A peer that never
                 // completes the close (an HTTP/2 client that does not answer
                 // the GOAWAY's ping) is dropped once nothing is under way.
@@ -156,9 +162,21 @@ where
     connections.wait().await;
 }
 
+/// Why a connection's watch ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum End {
+    /// The connection closed.
+    Finished,
+    /// Nothing under way for too long, or shutdown: closed gracefully.
+    Idle,
+    /// An answer waited too long to be asked for its next chunk: dropped.
+    Stalled,
+}
+
 /// One connection's requests: how many started, how many are under way
-/// (until their response body has been sent or dropped), and when the
-/// last one began or ended.
+/// (until their response body has been sent or dropped), when the last
+/// one began or ended, and since when each answer has waited to be asked
+/// for its next chunk.
 #[derive(Debug)]
 struct Activity {
     opened: Instant,
@@ -166,6 +184,8 @@ struct Activity {
     busy: AtomicU64,
     /// Ms after `opened` of the last request's start or end.
     last_ms: AtomicU64,
+    /// Each live answer's [`Watched::unasked`].
+    answers: std::sync::Mutex<Vec<std::sync::Weak<AtomicU64>>>,
 }
 
 impl Default for Activity {
@@ -175,6 +195,7 @@ impl Default for Activity {
             started: AtomicU64::new(0),
             busy: AtomicU64::new(0),
             last_ms: AtomicU64::new(0),
+            answers: std::sync::Mutex::new(Vec::new()),
         }
     }
 }
@@ -189,6 +210,19 @@ impl Activity {
 
     fn touch(&self) {
         self.last_ms.store(self.opened.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.opened.elapsed().as_millis() as u64
+    }
+
+    /// The longest any live answer has waited to be asked for its next
+    /// chunk; `None` when none waits (each is producing one, or done).
+    fn unasked_for(&self) -> Option<Duration> {
+        let mut answers = self.answers.lock().unwrap_or_else(|e| e.into_inner());
+        answers.retain(|a| a.strong_count() > 0);
+        let since = answers.iter().filter_map(|a| a.upgrade()).map(|a| a.load(Ordering::Relaxed)).min()?;
+        (since != ASKED).then(|| Duration::from_millis(self.now_ms().saturating_sub(since)))
     }
 
     /// How long the connection has had nothing under way; `None` while a
@@ -209,6 +243,53 @@ impl Drop for Busy {
         // The end's time first: whoever sees nothing under way sees it.
         self.0.touch();
         self.0.busy.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// [`Watched::unasked`] of an answer that is producing its next chunk.
+const ASKED: u64 = u64::MAX;
+
+/// An answer on its way, watched for a client that stops asking for it.
+/// `unasked` is the ms (after the connection opened) since which it has
+/// had something to give, its headers or a chunk, and hyper has not asked
+/// for more: hyper asks at once unless the client is not taking bytes.
+/// While it waits on its own source (the engine) it is [`ASKED`].
+struct Watched<B> {
+    inner: B,
+    unasked: Arc<AtomicU64>,
+    busy: Busy,
+}
+
+impl<B> Watched<B> {
+    fn new(inner: B, busy: Busy) -> Self {
+        let unasked = Arc::new(AtomicU64::new(busy.0.now_ms()));
+        busy.0.answers.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::downgrade(&unasked));
+        Watched { inner, unasked, busy }
+    }
+}
+
+impl<B: http_body::Body + Unpin> http_body::Body for Watched<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<B::Data>, B::Error>>> {
+        self.unasked.store(ASKED, Ordering::Relaxed);
+        let poll = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(_))) = &poll {
+            self.unasked.store(self.busy.0.now_ms(), Ordering::Relaxed);
+        }
+        poll
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 
