@@ -100,7 +100,7 @@ async fn learn_capacity(state: &AppState, worker: &Worker) {
         },
         _ => return,
     };
-    let published = parse_num_gpu_blocks(&text);
+    let published = parse_num_gpu_blocks(&text, state.config.raw.max_sync_keys);
     worker.live.set_capacity_blocks(published.map(|b| b as u64));
     let blocks = published.unwrap_or(state.config.raw.approx_capacity_blocks);
     // A sidecar may have registered or synced while /metrics was read.
@@ -110,11 +110,16 @@ async fn learn_capacity(state: &AppState, worker: &Worker) {
     }
 }
 
-pub fn parse_num_gpu_blocks(metrics: &str) -> Option<usize> {
+/// `num_gpu_blocks`, read as at most `max` (`max_sync_keys`, the keys a
+/// worker's index may hold): whatever answers at a worker's URL writes
+/// this page, and an approximately indexed worker keeps as many keys of
+/// the prompts sent there.
+pub fn parse_num_gpu_blocks(metrics: &str, max: usize) -> Option<usize> {
     let line = metrics.lines().find(|l| l.starts_with("vllm:cache_config_info{"))?;
     let at = line.find("num_gpu_blocks=\"")? + "num_gpu_blocks=\"".len();
     let end = line[at..].find('"')?;
-    line[at..at + end].parse().ok()
+    let blocks: u64 = line[at..at + end].parse().ok()?;
+    Some(usize::try_from(blocks).unwrap_or(usize::MAX).min(max))
 }
 
 pub async fn run_housekeeping(state: Arc<AppState>) {
@@ -406,7 +411,10 @@ mod tests {
     fn reads_num_gpu_blocks_from_vllm_metrics() {
         let text =
             "# HELP x\nvllm:cache_config_info{block_size=\"16\",model_name=\"m\",num_gpu_blocks=\"27000\"} 1.0\n";
-        assert_eq!(parse_num_gpu_blocks(text), Some(27000));
-        assert_eq!(parse_num_gpu_blocks("vllm:num_requests_running 3"), None);
+        assert_eq!(parse_num_gpu_blocks(text, 4_000_000), Some(27000));
+        assert_eq!(parse_num_gpu_blocks("vllm:num_requests_running 3", 4_000_000), None);
+        // A made-up capacity is held to the index's per-worker bound.
+        let huge = "vllm:cache_config_info{num_gpu_blocks=\"99999999999999\"} 1.0\n";
+        assert_eq!(parse_num_gpu_blocks(huge, 4_000_000), Some(4_000_000));
     }
 }
