@@ -13,12 +13,13 @@ use axum::response::{IntoResponse, Response};
 
 use crate::admin::endpoint_of;
 use crate::error::RouterError;
-use crate::proxy::{proxy, read_body_in_time, session_ttl};
+use crate::proxy::{proxy, read_client_body, session_ttl};
 use crate::state::AppState;
 
 pub async fn create(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     let run = async {
-        let body = read_body_in_time(&state, body).await?;
+        // Refused as it arrives past the prompt bound, as the API's are.
+        let body = read_client_body(&state, body).await?;
         let ttl = session_ttl(&state, &headers)?;
         let id = format!("ctx-{:032x}", rand::random::<u128>());
         proxy(&state, endpoint_of(&body), &headers, Body::from(body), Some((id, ttl))).await

@@ -30,8 +30,6 @@ pub enum RouterError {
     ModelNotFound { model: String },
     #[error("the request body did not arrive within {after:?}")]
     BodyTimeout { after: std::time::Duration },
-    #[error("the session table is full ({max} live sessions); retry later")]
-    SessionsFull { max: usize },
     /// Beyond `max_prompt_tokens` (the count when it was measured: a body too
     /// large is refused before tokenizing).
     #[error("{}", prompt_too_long(*tokens, *max))]
@@ -71,9 +69,7 @@ impl RouterError {
             RouterError::PromptTooLong { tokens: Some(_), .. } => StatusCode::BAD_REQUEST,
             RouterError::NotFound(_) | RouterError::ModelNotFound { .. } => StatusCode::NOT_FOUND,
             RouterError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            RouterError::Overloaded | RouterError::NoHealthyWorker { .. } | RouterError::SessionsFull { .. } => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            RouterError::Overloaded | RouterError::NoHealthyWorker { .. } => StatusCode::SERVICE_UNAVAILABLE,
             RouterError::UpstreamFailed { .. } => StatusCode::BAD_GATEWAY,
             RouterError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             RouterError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -90,9 +86,7 @@ impl RouterError {
             RouterError::Unavailable(_) => "service_unavailable",
             RouterError::NotFound(_) => "not_found_error",
             RouterError::ModelNotFound { .. } => "NotFoundError",
-            RouterError::Overloaded | RouterError::NoHealthyWorker { .. } | RouterError::SessionsFull { .. } => {
-                "service_unavailable"
-            }
+            RouterError::Overloaded | RouterError::NoHealthyWorker { .. } => "service_unavailable",
             RouterError::UpstreamFailed { .. } | RouterError::UpstreamTimeout { .. } => "upstream_error",
             RouterError::Internal(_) => "internal_error",
         }

@@ -35,12 +35,6 @@ pub const SESSION_TTL_HEADER: &str = "x-session-ttl";
 /// Request headers passed on to the engine.
 const FORWARDED: &[&str] = &["authorization", "x-request-id", "traceparent", "tracestate", "accept"];
 
-/// Reads a client's body up to `max_body_bytes` (413 beyond it) within
-/// `body_read_timeout` (408 beyond it).
-pub async fn read_body_in_time(state: &AppState, body: Body) -> Result<Bytes, RouterError> {
-    read_in_time(state, body, state.config.raw.max_body_bytes).await
-}
-
 /// Reads a body up to `limit` bytes (413 beyond it) within
 /// `body_read_timeout` (408 beyond it): a client's, a sidecar's push or a
 /// replica's report. The connection counts as busy while a body is read, so
@@ -100,19 +94,25 @@ pub const PARSE_INLINE_MAX_BYTES: usize = 256 << 10;
 /// soon as it is longer than any acceptable prompt's could be, not read on
 /// to `max_body_bytes`; then a slot.
 pub async fn admit(state: &AppState, body: Body) -> Result<(Bytes, OwnedSemaphorePermit), RouterError> {
-    let prompt_limit = routing::prompt_body_limit(state);
-    let body =
-        read_in_time(state, body, state.config.raw.max_body_bytes.min(prompt_limit)).await.map_err(|e| match e {
-            RouterError::PayloadTooLarge { limit } if limit == prompt_limit => {
-                RouterError::PromptTooLong { tokens: None, max: state.config.raw.max_prompt_tokens }
-            }
-            e => e,
-        })?;
+    let body = read_client_body(state, body).await?;
     let Ok(permit) = state.concurrency.clone().try_acquire_owned() else {
         state.metrics.shed.inc();
         return Err(RouterError::Overloaded);
     };
     Ok((body, permit))
+}
+
+/// A client's prompt-carrying body, read within `body_read_timeout` (408)
+/// and refused (413) as soon as it is longer than `max_body_bytes` or than
+/// any acceptable prompt's could be.
+pub async fn read_client_body(state: &AppState, body: Body) -> Result<Bytes, RouterError> {
+    let prompt_limit = routing::prompt_body_limit(state);
+    read_in_time(state, body, state.config.raw.max_body_bytes.min(prompt_limit)).await.map_err(|e| match e {
+        RouterError::PayloadTooLarge { limit } if limit == prompt_limit => {
+            RouterError::PromptTooLong { tokens: None, max: state.config.raw.max_prompt_tokens }
+        }
+        e => e,
+    })
 }
 
 /// Session id and TTL from the request headers, when valid.
@@ -178,29 +178,29 @@ async fn proxy_from(
     arrived: Instant,
 ) -> Result<Response, RouterError> {
     let (body, _permit) = admit(state, body).await?;
-    let req = Arc::new(parse_off_runtime(state, endpoint, &body).await?);
-    if new_session.is_some() && !state.sessions.has_room(Instant::now()) {
-        return Err(RouterError::SessionsFull { max: state.sessions.max() });
-    }
+    let req = parse_off_runtime(state, endpoint, &body).await?;
+    let stream = req.stream();
     let session = match new_session {
         Some(s) => Some(s),
         None => session_of(state, headers)?,
     };
     let pinned = session.as_ref().and_then(|(id, _)| state.sessions.get(id, Instant::now()));
-    let prepared = routing::prepare_off_runtime(state, req.clone(), body.len()).await?;
+    // The parsed request (several times its body's size) goes with the
+    // tokenizing job: none is held while a request waits for its answer.
+    let prepared = routing::prepare_off_runtime(state, req, body.len()).await?;
     let plan = routing::plan(state, prepared, pinned.as_ref(), true)?;
-    let mut resp = dispatch(state, endpoint, headers, body, &plan, req.stream(), arrived).await?;
+    let mut resp = dispatch(state, endpoint, headers, body, &plan, stream, arrived).await?;
     if let Some((id, ttl)) = session {
         let worker =
             resp.headers().get(WORKER_HEADER).and_then(|v| v.to_str().ok()).map(kvroute_shared::WorkerId::from);
         // The id is returned only when it was stored: a client must never
         // hold a session id the router does not know. Only an answer pins:
-        // requests the engine refused (4xx) would fill the table cheaply,
-        // for up to a day each.
-        let stored =
-            resp.status().is_success() && worker.is_some_and(|w| state.sessions.pin(&id, &w, ttl, Instant::now()));
-        if stored && let Ok(v) = HeaderValue::from_str(&id) {
-            resp.headers_mut().insert(SESSION_HEADER, v);
+        // requests the engine refused (4xx) would churn the table cheaply.
+        if let Some(w) = worker.filter(|_| resp.status().is_success()) {
+            state.sessions.pin(&id, &w, ttl, Instant::now());
+            if let Ok(v) = HeaderValue::from_str(&id) {
+                resp.headers_mut().insert(SESSION_HEADER, v);
+            }
         }
     }
     // The permit is held by the response body until the answer is complete.

@@ -115,12 +115,13 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
 /// free memory back to the system.
 pub async fn prepare_off_runtime(
     state: &Arc<AppState>,
-    req: Arc<PromptRequest>,
+    req: PromptRequest,
     body_bytes: usize,
 ) -> Result<Prepared, RouterError> {
     let st = state.clone();
     on_tokenizer_pool(state, move || {
         let prepared = prepare(&st, &req);
+        drop(req);
         if body_bytes >= RELEASE_MEMORY_AFTER_BYTES {
             release_free_memory();
         }

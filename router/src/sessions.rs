@@ -1,9 +1,13 @@
 //! Session affinity (after AIBrix's context-cache design): a session id pins a
 //! conversation to one worker for a TTL, while that worker is healthy and not
-//! overloaded. Bounded in count; expired sessions are dropped lazily and by
-//! the periodic sweep.
+//! overloaded. Bounded in count: at the cap a new session takes the place of
+//! the one used least recently (ids are client-chosen, so a refusal at the cap
+//! would let any client shut sessions out for up to `max_session_ttl` with
+//! cheap requests; a pin is a routing hint, and a dropped one only costs its
+//! conversation the pull towards its worker, which the cache map still gives).
+//! Expired sessions are dropped lazily and by the periodic sweep.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use kvroute_shared::WorkerId;
@@ -13,6 +17,8 @@ use parking_lot::Mutex;
 struct Session {
     worker: WorkerId,
     expires: Instant,
+    /// Its key in `Table::by_use`.
+    used: u64,
 }
 
 #[derive(Debug)]
@@ -24,16 +30,37 @@ pub struct Sessions {
 #[derive(Debug, Default)]
 struct Table {
     map: HashMap<String, Session>,
-    /// No session expires before this: a full table of live sessions is
-    /// known full without a scan. Without it every new session refused at
-    /// the cap scanned the whole table (100,000 entries) under the lock.
+    /// Every session by its last pin or live lookup, least recent first.
+    by_use: BTreeMap<u64, String>,
+    uses: u64,
+    /// No session expires before this: the sweep scans the table only once
+    /// one can have expired.
     earliest: Option<Instant>,
 }
 
 impl Table {
-    fn insert(&mut self, id: String, session: Session) {
-        self.earliest = Some(self.earliest.map_or(session.expires, |e| e.min(session.expires)));
-        self.map.insert(id, session);
+    fn insert(&mut self, id: String, worker: WorkerId, expires: Instant) {
+        self.earliest = Some(self.earliest.map_or(expires, |e| e.min(expires)));
+        self.uses += 1;
+        if let Some(old) = self.map.insert(id.clone(), Session { worker, expires, used: self.uses }) {
+            self.by_use.remove(&old.used);
+        }
+        self.by_use.insert(self.uses, id);
+    }
+
+    fn touch(&mut self, id: &str) {
+        if let Some(s) = self.map.get_mut(id) {
+            self.uses += 1;
+            let id = self.by_use.remove(&s.used).unwrap_or_else(|| id.to_owned());
+            s.used = self.uses;
+            self.by_use.insert(self.uses, id);
+        }
+    }
+
+    fn remove(&mut self, id: &str) -> Option<Session> {
+        let s = self.map.remove(id)?;
+        self.by_use.remove(&s.used);
+        Some(s)
     }
 
     /// Drops the expired sessions, if any can have expired by `now`.
@@ -42,6 +69,8 @@ impl Table {
             return;
         }
         self.map.retain(|_, s| s.expires > now);
+        let map = &self.map;
+        self.by_use.retain(|used, id| map.get(id).is_some_and(|s| s.used == *used));
         self.earliest = self.map.values().map(|s| s.expires).min();
     }
 }
@@ -53,53 +82,48 @@ pub fn valid_session_id(id: &str) -> bool {
 
 impl Sessions {
     pub fn new(max: usize) -> Self {
-        Sessions { table: Mutex::new(Table::default()), max }
+        Sessions { table: Mutex::new(Table::default()), max: max.max(1) }
     }
 
     /// The worker `id` is pinned to, if the session is live.
     pub fn get(&self, id: &str, now: Instant) -> Option<WorkerId> {
         let mut table = self.table.lock();
         match table.map.get(id) {
-            Some(s) if s.expires > now => Some(s.worker.clone()),
+            Some(s) if s.expires > now => {
+                let worker = s.worker.clone();
+                table.touch(id);
+                Some(worker)
+            }
             Some(_) => {
-                table.map.remove(id);
+                table.remove(id);
                 None
             }
             None => None,
         }
     }
 
-    /// Pins (or re-pins) `id` to `worker` until `now + ttl`. Returns false when
-    /// the table is full of live sessions.
-    pub fn pin(&self, id: &str, worker: &WorkerId, ttl: Duration, now: Instant) -> bool {
+    /// Pins (or re-pins) `id` to `worker` until `now + ttl`. At the cap the
+    /// expired sessions go first, then the least recently used one.
+    pub fn pin(&self, id: &str, worker: &WorkerId, ttl: Duration, now: Instant) {
         let mut table = self.table.lock();
         if table.map.len() >= self.max && !table.map.contains_key(id) {
             table.sweep(now);
-            if table.map.len() >= self.max {
-                return false;
+            while table.map.len() >= self.max {
+                let Some((_, oldest)) = table.by_use.pop_first() else { break };
+                table.map.remove(&oldest);
             }
         }
-        table.insert(id.to_owned(), Session { worker: worker.clone(), expires: now + ttl });
-        true
+        table.insert(id.to_owned(), worker.clone(), now + ttl);
     }
 
-    /// Whether a new session could be stored now.
-    pub fn has_room(&self, now: Instant) -> bool {
-        let mut table = self.table.lock();
-        if table.map.len() < self.max {
-            return true;
-        }
-        table.sweep(now);
-        table.map.len() < self.max
-    }
-
-    pub fn max(&self) -> usize {
-        self.max
+    /// Sessions held now (expired ones not yet swept included).
+    pub fn count(&self) -> usize {
+        self.table.lock().map.len()
     }
 
     /// Ends a session; false when it was unknown or already expired.
     pub fn remove(&self, id: &str, now: Instant) -> bool {
-        self.table.lock().map.remove(id).is_some_and(|s| s.expires > now)
+        self.table.lock().remove(id).is_some_and(|s| s.expires > now)
     }
 
     pub fn sweep(&self, now: Instant) {
@@ -116,40 +140,53 @@ mod tests {
         let s = Sessions::new(2);
         let t0 = Instant::now();
         let w = WorkerId::new("w1");
-        assert!(s.pin("a", &w, Duration::from_secs(10), t0));
+        s.pin("a", &w, Duration::from_secs(10), t0);
         assert_eq!(s.get("a", t0 + Duration::from_secs(5)), Some(w.clone()));
         assert_eq!(s.get("a", t0 + Duration::from_secs(11)), None);
-        assert!(s.pin("b", &w, Duration::from_secs(10), t0));
+        s.pin("b", &w, Duration::from_secs(10), t0);
         assert!(!s.remove("b", t0 + Duration::from_secs(20)), "expired sessions are unknown");
         assert!(!s.remove("zzz", t0));
     }
 
-    /// A full table is swept only once a session can have expired, and a
-    /// session re-pinned with a shorter TTL counts from its new expiry.
+    /// At the cap a new session takes the place of the least recently used
+    /// one (a lookup counts as a use), expired ones first; re-pinning a live
+    /// session never drops another.
     #[test]
-    fn a_full_table_makes_room_as_soon_as_a_session_expires() {
+    fn a_full_table_drops_the_least_recently_used_session() {
         let s = Sessions::new(2);
         let t0 = Instant::now();
         let w = WorkerId::new("w1");
         let at = |secs| t0 + Duration::from_secs(secs);
-        assert!(s.pin("a", &w, Duration::from_secs(100), t0));
-        assert!(s.pin("b", &w, Duration::from_secs(100), t0));
-        assert!(!s.has_room(at(50)) && !s.pin("c", &w, Duration::from_secs(100), at(50)));
-        assert!(s.pin("a", &w, Duration::from_secs(5), at(50)), "a live session re-pins at the cap");
-        assert!(s.pin("c", &w, Duration::from_secs(100), at(56)), "a expired at 55");
-        assert_eq!(s.get("b", at(56)), Some(w.clone()));
-        assert!(!s.pin("d", &w, Duration::from_secs(100), at(57)));
-        assert!(s.pin("d", &w, Duration::from_secs(100), at(101)), "b expired at 100");
+        s.pin("a", &w, Duration::from_secs(100), t0);
+        s.pin("b", &w, Duration::from_secs(100), at(1));
+        assert_eq!(s.get("a", at(2)), Some(w.clone()), "a is now the most recent");
+        s.pin("c", &w, Duration::from_secs(100), at(3));
+        assert_eq!((s.get("b", at(3)), s.count()), (None, 2), "b, the least recently used, made room");
+        s.pin("a", &w, Duration::from_secs(5), at(4));
+        assert!(s.get("c", at(4)).is_some(), "a re-pin drops nothing");
+        // a expires at 9: it goes before c, however recent its use.
+        s.pin("d", &w, Duration::from_secs(100), at(10));
+        assert!(s.get("c", at(10)).is_some() && s.get("d", at(10)).is_some());
+        assert!(!s.remove("a", at(10)));
     }
 
+    /// A client that floods the table with new ids leaves it at its cap,
+    /// and a conversation in use keeps its pin throughout.
     #[test]
-    fn bounded() {
-        let s = Sessions::new(1);
+    fn a_flood_of_new_sessions_keeps_the_one_in_use() {
+        let s = Sessions::new(100);
         let t0 = Instant::now();
         let w = WorkerId::new("w1");
-        assert!(s.pin("a", &w, Duration::from_secs(10), t0));
-        assert!(!s.pin("b", &w, Duration::from_secs(10), t0));
-        assert!(s.pin("b", &w, Duration::from_secs(10), t0 + Duration::from_secs(11)));
+        s.pin("mine", &w, Duration::from_secs(600), t0);
+        for i in 0..10_000 {
+            s.pin(&format!("flood-{i}"), &w, Duration::from_secs(86_400), t0);
+            if i % 50 == 0 {
+                assert_eq!(s.get("mine", t0), Some(w.clone()), "after {i}");
+            }
+        }
+        assert_eq!(s.count(), 100);
+        s.sweep(t0 + Duration::from_secs(601));
+        assert_eq!((s.count(), s.get("mine", t0 + Duration::from_secs(601))), (99, None));
         assert!(!valid_session_id("") && !valid_session_id("a b") && valid_session_id("conv-42"));
     }
 }

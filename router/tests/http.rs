@@ -635,17 +635,21 @@ async fn an_unknown_model_is_a_404_like_vllm() {
     assert_eq!(r.complete(json!({"model": "m", "prompt": "x"})).await.status(), 200);
 }
 
+/// At the cap a new context takes the place of the least recently used
+/// one: no client can shut sessions out by filling the table.
 #[tokio::test]
-async fn a_full_session_table_refuses_new_contexts_instead_of_inventing_ids() {
+async fn a_full_session_table_makes_room_for_new_contexts() {
     let w = fake_worker("w1", Behaviour::Ok).await;
     let r = router(&[("w1", &w.url)], |raw| raw.max_sessions = 1).await;
     let create = || r.http.post(format!("{}/v1/context", r.url)).json(&json!({"model": "m", "prompt": "hi"})).send();
     let first = create().await.unwrap();
     assert_eq!(first.status(), 200);
-    assert!(first.headers().contains_key("x-session-id"));
+    let first_id = first.headers()["x-session-id"].to_str().unwrap().to_owned();
     let second = create().await.unwrap();
-    assert_eq!(second.status(), 503);
-    assert!(!second.headers().contains_key("x-session-id"));
+    assert_eq!(second.status(), 200);
+    assert!(second.headers().contains_key("x-session-id"));
+    let end = |id: String| r.http.delete(format!("{}/v1/context/{id}", r.url)).send();
+    assert_eq!(end(first_id).await.unwrap().status(), 404, "the first made room");
 }
 
 #[tokio::test]
@@ -674,6 +678,18 @@ async fn prompts_beyond_max_prompt_tokens_are_refused_before_or_after_tokenizing
         .await
         .unwrap();
     assert_eq!(resp.status(), 413, "refused before the body ended");
+    drop(tx);
+    // So is one that would open a session.
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(1);
+    tx.send(Ok(Bytes::from(format!("{{\"model\": \"m\", \"prompt\": \"{}", prompt(2_000))))).await.unwrap();
+    let resp = r
+        .http
+        .post(format!("{}/v1/context", r.url))
+        .body(reqwest::Body::wrap_stream(tokio_stream_from(rx)))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 413, "/v1/context refused before the body ended");
     drop(tx);
     assert_eq!(r.complete(json!({"model": "m", "prompt": prompt(50)})).await.status(), 200);
     assert_eq!(w.hits.load(Ordering::SeqCst), 1, "refused prompts never reached the engine");
