@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
-use kvroute_router::index::{Index, Slot};
+use kvroute_router::index::{DeltaCursor, Index, Slot};
+use kvroute_router::internal::SYNC_WRITE_CHUNK;
 use kvroute_router::policy::{CacheAware, Candidate, LoadView, Policy, RouteView};
 use kvroute_router::replicas::{MAX_HINT_KEYS, PrefixHints, ReplicaLoad, ReplicaReport, SentPrefix, prefixes};
 use kvroute_shared::{BlockKey, KeyRoot, WorkerId};
@@ -168,6 +169,33 @@ fn report(_: &mut Criterion) {
         })
         .collect();
     percentiles("decision for a 1k-token prompt (hash 64 blocks + match + cache_aware, 16 workers)", samples);
+
+    // The longest write-lock hold of a hostile (or far behind) delta: a
+    // `cleared` batch of 1M stores over a worker holding 1M keys, at once
+    // and in SYNC_WRITE_CHUNK pieces as `/internal/eviction` applies it.
+    let (held, next) = (chain(7, 1_000_000), chain(8, 1_000_000));
+    let worker = || {
+        let mut ix = Index::new();
+        ix.apply_events(Slot(0), false, &[], &held);
+        ix
+    };
+    let mut ix = worker();
+    let t = Instant::now();
+    ix.apply_events(Slot(0), true, &[], black_box(&next));
+    println!("cleared delta of 1M keys over 1M held, at once: {:?}", t.elapsed());
+    let mut ix = worker();
+    let mut cursor = DeltaCursor::new(true);
+    let mut holds = Vec::new();
+    loop {
+        let t = Instant::now();
+        let more = ix.apply_some(Slot(0), &mut cursor, &[], black_box(&next), SYNC_WRITE_CHUNK);
+        holds.push(t.elapsed());
+        if !more {
+            break;
+        }
+    }
+    println!("  in chunks: total {:?}", holds.iter().sum::<Duration>());
+    percentiles("  in chunks, each write-lock hold", holds);
 }
 
 /// A replica's report as a busy one sends it: 16 workers with requests in

@@ -385,6 +385,64 @@ impl Index {
         removed
     }
 
+    /// [`Index::clear_worker`] a piece at a time: drops up to `n` of
+    /// `slot`'s keys and says whether any remain (call again, under a fresh
+    /// lock). Once none do, the worker is left as `clear_worker` leaves it.
+    pub fn clear_some(&mut self, slot: Slot, n: usize) -> bool {
+        let Some(w) = self.workers.get_mut(&slot) else { return false };
+        // A compaction under way read the vector this shortens.
+        w.generation += 1;
+        let cut = w.keys.len().saturating_sub(n.max(1));
+        let chunk: Vec<BlockKey> = w.keys.drain(cut..).collect();
+        for key in chunk {
+            self.remove_uncompacted(slot, key);
+        }
+        let Some(w) = self.workers.get_mut(&slot) else { return false };
+        if !w.keys.is_empty() {
+            return true;
+        }
+        w.live = 0;
+        w.marks = KeyMap::default();
+        w.speculative.clear();
+        w.counts = Counts::default();
+        w.digest = KeyDigest::default();
+        if let Some(lru) = &mut w.approx {
+            lru.clear();
+        }
+        false
+    }
+
+    /// Applies up to `n` more changes of a delta (`cleared` as `cursor` was
+    /// made, then `evicted`, then `stored`, as [`Index::apply_events`] does
+    /// at once); says whether any remain. A large delta applied so holds
+    /// the write lock a chunk at a time, as a sync does.
+    pub fn apply_some(
+        &mut self,
+        slot: Slot,
+        cursor: &mut DeltaCursor,
+        evicted: &[BlockKey],
+        stored: &[BlockKey],
+        n: usize,
+    ) -> bool {
+        let n = n.max(1);
+        if cursor.clearing {
+            cursor.clearing = self.clear_some(slot, n);
+        } else if cursor.evicted < evicted.len() {
+            let end = (cursor.evicted + n).min(evicted.len());
+            for &k in &evicted[cursor.evicted..end] {
+                self.remove(slot, k);
+            }
+            cursor.evicted = end;
+        } else {
+            let end = (cursor.stored + n).min(stored.len());
+            for &k in &stored[cursor.stored..end] {
+                self.put(slot, k, Entry::new(Kind::Confirmed, 0));
+            }
+            cursor.stored = end;
+        }
+        cursor.clearing || cursor.evicted < evicted.len() || cursor.stored < stored.len()
+    }
+
     /// Forgets `slot` entirely (the worker left the cluster).
     pub fn remove_worker(&mut self, slot: Slot) {
         self.clear_worker(slot);
@@ -649,6 +707,21 @@ impl Index {
             }
         }
         Ok(())
+    }
+}
+
+/// Where [`Index::apply_some`] is in a delta.
+#[derive(Debug, Default)]
+pub struct DeltaCursor {
+    clearing: bool,
+    evicted: usize,
+    stored: usize,
+}
+
+impl DeltaCursor {
+    /// At the start of a delta; `cleared`: it begins by clearing the worker.
+    pub fn new(cleared: bool) -> Self {
+        DeltaCursor { clearing: cleared, evicted: 0, stored: 0 }
     }
 }
 

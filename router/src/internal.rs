@@ -34,7 +34,7 @@ use kvroute_shared::{BlockKey, WorkerId};
 
 use crate::config::Secret;
 use crate::error::RouterError;
-use crate::index::{Covers, SyncOutcome, SyncPlan};
+use crate::index::{Covers, DeltaCursor, SyncOutcome, SyncPlan};
 use crate::proxy::read_in_time;
 use crate::state::{AppState, Registered, now_ms};
 use crate::workers::{RegistryError, Source, Target, Upsert, Worker};
@@ -202,12 +202,16 @@ pub async fn eviction(
         state.metrics.event("rejected_too_large", 1);
         return Err(RouterError::PayloadTooLarge { limit: max });
     }
-    // A large delta (a sidecar that fell behind: up to max_sync_keys) holds
-    // the index's write lock for tens of ms: on the blocking pool.
+    // A large delta (a sidecar that fell behind: up to max_sync_keys) is
+    // applied in chunks, on the blocking pool, and after any sync or other
+    // large delta of the same worker (a sidecar sends one push at a time;
+    // two senders' chunks must not interleave).
     let changes = batch.stored_hashes.len() + batch.evicted_hashes.len();
     let (pushed, batch) = if changes <= APPLY_INLINE_MAX_KEYS && !batch.cleared {
         (apply_eviction(&state, &worker, &batch), batch)
     } else {
+        let gate = state.sync_gate(&worker.id);
+        let _turn = gate.lock().await;
         let (st, w) = (state.clone(), worker.clone());
         tokio::task::spawn_blocking(move || (apply_eviction(&st, &w, &batch), batch))
             .await
@@ -282,8 +286,20 @@ fn apply_eviction(state: &AppState, worker: &Worker, batch: &EvictionBatch) -> P
     if !map.seq(worker.slot).accept(batch.epoch.as_deref(), batch.seq) {
         return Push::Stale;
     }
-    map.index.apply_events(worker.slot, batch.cleared, &batch.evicted_hashes, &batch.stored_hashes);
-    let resync = batch.digest.is_some_and(|theirs| theirs != map.index.digest(worker.slot));
+    let (slot, evicted, stored) = (worker.slot, &batch.evicted_hashes, &batch.stored_hashes);
+    let mut cursor = DeltaCursor::new(batch.cleared);
+    // A large delta (up to max_sync_keys, or a `cleared` one over as many
+    // held keys) would hold the lock every request's lookup waits on for a
+    // tenth of a second or more: it is applied SYNC_WRITE_CHUNK keys per
+    // hold, as a sync is, the worker's membership checked at each.
+    while map.index.apply_some(slot, &mut cursor, evicted, stored, SYNC_WRITE_CHUNK) {
+        drop(map);
+        map = state.map.write();
+        if !map.is_member(&state.workers, worker) {
+            return Push::NotMember;
+        }
+    }
+    let resync = batch.digest.is_some_and(|theirs| theirs != map.index.digest(slot));
     Push::Applied(Acked { resync, clock: Some(map.index.clock()) })
 }
 

@@ -207,6 +207,45 @@ proptest! {
         }
     }
 
+    /// A delta applied a chunk at a time leaves the index as applying it at
+    /// once does, whatever came before it (speculative and confirmed keys,
+    /// an approximate worker) and whatever the chunk size.
+    #[test]
+    fn chunked_deltas_equal_whole_ones(ops in proptest::collection::vec(op(), 1..40), n in 1usize..5) {
+        let (mut whole, mut chunked) = (Index::new(), Index::new());
+        for ix in [&mut whole, &mut chunked] {
+            ix.set_approximate(Slot(3), Some(5));
+        }
+        for op in ops {
+            match op {
+                Op::Events { slot, cleared, evicted, stored } => {
+                    let e: Vec<_> = evicted.into_iter().map(k).collect();
+                    let s: Vec<_> = stored.into_iter().map(k).collect();
+                    whole.apply_events(Slot(slot), cleared, &e, &s);
+                    let mut cursor = DeltaCursor::new(cleared);
+                    while chunked.apply_some(Slot(slot), &mut cursor, &e, &s, n) {
+                        prop_assert_eq!(chunked.check_consistency(), Ok(()));
+                    }
+                }
+                Op::Routed { slot, keys, at } => {
+                    let keys: Vec<_> = keys.into_iter().map(k).collect();
+                    whole.record_routed(Slot(slot), &keys, at);
+                    chunked.record_routed(Slot(slot), &keys, at);
+                }
+                _ => {}
+            }
+            prop_assert_eq!(chunked.check_consistency(), Ok(()));
+            for slot in [0, 1, 2, 3, 64, 65].map(Slot) {
+                let (mut a, mut b) = (whole.keys_of(slot), chunked.keys_of(slot));
+                a.sort_by_key(|x| x.0);
+                b.sort_by_key(|x| x.0);
+                prop_assert_eq!(a, b);
+                prop_assert_eq!(whole.counts(slot), chunked.counts(slot));
+                prop_assert_eq!(whole.digest(slot), chunked.digest(slot));
+            }
+        }
+    }
+
     /// A sync leaves the worker with exactly the confirmed set that replaying
     /// the engine's events gives.
     #[test]
