@@ -33,7 +33,7 @@ use kvroute_shared::{BlockSize, WorkerId};
 use rand::Rng;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::{debug, error, warn};
 
 use crate::engine::EngineView;
 use crate::metrics::{MessageKind, PushLabels};
@@ -55,6 +55,10 @@ pub const HEARTBEAT: Duration = Duration::from_millis(500);
 /// within this (jittered into its upper half) plus one fast tick — as soon
 /// as a heartbeat would reach a router that restarted unnoticed.
 const RECONNECT_MAX: Duration = HEARTBEAT;
+/// The pause after a router refused a full sync as too large: it will until
+/// its `max_sync_keys` is raised, and each attempt makes it read (up to its
+/// internal body limit, 128 MiB) and decode the whole set first.
+const TOO_LARGE_PAUSE: Duration = Duration::from_secs(30);
 
 /// Everything the per-router tasks share.
 #[derive(Debug)]
@@ -313,8 +317,13 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
                         pusher.state.require_sync(&link.target);
                     }
                     let cap = if e.nothing_sent() { RECONNECT_MAX } else { BACKOFF_MAX };
-                    let pause = jitter(backoff.min(cap));
+                    let mut pause = jitter(backoff.min(cap));
                     backoff = (backoff * 2).min(BACKOFF_MAX);
+                    if kind == MessageKind::Sync && e.too_large() {
+                        let (_, keys) = pusher.state.counts();
+                        error!(router = %link.target.0, keys, pause_secs = TOO_LARGE_PAUSE.as_secs(), "the router refuses this worker's key set as too large: raise its max_sync_keys (and max_internal_body_bytes) above the engine's KV blocks; retrying after a pause");
+                        pause = TOO_LARGE_PAUSE;
+                    }
                     tokio::select! {
                         _ = cancel.cancelled() => return,
                         _ = tokio::time::sleep(pause) => {}

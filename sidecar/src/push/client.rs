@@ -68,6 +68,12 @@ impl PushError {
         matches!(self, PushError::Unreachable { .. })
     }
 
+    /// The router refused the message as larger than it takes (413: more
+    /// keys than its `max_sync_keys`, or a body past its limit).
+    pub fn too_large(&self) -> bool {
+        matches!(self, PushError::Status { status: 413, .. })
+    }
+
     /// The router refused the protocol version the push named (an older
     /// router: the link falls back to version 1).
     pub fn protocol_refused(&self) -> bool {

@@ -36,6 +36,8 @@ struct FakeRouter {
     stale_left: Mutex<usize>,
     /// Messages answered `unknown_worker` (a router that will not register it).
     unknown_left: Mutex<usize>,
+    /// Syncs refused 413, as larger than the router's `max_sync_keys`.
+    too_large_syncs_left: Mutex<usize>,
     epoch: Mutex<String>,
     /// A router of the release before v2: it refuses a version-2 header.
     v1_only: Mutex<bool>,
@@ -60,6 +62,7 @@ impl FakeRouter {
             unreachable_left: Mutex::new(0),
             stale_left: Mutex::new(0),
             unknown_left: Mutex::new(0),
+            too_large_syncs_left: Mutex::new(0),
             epoch: Mutex::new("r1".into()),
             v1_only: Mutex::new(false),
             lose_left: Mutex::new(0),
@@ -87,6 +90,12 @@ impl FakeRouter {
             let source = Box::new(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
             return Err(PushError::Unreachable { url: "fake".into(), source });
         }
+        let mut too_large = self.too_large_syncs_left.lock();
+        if *too_large > 0 && matches!(sent, Sent::Sync(_)) {
+            *too_large -= 1;
+            return Err(PushError::Status { url: "fake".into(), status: 413, detail: String::new(), param: None });
+        }
+        drop(too_large);
         let mut left = self.failures_left.lock();
         if *left > 0 {
             *left -= 1;
@@ -287,6 +296,24 @@ async fn failures_back_off_and_recovery_starts_with_a_sync() {
         held.extend(b.stored_hashes.iter().copied());
     }
     assert_eq!(held.len(), 50, "every store reached the router once it recovered");
+    s.cancel.cancel();
+}
+
+/// A router that refuses the worker's key set as too large does until its
+/// limit is raised: the sidecar pauses before each new attempt instead of
+/// resending the whole set every second.
+#[tokio::test(start_paused = true)]
+async fn a_sync_refused_as_too_large_is_retried_after_a_pause() {
+    let router = FakeRouter::new();
+    *router.too_large_syncs_left.lock() = 1_000;
+    let s = start_with(router, WallClock::system());
+    advance(95_000).await;
+    let attempts = s.router.attempts.lock().len();
+    assert!((3..=5).contains(&attempts), "{attempts} attempts in 95 s");
+    // Raised: the next attempt is taken.
+    *s.router.too_large_syncs_left.lock() = 0;
+    advance(31_000).await;
+    assert!(matches!(s.router.sent().first(), Some(Sent::Sync(_))), "{:?}", s.router.sent());
     s.cancel.cancel();
 }
 
