@@ -127,28 +127,35 @@ pub struct IndexQuery {
 pub async fn debug_index(
     State(state): State<Arc<AppState>>,
     Query(q): Query<IndexQuery>,
-) -> Result<Json<Value>, RouterError> {
+) -> Result<Response, RouterError> {
     let workers = state.workers.snapshot();
-    let map = state.map.read();
     if let Some(id) = q.worker {
         let w = workers
             .iter()
             .find(|w| w.id.as_str() == id)
-            .ok_or_else(|| RouterError::NotFound(format!("no worker {id:?}")))?;
-        // Copied under the lock; sorted and encoded after it is released (a
-        // million-key worker: a read lock held that long makes routing wait
-        // behind the writers queued meanwhile).
-        let mut keys = map.index.keys_of(w.slot);
-        drop(map);
-        keys.sort_unstable_by_key(|(k, _)| *k);
-        let of = |kind: Kind| keys.iter().filter(|(_, k)| *k == kind).map(|(key, _)| *key).collect::<Vec<_>>();
-        return Ok(Json(json!({
-            "worker": id,
-            "confirmed": of(Kind::Confirmed),
-            "speculative": of(Kind::Speculative),
-            "approximate": of(Kind::Approximate),
-        })));
+            .ok_or_else(|| RouterError::NotFound(format!("no worker {id:?}")))?
+            .clone();
+        // Up to max_sync_keys keys: copied under the lock, sorted and encoded
+        // after it is released (a read lock held that long makes routing
+        // wait behind the writers queued meanwhile), all of it off the async
+        // runtime and at most one per core, as tokenizing is.
+        let st = state.clone();
+        return routing::on_tokenizer_pool(&state, move || {
+            let mut keys = st.map.read().index.unsorted_keys_of(w.slot);
+            keys.sort_unstable_by_key(|(k, _)| *k);
+            keys.dedup_by_key(|(k, _)| *k);
+            let of = |kind: Kind| keys.iter().filter(|(_, k)| *k == kind).map(|(key, _)| *key).collect::<Vec<_>>();
+            let body = json!({
+                "worker": id,
+                "confirmed": of(Kind::Confirmed),
+                "speculative": of(Kind::Speculative),
+                "approximate": of(Kind::Approximate),
+            });
+            Ok(([(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response())
+        })
+        .await;
     }
+    let map = state.map.read();
     let per: serde_json::Map<String, Value> = workers
         .iter()
         .map(|w| {
@@ -156,7 +163,7 @@ pub async fn debug_index(
             (w.id.to_string(), json!({"confirmed": c.confirmed, "speculative": c.speculative, "approximate": c.approximate, "approximate_index": map.index.is_approximate(w.slot)}))
         })
         .collect();
-    Ok(Json(json!({"keys": map.index.key_count(), "entries": map.index.entry_count(), "workers": per})))
+    Ok(Json(json!({"keys": map.index.key_count(), "entries": map.index.entry_count(), "workers": per})).into_response())
 }
 
 /// `GET /admin/workers`: every worker with health, load, index size, last sync.

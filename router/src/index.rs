@@ -656,11 +656,17 @@ impl Index {
 
     /// All keys of `slot` with their kinds (for debug views and tests).
     pub fn keys_of(&self, slot: Slot) -> Vec<(BlockKey, Kind)> {
+        let mut keys = self.unsorted_keys_of(slot);
+        keys.sort_unstable_by_key(|(k, _)| *k);
+        keys.dedup_by_key(|(k, _)| *k);
+        keys
+    }
+
+    /// [`Index::keys_of`] unsorted, a key perhaps more than once: the part
+    /// that needs the lock (the caller sorts after letting it go).
+    pub fn unsorted_keys_of(&self, slot: Slot) -> Vec<(BlockKey, Kind)> {
         let Some(w) = self.workers.get(&slot) else { return Vec::new() };
-        let mut keys: Vec<BlockKey> = w.keys.iter().copied().filter(|k| self.forward.holds(slot, k)).collect();
-        keys.sort_unstable();
-        keys.dedup();
-        keys.into_iter().map(|k| (k, w.kind_of(&k))).collect()
+        w.keys.iter().filter(|k| self.forward.holds(slot, k)).map(|&k| (k, w.kind_of(&k))).collect()
     }
 
     /// Checks that forward and reverse agree (tests and debug builds).
