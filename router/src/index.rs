@@ -132,6 +132,18 @@ const INLINE_COMPACT_MAX: usize = 16_384;
 const HARD_SLACK: usize = 4;
 
 impl WorkerKeys {
+    /// Its keys' accounting, once its keys are gone: nothing held.
+    fn forget_all(&mut self) {
+        self.live = 0;
+        self.marks = KeyMap::default();
+        self.speculative.clear();
+        self.counts = Counts::default();
+        self.digest = KeyDigest::default();
+        if let Some(lru) = &mut self.approx {
+            lru.clear();
+        }
+    }
+
     fn kind_of(&self, key: &BlockKey) -> Kind {
         self.marks.get(key).map_or(Kind::Confirmed, |e| e.kind())
     }
@@ -374,14 +386,7 @@ impl Index {
         for key in std::mem::take(&mut w.keys) {
             self.forward.clear(slot, &key);
         }
-        w.live = 0;
-        w.marks = KeyMap::default();
-        w.speculative.clear();
-        w.counts = Counts::default();
-        w.digest = KeyDigest::default();
-        if let Some(lru) = &mut w.approx {
-            lru.clear();
-        }
+        w.forget_all();
         removed
     }
 
@@ -401,14 +406,7 @@ impl Index {
         if !w.keys.is_empty() {
             return true;
         }
-        w.live = 0;
-        w.marks = KeyMap::default();
-        w.speculative.clear();
-        w.counts = Counts::default();
-        w.digest = KeyDigest::default();
-        if let Some(lru) = &mut w.approx {
-            lru.clear();
-        }
+        w.forget_all();
         false
     }
 
