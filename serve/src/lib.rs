@@ -263,7 +263,14 @@ struct Watched<B> {
 impl<B> Watched<B> {
     fn new(inner: B, busy: Busy) -> Self {
         let unasked = Arc::new(AtomicU64::new(busy.0.now_ms()));
-        busy.0.answers.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::downgrade(&unasked));
+        let mut answers = busy.0.answers.lock().unwrap_or_else(|e| e.into_inner());
+        // Answers that ended are dropped here too, not only when the loop
+        // looks (a keep-alive connection may carry thousands between looks).
+        if answers.len() >= 64 && answers.len().is_power_of_two() {
+            answers.retain(|a| a.strong_count() > 0);
+        }
+        answers.push(Arc::downgrade(&unasked));
+        drop(answers);
         Watched { inner, unasked, busy }
     }
 }
@@ -359,5 +366,26 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<IO> {
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let poll = Pin::new(&mut self.io).poll_shutdown(cx);
         self.stall(cx, poll)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A keep-alive connection carrying answer after answer keeps no
+    /// record of those that ended, and knows when one waits to be asked.
+    #[test]
+    fn a_connection_remembers_only_its_live_answers() {
+        let activity = Arc::new(Activity::default());
+        for _ in 0..10_000 {
+            drop(Watched::new(axum::body::Body::empty(), Activity::begin(&activity)));
+        }
+        assert!(activity.answers.lock().unwrap().len() < 128);
+        let live = Watched::new(axum::body::Body::empty(), Activity::begin(&activity));
+        assert!(activity.unasked_for().is_some(), "its headers are ready and nobody asked for its body");
+        live.unasked.store(ASKED, Ordering::Relaxed);
+        assert_eq!(activity.unasked_for(), None);
+        assert_eq!(activity.busy.load(Ordering::Relaxed), 1);
     }
 }
