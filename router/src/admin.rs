@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 
 use crate::error::RouterError;
 use crate::index::Kind;
-use crate::proxy::{admit, parse_off_runtime};
+use crate::proxy::admit;
 use crate::routing;
 use crate::state::{AppState, now_ms};
 
@@ -79,8 +79,7 @@ pub async fn debug_route(State(state): State<Arc<AppState>>, body: Body) -> Resu
     // Same limits as a real request: body deadline, concurrency slot, prompt
     // size, tokenizing off the runtime.
     let (body, _permit) = admit(&state, body).await?;
-    let req = parse_off_runtime(&state, endpoint_of(&body), &body).await?;
-    let prepared = routing::prepare_off_runtime(&state, req, body.len()).await?;
+    let (_, prepared) = routing::parse_and_prepare(&state, endpoint_of(&body), &body).await?;
     let plan = routing::plan(&state, prepared, None, false)?;
     let name = |i: usize| plan.workers[i].id.to_string();
     let workers: Vec<Value> = plan

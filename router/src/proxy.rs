@@ -69,25 +69,6 @@ pub fn parse(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Prompt
     Ok(req)
 }
 
-/// [`parse`], for a body over [`PARSE_INLINE_MAX_BYTES`] on the blocking
-/// pool under a tokenizer slot (one per core): a chat body of many small
-/// content parts parses to ~30 × its size, and thousands of such requests
-/// parsing at once on the async workers would take that many times over.
-pub async fn parse_off_runtime(
-    state: &Arc<AppState>,
-    endpoint: Endpoint,
-    body: &Bytes,
-) -> Result<PromptRequest, RouterError> {
-    if body.len() <= PARSE_INLINE_MAX_BYTES {
-        return parse(state, endpoint, body);
-    }
-    let (st, body) = (state.clone(), body.clone());
-    routing::on_tokenizer_pool(state, move || parse(&st, endpoint, &body)).await
-}
-
-/// Bodies up to this size are parsed on the async worker.
-pub const PARSE_INLINE_MAX_BYTES: usize = 256 << 10;
-
 /// Admits a request that will be planned (proxied or explained): its body is
 /// read under a deadline *before* a concurrency slot is taken (clients that
 /// send slowly must not hold the slots real requests need) and refused as
@@ -178,16 +159,12 @@ async fn proxy_from(
     arrived: Instant,
 ) -> Result<Response, RouterError> {
     let (body, _permit) = admit(state, body).await?;
-    let req = parse_off_runtime(state, endpoint, &body).await?;
-    let stream = req.stream();
     let session = match new_session {
         Some(s) => Some(s),
         None => session_of(state, headers)?,
     };
+    let (stream, prepared) = routing::parse_and_prepare(state, endpoint, &body).await?;
     let pinned = session.as_ref().and_then(|(id, _)| state.sessions.get(id, Instant::now()));
-    // The parsed request (several times its body's size) goes with the
-    // tokenizing job: none is held while a request waits for its answer.
-    let prepared = routing::prepare_off_runtime(state, req, body.len()).await?;
     let plan = routing::plan(state, prepared, pinned.as_ref(), true)?;
     let mut resp = dispatch(state, endpoint, headers, body, &plan, stream, arrived).await?;
     if let Some((id, ttl)) = session {

@@ -5,7 +5,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvroute_shared::openai::PromptRequest;
+use bytes::Bytes;
+use kvroute_shared::openai::{Endpoint, PromptRequest};
 use kvroute_shared::tokenize::TokenizeError;
 use kvroute_shared::{BlockKey, KeyRoot, WorkerId, block_keys};
 
@@ -104,28 +105,34 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
     Ok(Prepared { model, tokens, keys, head_hash, prefix_hint, exact_tokenizer: tokenizer.is_exact() })
 }
 
-/// [`prepare`] on tokio's blocking pool, at most one per core at a time.
+/// Parses `body` ([`crate::proxy::parse`]) and renders, tokenizes and keys
+/// the request ([`prepare`]) in one job on tokio's blocking pool, at most one
+/// per core at a time; returns whether it is streamed, and the prompt.
 /// Rendering and tokenizing take from microseconds to seconds of CPU (a
 /// megabyte prompt): on the async runtime they would stall health checks,
 /// sidecar pushes and every other request, and a long enough stall expires
-/// every worker. Waiting for a slot is asynchronous.
+/// every worker. The parsed request (a chat body of many small content
+/// parts parses to ~30 × its size) lives only inside the job: however many
+/// requests wait for a slot, at most one per core is parsed at a time, and
+/// none is held while its answer comes. Waiting for a slot is asynchronous.
 ///
-/// `body_bytes` is the request body's size: after a prompt of
-/// [`RELEASE_MEMORY_AFTER_BYTES`] or more, the allocator is asked to hand its
-/// free memory back to the system.
-pub async fn prepare_off_runtime(
+/// After a body of [`RELEASE_MEMORY_AFTER_BYTES`] or more, the allocator is
+/// asked to hand its free memory back to the system.
+pub async fn parse_and_prepare(
     state: &Arc<AppState>,
-    req: PromptRequest,
-    body_bytes: usize,
-) -> Result<Prepared, RouterError> {
-    let st = state.clone();
+    endpoint: Endpoint,
+    body: &Bytes,
+) -> Result<(bool, Prepared), RouterError> {
+    let (st, body) = (state.clone(), body.clone());
     on_tokenizer_pool(state, move || {
+        let req = crate::proxy::parse(&st, endpoint, &body)?;
+        let stream = req.stream();
         let prepared = prepare(&st, &req);
         drop(req);
-        if body_bytes >= RELEASE_MEMORY_AFTER_BYTES {
+        if body.len() >= RELEASE_MEMORY_AFTER_BYTES {
             release_free_memory();
         }
-        prepared
+        Ok((stream, prepared?))
     })
     .await
 }

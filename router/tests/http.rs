@@ -795,7 +795,7 @@ async fn a_refused_request_pins_no_session() {
     assert!(resp.headers().get("x-session-id").is_none(), "a refused request pinned its session");
 }
 
-/// A body over 256 KB is parsed on the blocking pool: the same answer.
+/// A large body (parsed on the blocking pool, as every body is): routed.
 #[tokio::test]
 async fn a_large_body_is_parsed_off_the_runtime_and_routed() {
     let w = fake_worker("w1", Behaviour::Ok).await;
