@@ -161,6 +161,8 @@ impl Pusher {
                 hashes: content.keys,
                 load,
             };
+            // The whole set replaces whatever a pending repair would mend.
+            link.repair_due = false;
             let ack = self.client.sync(&link.target, &body, link.protocol).await.map_err(|e| (MessageKind::Sync, e))?;
             link.last_load = load;
             link.last_sent = Some(tokio::time::Instant::now());
@@ -237,7 +239,9 @@ impl Pusher {
             warn!(router = %link.target.0, "the router called a push stale: continuing under a new epoch with a full sync");
             self.state.renew_epoch();
         }
-        if restarted || ack.outcome == AckOutcome::UnknownWorker {
+        // A restarted router that has just taken a full sync holds the
+        // whole set already (the usual first message after an outage).
+        if (restarted && kind != MessageKind::Sync) || ack.outcome == AckOutcome::UnknownWorker {
             debug!(router = %link.target.0, restarted, "router needs a full sync");
             self.state.require_sync(&link.target);
         }

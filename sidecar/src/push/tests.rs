@@ -373,6 +373,23 @@ async fn a_new_router_epoch_gets_a_sync_at_once() {
     s.cancel.cancel();
 }
 
+/// A router that restarted while it was unreachable takes the sidecar's
+/// first message after the outage, a full sync, from its new epoch: that
+/// sync holds the whole set, and no second one follows.
+#[tokio::test(start_paused = true)]
+async fn a_router_back_from_a_restart_gets_one_sync() {
+    let s = start();
+    advance(1).await;
+    assert!(matches!(s.router.sent()[..], [Sent::Sync(_)]));
+    *s.router.unreachable_left.lock() = 5;
+    *s.router.epoch.lock() = "r2".into();
+    s.state.apply(Rank(0), &store(1, [1, 1, 1, 1]));
+    advance(10_000).await;
+    let syncs = s.router.sent().iter().filter(|m| matches!(m, Sent::Sync(_))).count();
+    assert_eq!(syncs, 2, "the registration's and one after the outage: {:?}", s.router.sent());
+    s.cancel.cancel();
+}
+
 /// A router that is down (connections refused) is tried at least every half
 /// second however long it stays down, so one that comes back is resynced
 /// within about that; a router that answers with errors backs off further.
