@@ -206,16 +206,24 @@ pub async fn eviction(
     // applied in chunks, on the blocking pool, and after any sync or other
     // large delta of the same worker (a sidecar sends one push at a time;
     // two senders' chunks must not interleave).
+    // The turn goes with the job: a sender that gives up (its connection
+    // closed, this handler dropped) does not let another push's chunks in
+    // while the job still runs.
     let changes = batch.stored_hashes.len() + batch.evicted_hashes.len();
-    let (pushed, batch) = if changes <= APPLY_INLINE_MAX_KEYS && !batch.cleared {
-        (apply_eviction(&state, &worker, &batch), batch)
-    } else {
-        let gate = state.sync_gate(&worker.id);
-        let _turn = gate.lock().await;
-        let (st, w) = (state.clone(), worker.clone());
-        tokio::task::spawn_blocking(move || (apply_eviction(&st, &w, &batch), batch))
+    let gate = state.sync_gate(&worker.id);
+    let inline = changes <= APPLY_INLINE_MAX_KEYS && !batch.cleared;
+    let (pushed, batch) = match inline.then(|| gate.clone().try_lock_owned().ok()).flatten() {
+        Some(_turn) => (apply_eviction(&state, &worker, &batch), batch),
+        None => {
+            let turn = gate.lock_owned().await;
+            let (st, w) = (state.clone(), worker.clone());
+            tokio::task::spawn_blocking(move || {
+                let _turn = turn;
+                (apply_eviction(&st, &w, &batch), batch)
+            })
             .await
             .map_err(|_| RouterError::Unavailable("the push could not be applied".into()))?
+        }
     };
     let acked = match pushed {
         Push::Applied(acked) => acked,
@@ -335,14 +343,21 @@ pub async fn sync(
     }
     // One sync per worker at a time, so two cannot interleave their chunks;
     // the chunks run on the blocking pool, off the async workers.
-    let gate = state.sync_gate(&snap.worker_id);
-    let _turn = gate.lock().await;
-    let _slot =
-        state.sync_slots.acquire().await.map_err(|_| RouterError::Unavailable("the router is shutting down".into()))?;
-    let st = state.clone();
-    let (result, snap) = tokio::task::spawn_blocking(move || (apply_sync(&st, &snap, protocol), snap))
+    // The turn and the slot go with the job, as a large delta's turn does.
+    let turn = state.sync_gate(&snap.worker_id).lock_owned().await;
+    let slot = state
+        .sync_slots
+        .clone()
+        .acquire_owned()
         .await
-        .map_err(|_| RouterError::Unavailable("the sync could not be applied".into()))?;
+        .map_err(|_| RouterError::Unavailable("the router is shutting down".into()))?;
+    let st = state.clone();
+    let (result, snap) = tokio::task::spawn_blocking(move || {
+        let _held = (turn, slot);
+        (apply_sync(&st, &snap, protocol), snap)
+    })
+    .await
+    .map_err(|_| RouterError::Unavailable("the sync could not be applied".into()))?;
     let (registered, applied) = result.map_err(|e| match e {
         RegistryError::Full => RouterError::Unavailable(e.to_string()),
         e => RouterError::bad_request("url", e.to_string()),
@@ -445,11 +460,15 @@ fn apply_sync(
         w.live.last_report_ms.store(now, Ordering::Relaxed);
         w.live.last_sync_ms.store(now, Ordering::Relaxed);
         drop(map);
-        if snap.digest.is_some_and(|theirs| theirs != digest) {
+        // The worker cleared (ejected) between two chunks, or a bug: either
+        // way the sidecar is asked for the set again (it paces syncs a
+        // router keeps asking for).
+        let resync = snap.digest.is_some_and(|theirs| theirs != digest);
+        if resync {
             state.metrics.sync("digest_mismatch");
-            tracing::warn!(worker.id = %w.id, theirs = ?snap.digest, ours = ?digest, "a sync did not reproduce its own digest");
+            tracing::warn!(worker.id = %w.id, theirs = ?snap.digest, ours = ?digest, "a sync did not reproduce its own digest: asking for another");
         }
-        return Ok((registered, Push::Applied((outcome, Acked { resync: false, clock: Some(clock) }))));
+        return Ok((registered, Push::Applied((outcome, Acked { resync, clock: Some(clock) }))));
     }
 }
 

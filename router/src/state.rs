@@ -232,7 +232,7 @@ pub struct AppState {
     /// in a hash set while it is diffed (~40 MB per million keys), so a
     /// registration storm after a restart queues here instead of holding
     /// every worker's set in memory together.
-    pub sync_slots: Semaphore,
+    pub sync_slots: Arc<Semaphore>,
 }
 
 impl AppState {
@@ -260,7 +260,7 @@ impl AppState {
             shutdown,
             config,
             sync_gates: Default::default(),
-            sync_slots: Semaphore::new(SYNCS_AT_ONCE),
+            sync_slots: Arc::new(Semaphore::new(SYNCS_AT_ONCE)),
         }
     }
 

@@ -87,6 +87,20 @@ async fn a_lost_batch_is_detected_by_digest_and_healed_by_one_sync() {
     s.map.read().index.check_consistency().unwrap();
 }
 
+/// A sync that does not reproduce its own digest (the worker cleared while
+/// its chunks were applied, or a bug) is answered with a resync, not left
+/// for the next delta to find.
+#[tokio::test]
+async fn a_sync_that_misses_its_own_digest_asks_for_another() {
+    let s = state();
+    let mut body = sync_body(1, &[1, 2]);
+    body["digest"] = digest(&[1, 2, 3]);
+    let (status, ack) = push(&s, "/internal/sync", Some(2), body).await;
+    assert_eq!((status, ack["outcome"].as_str(), &ack["resync"]), (StatusCode::OK, Some("applied"), &json!(true)));
+    let (_, ack) = push(&s, "/internal/sync", Some(2), sync_body(2, &[1, 2])).await;
+    assert_eq!(ack.get("resync"), None, "{ack}");
+}
+
 /// Speculative entries are the router's own: they never count in the digest,
 /// and a sync drops exactly those made up to the router clock it covers,
 /// whatever time the sidecar's clock (ten minutes off either way) says.
