@@ -441,10 +441,16 @@ impl Index {
         cursor.clearing || cursor.evicted < evicted.len() || cursor.stored < stored.len()
     }
 
-    /// Forgets `slot` entirely (the worker left the cluster).
+    /// Forgets `slot`'s worker entirely (it left the cluster). Its emptied
+    /// entry stays, its generation past any [`Compaction`] planned against
+    /// the old vector: the slot's next occupant must not start again at
+    /// generation 0, where such a compaction would read its vector as the
+    /// old one (out of range, or dropping its keys from the reverse map).
     pub fn remove_worker(&mut self, slot: Slot) {
         self.clear_worker(slot);
-        self.workers.remove(&slot);
+        if let Some(w) = self.workers.get_mut(&slot) {
+            w.approx = None;
+        }
     }
 
     /// The fast path: `cleared` first, then evictions, then stores.

@@ -397,3 +397,26 @@ fn a_large_reverse_vector_is_compacted_in_steps() {
     ix.clear_worker(Slot(0));
     assert!(!stale.install(&mut ix));
 }
+
+/// A compaction planned for a worker that then leaves is abandoned, not
+/// applied to the slot's next occupant (whose vector is another).
+#[test]
+fn a_compaction_never_reaches_the_slots_next_worker() {
+    let mut ix = Index::new();
+    let all: Vec<_> = (0..40_000).map(k).collect();
+    ix.set_approximate(Slot(0), Some(100_000));
+    ix.apply_events(Slot(0), false, &[], &all);
+    ix.apply_events(Slot(0), false, &all[..30_000], &[]);
+    let mut planned = Compaction::new(&ix, Slot(0)).unwrap();
+    assert_eq!(planned.scan(&ix, 4_096), Some(true));
+    ix.remove_worker(Slot(0));
+    assert!(!ix.is_approximate(Slot(0)), "the next occupant starts exact");
+    ix.apply_events(Slot(0), false, &[], &(50_000..50_010).map(k).collect::<Vec<_>>());
+    assert_eq!(planned.scan(&ix, 4_096), None);
+    let again = Compaction::new(&ix, Slot(0)).unwrap();
+    ix.remove_worker(Slot(0));
+    ix.apply_events(Slot(0), false, &[], &[k(60_000)]);
+    assert!(!again.install(&mut ix));
+    assert_eq!(ix.keys_of(Slot(0)).len(), 1);
+    ix.check_consistency().unwrap();
+}
