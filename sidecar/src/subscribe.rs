@@ -246,7 +246,16 @@ impl Stream {
                 metrics.engine_restarts.inc();
                 warn!(rank = self.source.rank.0, seq = seq.0, expected = expected.0, "engine restarted: resync");
                 self.state.reset(self.source.rank);
-                self.apply(seq, &batch);
+                self.expected = None;
+                if seq.0 == 0 {
+                    self.apply(seq, &batch);
+                } else {
+                    // The new engine's first batches went by unseen (the
+                    // disconnect was not reported): replayed from its first,
+                    // or later blocks chained to theirs would be unanchored.
+                    metrics.gaps.inc();
+                    self.recover(Seq(0), Some((seq, batch))).await;
+                }
             }
             // The engine started before us with nothing cached yet.
             None if seq.0 == 0 => self.apply(seq, &batch),

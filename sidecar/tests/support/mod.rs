@@ -98,6 +98,13 @@ pub async fn fake_server() -> (SocketAddr, Arc<FakeState>) {
 #[derive(Clone, Debug, Default)]
 pub struct History(Arc<Mutex<Vec<Published>>>);
 
+impl History {
+    /// Forgets every batch: the buffer of an engine that just restarted.
+    pub fn clear(&self) {
+        self.0.lock().clear();
+    }
+}
+
 /// One batch: its seq and msgpack payload.
 pub type Published = (u64, Vec<u8>);
 
