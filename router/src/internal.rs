@@ -202,12 +202,11 @@ pub async fn eviction(
         state.metrics.event("rejected_too_large", 1);
         return Err(RouterError::PayloadTooLarge { limit: max });
     }
-    // A large delta (a sidecar that fell behind: up to max_sync_keys) is
-    // applied in chunks, on the blocking pool, and after any sync or other
-    // large delta of the same worker (a sidecar sends one push at a time;
-    // two senders' chunks must not interleave).
-    // The turn goes with the job: a sender that gives up (its connection
-    // closed, this handler dropped) does not let another push's chunks in
+    // Every push takes the worker's turn (the sync gate), so no two
+    // senders' chunks interleave: a small delta when the turn is free, here;
+    // a large one (a sidecar that fell behind: up to max_sync_keys), or one
+    // that must wait, on the blocking pool, the turn moved into the job so
+    // that a sender giving up (this handler dropped) does not hand it on
     // while the job still runs.
     let changes = batch.stored_hashes.len() + batch.evicted_hashes.len();
     let gate = state.sync_gate(&worker.id);
