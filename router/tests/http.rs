@@ -667,30 +667,16 @@ async fn prompts_beyond_max_prompt_tokens_are_refused_before_or_after_tokenizing
         r.http.post(format!("{}/debug/route", r.url)).json(&json!({"model": "m", "prompt": prompt(5_000)})).send();
     assert_eq!(explain.await.unwrap().status(), 413, "/debug/route has the same limits");
     // Refused as it arrives: a body past 100 × 16 bytes that never ends is
-    // a 413, not read on until `body_read_timeout` (408).
-    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(1);
-    tx.send(Ok(Bytes::from(format!("{{\"model\": \"m\", \"prompt\": \"{}", prompt(2_000))))).await.unwrap();
-    let resp = r
-        .http
-        .post(format!("{}/v1/completions", r.url))
-        .body(reqwest::Body::wrap_stream(tokio_stream_from(rx)))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 413, "refused before the body ended");
-    drop(tx);
-    // So is one that would open a session.
-    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(1);
-    tx.send(Ok(Bytes::from(format!("{{\"model\": \"m\", \"prompt\": \"{}", prompt(2_000))))).await.unwrap();
-    let resp = r
-        .http
-        .post(format!("{}/v1/context", r.url))
-        .body(reqwest::Body::wrap_stream(tokio_stream_from(rx)))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 413, "/v1/context refused before the body ended");
-    drop(tx);
+    // a 413, not read on until `body_read_timeout` (408); so is one that
+    // would open a session.
+    for path in ["/v1/completions", "/v1/context"] {
+        let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(1);
+        tx.send(Ok(Bytes::from(format!("{{\"model\": \"m\", \"prompt\": \"{}", prompt(2_000))))).await.unwrap();
+        let never_ends = reqwest::Body::wrap_stream(tokio_stream_from(rx));
+        let resp = r.http.post(format!("{}{path}", r.url)).body(never_ends).send().await.unwrap();
+        assert_eq!(resp.status(), 413, "{path} refused before the body ended");
+        drop(tx);
+    }
     assert_eq!(r.complete(json!({"model": "m", "prompt": prompt(50)})).await.status(), 200);
     assert_eq!(w.hits.load(Ordering::SeqCst), 1, "refused prompts never reached the engine");
 }

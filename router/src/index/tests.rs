@@ -158,6 +158,10 @@ fn clear_and_remove_worker_purge_forward_entries() {
     ix.check_consistency().unwrap();
 }
 
+fn ks(v: Vec<u64>) -> Vec<BlockKey> {
+    v.into_iter().map(k).collect()
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     Events { slot: u16, cleared: bool, evicted: Vec<u64>, stored: Vec<u64> },
@@ -188,18 +192,12 @@ proptest! {
         for op in ops {
             match op {
                 Op::Events { slot, cleared, evicted, stored } => {
-                    let e: Vec<_> = evicted.into_iter().map(k).collect();
-                    let s: Vec<_> = stored.into_iter().map(k).collect();
-                    ix.apply_events(Slot(slot), cleared, &e, &s);
+                    ix.apply_events(Slot(slot), cleared, &ks(evicted), &ks(stored))
                 }
                 Op::Sync { slot, keys } => {
-                    let keys: Vec<_> = keys.into_iter().map(k).collect();
-                    ix.sync(Slot(slot), &keys, 50);
+                    ix.sync(Slot(slot), &ks(keys), 50);
                 }
-                Op::Routed { slot, keys, at } => {
-                    let keys: Vec<_> = keys.into_iter().map(k).collect();
-                    ix.record_routed(Slot(slot), &keys, at);
-                }
+                Op::Routed { slot, keys, at } => ix.record_routed(Slot(slot), &ks(keys), at),
                 Op::Expire { at } => { ix.expire_speculative(at, 30); }
                 Op::Remove { slot } => ix.remove_worker(Slot(slot)),
             }
@@ -219,8 +217,7 @@ proptest! {
         for op in ops {
             match op {
                 Op::Events { slot, cleared, evicted, stored } => {
-                    let e: Vec<_> = evicted.into_iter().map(k).collect();
-                    let s: Vec<_> = stored.into_iter().map(k).collect();
+                    let (e, s) = (ks(evicted), ks(stored));
                     whole.apply_events(Slot(slot), cleared, &e, &s);
                     let mut cursor = DeltaCursor::new(cleared);
                     while chunked.apply_some(Slot(slot), &mut cursor, &e, &s, n) {
@@ -228,7 +225,7 @@ proptest! {
                     }
                 }
                 Op::Routed { slot, keys, at } => {
-                    let keys: Vec<_> = keys.into_iter().map(k).collect();
+                    let keys = ks(keys);
                     whole.record_routed(Slot(slot), &keys, at);
                     chunked.record_routed(Slot(slot), &keys, at);
                 }
