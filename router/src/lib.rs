@@ -203,6 +203,8 @@ pub async fn run_with(
         _ => None,
     };
     let state = build_state(config, token.clone())?;
+    // However this returns: the replica exchange stops with the server.
+    let _drained = state.drained.clone().drop_guard();
     tokio::spawn(health::run_health_checks(state.clone()).instrument(tracing::info_span!("health_checks")));
     tokio::spawn(health::run_housekeeping(state.clone()).instrument(tracing::info_span!("housekeeping")));
     tokio::spawn(replicas::run(state.clone()).instrument(tracing::info_span!("replicas")));

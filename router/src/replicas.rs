@@ -497,7 +497,8 @@ pub async fn report(
 pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
 
 /// Exchanges with every address the configured replica URLs resolve to,
-/// and forgets silent replicas, until shutdown.
+/// and forgets silent replicas, until the server has stopped (through a
+/// shutdown's drain: the others keep hearing what is still in flight here).
 pub async fn run(state: Arc<AppState>) {
     if !state.config.replicas.is_empty() {
         state.replicas.start_exchanging();
@@ -510,7 +511,7 @@ pub async fn run(state: Arc<AppState>) {
     loop {
         tokio::select! {
             _ = tick.tick() => {}
-            _ = state.shutdown.cancelled() => return,
+            _ = state.drained.cancelled() => return,
         }
         if !state.config.replicas.is_empty() && Instant::now() >= next_resolve {
             next_resolve = Instant::now() + RESOLVE_EVERY;
@@ -561,7 +562,7 @@ async fn resolve(url: &str) -> Result<Vec<String>, kvroute_shared::resolve::Reso
 /// either side has anything in flight), the answer taken as that
 /// replica's. One exchange at a time, so a slow replica is asked less
 /// often, never by a pile of requests. An address that turns out to be
-/// this router itself is left alone until shutdown (or until it is no
+/// this router itself is left alone until the server stops (or until it is no
 /// longer resolved).
 async fn exchange_with(state: Arc<AppState>, base: String) {
     let url = format!("{base}{REPLICA_PATH}");
@@ -584,10 +585,10 @@ async fn exchange_with(state: Arc<AppState>, base: String) {
             Ok(()) = routed.changed(), if news => {
                 tokio::select! {
                     _ = tokio::time::sleep_until(last + news_every) => true,
-                    _ = state.shutdown.cancelled() => return,
+                    _ = state.drained.cancelled() => return,
                 }
             }
-            _ = state.shutdown.cancelled() => return,
+            _ = state.drained.cancelled() => return,
         };
         // What was routed until now is in this report.
         routed.mark_unchanged();
@@ -597,7 +598,7 @@ async fn exchange_with(state: Arc<AppState>, base: String) {
             Ok(answer) if answer.router_epoch == state.router_epoch => {
                 state.metrics.replica_report("sent", "self");
                 tracing::info!("this address is this router itself: not exchanging with it");
-                state.shutdown.cancelled().await;
+                state.drained.cancelled().await;
                 return;
             }
             Ok(answer) => {

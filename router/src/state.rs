@@ -225,6 +225,10 @@ pub struct AppState {
     mean_uncached_tokens: AtomicU64,
     pub started: Instant,
     pub shutdown: CancellationToken,
+    /// Cancelled once the server has stopped, its requests drained (after
+    /// `shutdown`): the replica exchange runs until then, so the other
+    /// replicas keep counting what a draining router still has in flight.
+    pub drained: CancellationToken,
     /// One full sync per worker id at a time (`internal::sync`): a sync is
     /// applied in chunks, and two of one worker's must not interleave.
     sync_gates: parking_lot::Mutex<HashMap<WorkerId, Arc<tokio::sync::Mutex<()>>>>,
@@ -258,6 +262,7 @@ impl AppState {
             mean_uncached_tokens: AtomicU64::new(512f64.to_bits()),
             started: Instant::now(),
             shutdown,
+            drained: CancellationToken::new(),
             config,
             sync_gates: Default::default(),
             sync_slots: Arc::new(Semaphore::new(SYNCS_AT_ONCE)),

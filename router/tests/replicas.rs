@@ -182,6 +182,38 @@ async fn a_busy_replica_is_asked_for_its_news_though_this_router_routes_nothing(
     assert_eq!((&news["loads_only"], &news["workers"]), (&json!(true), &json!([])), "{news}");
 }
 
+/// A router shutting down drains its requests and keeps reporting them
+/// meanwhile: the other replicas still count what it has in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_router_keeps_reporting_what_it_has_in_flight() {
+    let engine = hanging_engine().await;
+    let (told, mut heard) = tokio::sync::mpsc::unbounded_channel::<Value>();
+    let replica = Router::new().route(
+        "/internal/replica",
+        post(move |axum::Json(report): axum::Json<Value>| {
+            let seq = report["seq"].clone();
+            told.send(report).unwrap();
+            async move { axum::Json(json!({"router_epoch": "listening-replica", "seq": seq, "workers": []})) }
+        }),
+    );
+    let replica = serve_engine(replica).await;
+    let r = router(&[("w1", engine.as_str())], |c| {
+        c.replicas = vec![replica];
+        c.replica_exchange_interval = Duration::from_millis(100);
+    })
+    .await;
+    let sent = r.http.post(format!("{}/v1/completions", r.url)).json(&json!({"model": "m", "prompt": words(5, 50)}));
+    let _hanging = tokio::spawn(sent.send());
+    let in_flight = |report: &Value| report["workers"].as_array().is_some_and(|w| w.iter().any(|w| w["inflight"] == 1));
+    while !in_flight(&next_report(&mut heard).await) {}
+    drop(r); // shutdown: the hanging request holds the drain open
+    while heard.try_recv().is_ok() {}
+    for _ in 0..3 {
+        let report = next_report(&mut heard).await;
+        assert!(in_flight(&report), "{report}");
+    }
+}
+
 /// The next report a listening replica took (60 s at most, against a hang).
 async fn next_report(heard: &mut tokio::sync::mpsc::UnboundedReceiver<Value>) -> Value {
     let next = tokio::time::timeout(Duration::from_secs(60), heard.recv()).await;
