@@ -121,16 +121,7 @@ async fn a_replica_routes_around_the_prefill_another_replica_sent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_routed_request_is_news_to_the_replicas_before_the_next_full_report() {
     let engine = hanging_engine().await;
-    let (told, mut heard) = tokio::sync::mpsc::unbounded_channel::<Value>();
-    let replica = Router::new().route(
-        "/internal/replica",
-        post(move |axum::Json(report): axum::Json<Value>| {
-            let seq = report["seq"].clone();
-            told.send(report).unwrap();
-            async move { axum::Json(json!({"router_epoch": "listening-replica", "seq": seq, "workers": []})) }
-        }),
-    );
-    let replica = serve_engine(replica).await;
+    let (replica, mut heard) = listening_replica().await;
     let r = router(&[("w1", engine.as_str())], |c| {
         c.replicas = vec![replica];
         c.replica_exchange_interval = Duration::from_secs(10);
@@ -187,16 +178,7 @@ async fn a_busy_replica_is_asked_for_its_news_though_this_router_routes_nothing(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draining_router_keeps_reporting_what_it_has_in_flight() {
     let engine = hanging_engine().await;
-    let (told, mut heard) = tokio::sync::mpsc::unbounded_channel::<Value>();
-    let replica = Router::new().route(
-        "/internal/replica",
-        post(move |axum::Json(report): axum::Json<Value>| {
-            let seq = report["seq"].clone();
-            told.send(report).unwrap();
-            async move { axum::Json(json!({"router_epoch": "listening-replica", "seq": seq, "workers": []})) }
-        }),
-    );
-    let replica = serve_engine(replica).await;
+    let (replica, mut heard) = listening_replica().await;
     let r = router(&[("w1", engine.as_str())], |c| {
         c.replicas = vec![replica];
         c.replica_exchange_interval = Duration::from_millis(100);
@@ -212,6 +194,21 @@ async fn a_draining_router_keeps_reporting_what_it_has_in_flight() {
         let report = next_report(&mut heard).await;
         assert!(in_flight(&report), "{report}");
     }
+}
+
+/// A replica that takes every report (sent on the channel) and has nothing
+/// in flight itself: its URL, and the reports.
+async fn listening_replica() -> (String, tokio::sync::mpsc::UnboundedReceiver<Value>) {
+    let (told, heard) = tokio::sync::mpsc::unbounded_channel::<Value>();
+    let replica = Router::new().route(
+        "/internal/replica",
+        post(move |axum::Json(report): axum::Json<Value>| {
+            let seq = report["seq"].clone();
+            told.send(report).unwrap();
+            async move { axum::Json(json!({"router_epoch": "listening-replica", "seq": seq, "workers": []})) }
+        }),
+    );
+    (serve_engine(replica).await, heard)
 }
 
 /// The next report a listening replica took (60 s at most, against a hang).
