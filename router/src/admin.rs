@@ -13,7 +13,7 @@ use kvroute_shared::openai::Endpoint;
 use serde_json::{Value, json};
 
 use crate::error::RouterError;
-use crate::index::Kind;
+use crate::index::{self, Kind};
 use crate::proxy::admit;
 use crate::routing;
 use crate::state::{AppState, now_ms};
@@ -140,9 +140,8 @@ pub async fn debug_index(
         // runtime and at most one per core, as tokenizing is.
         let st = state.clone();
         return routing::on_tokenizer_pool(&state, move || {
-            let mut keys = st.map.read().index.unsorted_keys_of(w.slot);
-            keys.sort_unstable_by_key(|(k, _)| *k);
-            keys.dedup_by_key(|(k, _)| *k);
+            let unsorted = st.map.read().index.unsorted_keys_of(w.slot);
+            let keys = index::sorted_keys(unsorted);
             let of = |kind: Kind| keys.iter().filter(|(_, k)| *k == kind).map(|(key, _)| *key).collect::<Vec<_>>();
             let body = json!({
                 "worker": id,

@@ -24,12 +24,13 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use kvroute_shared::body::read_within;
+
 use crate::index::Compaction;
 use crate::metrics::{ENGINE_KINDS, INDEX_KINDS, WorkerKind, WorkerLabel};
 use crate::proxy::note_failure;
 use crate::state::{AppState, now_ms};
 use crate::workers::{Source, Worker};
-use kvroute_shared::body::read_within;
 
 /// Takes an unhealthy worker out of the index: its cache state is unknown
 /// (it may come back restarted and empty).

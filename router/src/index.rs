@@ -660,10 +660,7 @@ impl Index {
 
     /// All keys of `slot` with their kinds (for debug views and tests).
     pub fn keys_of(&self, slot: Slot) -> Vec<(BlockKey, Kind)> {
-        let mut keys = self.unsorted_keys_of(slot);
-        keys.sort_unstable_by_key(|(k, _)| *k);
-        keys.dedup_by_key(|(k, _)| *k);
-        keys
+        sorted_keys(self.unsorted_keys_of(slot))
     }
 
     /// [`Index::keys_of`] unsorted, a key perhaps more than once: the part
@@ -718,6 +715,14 @@ impl Index {
         }
         Ok(())
     }
+}
+
+/// What [`Index::unsorted_keys_of`] gave, sorted and each key once: what
+/// [`Index::keys_of`] returns (sorted by a caller that let the lock go).
+pub fn sorted_keys(mut keys: Vec<(BlockKey, Kind)>) -> Vec<(BlockKey, Kind)> {
+    keys.sort_unstable_by_key(|(k, _)| *k);
+    keys.dedup_by_key(|(k, _)| *k);
+    keys
 }
 
 /// Where [`Index::apply_some`] is in a delta.
