@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use kvroute_shared::body::read_within;
+use kvroute_shared::body::{MAX_ENGINE_METRICS_BYTES, read_within};
 
 use crate::index::Compaction;
 use crate::metrics::{ENGINE_KINDS, INDEX_KINDS, WorkerKind, WorkerLabel};
@@ -81,10 +81,6 @@ async fn check(state: &AppState, worker: &Arc<Worker>) {
     }
 }
 
-/// The most of an engine's `/metrics` page that is read (vLLM's is tens of
-/// KB; a histogram per model and LoRA adapter adds a few).
-const MAX_METRICS_BYTES: usize = 8 << 20;
-
 /// The worker's KV capacity in blocks from
 /// `vllm:cache_config_info{num_gpu_blocks="…"}`, read once (again after the
 /// worker was ejected and re-admitted): the policy weighs the blocks it has
@@ -95,7 +91,7 @@ const MAX_METRICS_BYTES: usize = 8 << 20;
 async fn learn_capacity(state: &AppState, worker: &Worker) {
     let timeout = state.config.raw.health_check_timeout;
     let text = match state.client.get(format!("{}/metrics", worker.url)).timeout(timeout).send().await {
-        Ok(r) if r.status().is_success() => match read_within(reqwest::Body::from(r), MAX_METRICS_BYTES).await {
+        Ok(r) if r.status().is_success() => match read_within(reqwest::Body::from(r), MAX_ENGINE_METRICS_BYTES).await {
             Ok(Some(body)) => String::from_utf8_lossy(&body).into_owned(),
             _ => return,
         },

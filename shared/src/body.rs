@@ -9,6 +9,11 @@ use bytes::Buf;
 use http_body::Body;
 use http_body_util::BodyExt;
 
+/// The most of a vLLM engine's `/metrics` page that is read (the router's
+/// health checks and the sidecar's load scrapes): vLLM's is tens to a few
+/// hundred kB, a histogram per model and LoRA adapter adding a few.
+pub const MAX_ENGINE_METRICS_BYTES: usize = 8 << 20;
+
 /// `body`'s bytes, or `None` as soon as they would pass `limit` (the rest
 /// is not read).
 pub async fn read_within<B: Body>(body: B, limit: usize) -> Result<Option<Vec<u8>>, B::Error> {

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvroute_shared::body::read_within;
+use kvroute_shared::body::{MAX_ENGINE_METRICS_BYTES, read_within};
 use kvroute_shared::wire::{Load, check_models};
 use kvroute_shared::{BlockSize, ModelName};
 use parking_lot::RwLock;
@@ -39,9 +39,6 @@ pub enum EngineError {
     BadModels { url: String, detail: String },
 }
 
-/// The most of the engine's `/metrics` that is read (vLLM's is ~100 kB; the
-/// router reads as much of it).
-pub const MAX_METRICS_BYTES: usize = 8 << 20;
 /// The most of the engine's `/v1/models` that is read: room for
 /// `wire::MAX_MODELS` entries of vLLM's shape, ids of up to
 /// `wire::MAX_MODEL_NAME_LEN` bytes.
@@ -98,7 +95,7 @@ impl EngineClient {
     }
 
     async fn metrics_text(&self) -> Result<String, EngineError> {
-        let body = self.get("/metrics", MAX_METRICS_BYTES).await?;
+        let body = self.get("/metrics", MAX_ENGINE_METRICS_BYTES).await?;
         Ok(String::from_utf8_lossy(&body).into_owned())
     }
 
@@ -258,7 +255,7 @@ mod tests {
     async fn an_endless_metrics_page_is_refused_at_its_cap() {
         let client = EngineClient::new(reqwest::Client::new(), hostile_engine(serde_json::json!({})).await, None);
         match client.metrics_text().await {
-            Err(EngineError::TooLarge { limit, .. }) => assert_eq!(limit, MAX_METRICS_BYTES),
+            Err(EngineError::TooLarge { limit, .. }) => assert_eq!(limit, MAX_ENGINE_METRICS_BYTES),
             other => panic!("{other:?}"),
         }
         assert_eq!(client.block_size().await, None);
