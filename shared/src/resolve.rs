@@ -25,7 +25,8 @@ pub enum ResolveError {
 
 /// The base URLs (no trailing `/`, an IP address for the host) that `url`
 /// stands for, sorted and without duplicates. An IP literal is its own
-/// single address.
+/// single address. A name's addresses are those of one family (see
+/// [`one_family`]).
 pub fn resolve(url: &str) -> Result<Vec<String>, ResolveError> {
     let parsed = Url::parse(url).map_err(|_| ResolveError::NoHost(url.to_owned()))?;
     let host = parsed.host_str().ok_or_else(|| ResolveError::NoHost(url.to_owned()))?;
@@ -36,16 +37,32 @@ pub fn resolve(url: &str) -> Result<Vec<String>, ResolveError> {
     let port = parsed.port_or_known_default().unwrap_or(80);
     let addrs =
         (host, port).to_socket_addrs().map_err(|source| ResolveError::Lookup { url: url.to_owned(), source })?;
-    let mut out: Vec<String> = addrs
-        .filter_map(|addr| {
+    let ips: Vec<IpAddr> = addrs.map(|a| a.ip()).collect();
+    let mut out: Vec<String> = one_family(&ips)
+        .filter_map(|ip| {
             let mut u = parsed.clone();
-            u.set_ip_host(addr.ip()).ok()?;
+            u.set_ip_host(ip).ok()?;
             Some(base(&u))
         })
         .collect();
     out.sort();
     out.dedup();
     Ok(out)
+}
+
+/// A dual-stack name lists every host twice, once per family (`localhost`
+/// is `127.0.0.1` and `::1`; a dual-stack headless service has each pod's
+/// v4 and v6 address), and nothing says which two addresses are one host.
+/// Taken both, every router would get every push twice, over two links
+/// sharing one seq counter, and a router would exchange with each replica
+/// twice. So a name stands for its IPv4 addresses when it has any, and for
+/// its IPv6 addresses otherwise: IPv4 reaches a server listening on
+/// `0.0.0.0` and one on `[::]` (dual-stack sockets, Linux's default), where
+/// IPv6 reaches only the latter. A server reachable only over IPv6 is named
+/// by an IPv6 literal or by a name with only IPv6 addresses.
+pub fn one_family(ips: &[IpAddr]) -> impl Iterator<Item = IpAddr> + '_ {
+    let v4 = ips.iter().any(IpAddr::is_ipv4);
+    ips.iter().copied().filter(move |ip| ip.is_ipv4() == v4)
 }
 
 fn base(url: &Url) -> String {
@@ -64,5 +81,16 @@ mod tests {
         assert!(!local.is_empty());
         assert!(local.iter().all(|t| !t.contains("localhost")), "{local:?}");
         assert!(matches!(resolve("not a url"), Err(ResolveError::NoHost(_))));
+    }
+
+    #[test]
+    fn a_dual_stack_name_stands_for_one_family() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let dual = [ip("::1"), ip("127.0.0.1"), ip("fd00::7"), ip("10.0.0.7")];
+        assert_eq!(one_family(&dual).collect::<Vec<_>>(), [ip("127.0.0.1"), ip("10.0.0.7")]);
+        let v6 = [ip("fd00::7"), ip("fd00::8")];
+        assert_eq!(one_family(&v6).collect::<Vec<_>>(), v6);
+        // localhost is both on most machines: one target, not two.
+        assert_eq!(resolve("http://localhost:8080").unwrap().len(), 1);
     }
 }

@@ -60,7 +60,8 @@ pub struct Cli {
     /// sidecar per rank).
     #[arg(long)]
     pub data_parallel_rank: Option<u32>,
-    /// Router base URL (repeatable; a DNS name means all its addresses).
+    /// Router base URL (repeatable; a DNS name means all its addresses, IPv4
+    /// ones when it has any).
     #[arg(long)]
     pub router: Vec<String>,
     /// Bearer token for the routers' /internal endpoints.

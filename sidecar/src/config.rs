@@ -333,7 +333,8 @@ pub struct Config {
     pub topic: String,
     /// What this sidecar reports to routers: one target per followed rank.
     pub targets: Vec<RankTarget>,
-    /// Router base URLs; a DNS name stands for every address it resolves to.
+    /// Router base URLs; a DNS name stands for every address of one family it
+    /// resolves to (`kvroute_shared::resolve`).
     pub routers: Vec<String>,
     pub internal_token: Option<Secret>,
     pub fast_interval: Duration,
