@@ -139,6 +139,16 @@ struct Acked {
     clock: Option<u64>,
 }
 
+/// A push that changed nothing (`stale`, `unknown_worker`): its ack still
+/// carries the index's clock, which the sidecar's next sync (the usual
+/// answer to these) names as what it covers. Without it the sync covered
+/// nothing, and speculative entries it accounts for lingered until
+/// `speculative_ttl`.
+fn refused(state: &AppState, outcome: AckOutcome) -> Json<InternalAck> {
+    let clock = state.map.read().index.clock();
+    ack(state, outcome, Acked { resync: false, clock: Some(clock) })
+}
+
 fn ack(state: &AppState, outcome: AckOutcome, acked: Acked) -> Json<InternalAck> {
     Json(InternalAck {
         router_epoch: state.router_epoch.clone(),
@@ -195,7 +205,7 @@ pub async fn eviction(
     // Looked up without the lock, so unknown ids cost no write lock; whether
     // it is still the member is checked again where the batch is applied.
     let Some(worker) = state.workers.get(&batch.worker_id) else {
-        return Ok(ack(&state, AckOutcome::UnknownWorker, Acked::default()));
+        return Ok(refused(&state, AckOutcome::UnknownWorker));
     };
     let max = state.config.raw.max_sync_keys;
     if batch.stored_hashes.len() + batch.evicted_hashes.len() > max {
@@ -226,10 +236,10 @@ pub async fn eviction(
     };
     let acked = match pushed {
         Push::Applied(acked) => acked,
-        Push::NotMember => return Ok(ack(&state, AckOutcome::UnknownWorker, Acked::default())),
+        Push::NotMember => return Ok(refused(&state, AckOutcome::UnknownWorker)),
         Push::Stale => {
             state.metrics.event("stale_batch", 1);
-            return Ok(ack(&state, AckOutcome::Stale, Acked::default()));
+            return Ok(refused(&state, AckOutcome::Stale));
         }
         Push::TooLarge => {
             state.metrics.event("rejected_too_large", 1);
@@ -373,11 +383,11 @@ pub async fn sync(
         Push::Applied(applied) => applied,
         Push::NotMember => {
             state.metrics.sync("not_member");
-            return Ok(ack(&state, AckOutcome::UnknownWorker, Acked::default()));
+            return Ok(refused(&state, AckOutcome::UnknownWorker));
         }
         _ => {
             state.metrics.sync("stale");
-            return Ok(ack(&state, AckOutcome::Stale, Acked::default()));
+            return Ok(refused(&state, AckOutcome::Stale));
         }
     };
     state.metrics.sync("applied");

@@ -171,6 +171,29 @@ async fn any_push_from_a_member_counts_as_a_sign_of_life() {
     assert!(w.live.last_report_ms.load(Ordering::Relaxed) > 1, "a stale push is still a sign of life");
 }
 
+/// A push the router refuses (`stale`, `unknown_worker`) is answered with
+/// its clock as well: the sync that answers it covers what was routed
+/// before, which otherwise lingered until `speculative_ttl`.
+#[tokio::test]
+async fn a_refused_push_is_acked_with_the_clock_its_sync_covers() {
+    let s = state();
+    push(&s, "/internal/sync", Some(2), sync_body(5, &[1])).await;
+    let w = s.workers.get(&WorkerId::new("w1")).unwrap();
+    s.map.write().index.record_routed(w.slot, &[BlockKey(1), BlockKey(10)], now_ms());
+    let (_, ack) = push(&s, "/internal/eviction", Some(2), batch(4, &[], &[], &[1])).await;
+    assert_eq!(ack["outcome"], "stale");
+    let covered = ack["clock"].as_u64().expect("a stale ack carries the clock");
+    let mut body = sync_body(6, &[1]);
+    body["covers"] = json!(covered);
+    push(&s, "/internal/sync", Some(2), body).await;
+    assert_eq!(held(&s, "w1"), [(1, Kind::Confirmed)], "10 was routed before the clock the sync covers");
+    let mut stranger = batch(1, &[2], &[], &[2]);
+    stranger["worker_id"] = json!("w2");
+    let (_, ack) = push(&s, "/internal/eviction", Some(2), stranger).await;
+    assert_eq!(ack["outcome"], "unknown_worker");
+    assert!(ack["clock"].as_u64().is_some_and(|c| c >= covered), "{ack}");
+}
+
 /// A large sync, applied in chunks, leaves exactly its key set (plus the
 /// speculative entries it does not cover) with forward and reverse maps in
 /// agreement, and its digest equal to the sidecar's.
