@@ -139,6 +139,9 @@ pub struct WorkerState {
     /// Bumped when every router must get a full sync now (a rank reset):
     /// push tasks watch it and send at once instead of at their next tick.
     resync: watch::Sender<u64>,
+    /// The engine's replay buffer has been read once (or there is none):
+    /// what the engine cached before this sidecar started is in the set.
+    caught_up: watch::Sender<bool>,
     clock: WallClock,
     /// What this state last added to the shared block and key gauges (the
     /// targets of a data-parallel engine share one sidecar's gauges).
@@ -157,6 +160,7 @@ impl WorkerState {
             metrics,
             max_pending,
             resync: watch::Sender::new(0),
+            caught_up: watch::Sender::new(false),
             clock,
             shown: (AtomicI64::new(0), AtomicI64::new(0)),
         }
@@ -192,6 +196,17 @@ impl WorkerState {
         self.update_gauges(translator);
         drop(inner);
         self.resync.send_modify(|n| *n += 1);
+    }
+
+    /// The subscriber has read what the engine published before this
+    /// sidecar started (its replay buffer), or found it has none to read.
+    pub fn mark_caught_up(&self) {
+        self.caught_up.send_replace(true);
+    }
+
+    /// Resolves once [`Self::mark_caught_up`] has been called.
+    pub async fn caught_up(&self) {
+        let _ = self.caught_up.subscribe().wait_for(|&done| done).await;
     }
 
     /// Changes whenever a full sync to every router is due at once.

@@ -48,6 +48,10 @@ pub struct RankSource {
 /// Subscribes and applies until cancelled. Connection failures are retried by
 /// the ZMQ socket itself.
 pub async fn run(source: RankSource, state: Arc<WorkerState>, cancel: CancellationToken) {
+    if source.replay.is_none() {
+        // Nothing the engine published before this start can be read.
+        state.mark_caught_up();
+    }
     let mut socket = SubSocket::new();
     let connect = async {
         let mut backoff = Duration::from_millis(100);
@@ -77,6 +81,7 @@ pub async fn run(source: RankSource, state: Arc<WorkerState>, cancel: Cancellati
     // already cached from its replay buffer now, not at the next live batch.
     if stream.source.replay.is_some() {
         stream.recover(Seq(0), None).await;
+        stream.state.mark_caught_up();
     }
     let mut probe = tokio::time::interval(IDLE_PROBE);
     probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

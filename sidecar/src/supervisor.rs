@@ -21,6 +21,11 @@ use crate::translate::Rank;
 
 /// How long push tasks get to flush at shutdown.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+/// How long the first push waits for the engine's replay buffer to be read
+/// (`WorkerState::caught_up`): a replay is bounded by 5 s, and an engine
+/// whose event endpoint does not answer must not keep its worker
+/// unregistered for ever.
+const CATCH_UP_WAIT: Duration = Duration::from_secs(6);
 
 struct Task {
     cancel: CancellationToken,
@@ -39,6 +44,18 @@ pub struct Supervisor {
 
 impl Supervisor {
     pub async fn run(self, cancel: CancellationToken) {
+        // The first sync carries what the engine cached before this sidecar
+        // started: sent before the replay, it would register the worker
+        // empty (or wipe what a router kept from this sidecar's previous
+        // run), and the set would follow in deltas.
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            r = tokio::time::timeout(CATCH_UP_WAIT, self.state.caught_up()) => {
+                if r.is_err() {
+                    warn!("the engine's events were not caught up within {CATCH_UP_WAIT:?}: pushing what is known");
+                }
+            }
+        }
         let mut tasks: BTreeMap<RouterTarget, Task> = BTreeMap::new();
         let mut resolved: HashMap<String, Vec<RouterTarget>> = HashMap::new();
         let mut tick = tokio::time::interval(self.sync_interval);

@@ -24,6 +24,29 @@ async fn a_gap_is_replayed_in_order() {
     h.stop().await;
 }
 
+/// A sidecar starting beside an engine that has run for a while: its first
+/// sync carries what the replay buffer holds, even when the replay is slower
+/// than the first push would be, so a router never sees the worker empty
+/// (registered empty, or its kept set wiped by a restarted sidecar).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_sync_waits_for_what_the_engine_cached_before_the_start() {
+    let tokens: Vec<u32> = (0..8).collect();
+    let before = vec![vec![stored(&[1], None, &tokens[..4])], vec![stored(&[2], Some(1), &tokens[4..])]];
+    let opts = Options {
+        replay_keep_last: Some(10_000),
+        published_before: before,
+        slow_first_replay: true,
+        ..Options::sync("60s")
+    };
+    let h = Harness::start_with(opts).await;
+    let received = h.received();
+    let first = received.iter().find(|m| m.is_sync()).expect("a sync");
+    let hashes: std::collections::HashSet<String> =
+        first.body["hashes"].as_array().unwrap().iter().map(|k| k.as_str().unwrap().to_owned()).collect();
+    assert_eq!(hashes, hex_set(&keys(&tokens)), "the first sync holds the replayed blocks");
+    h.stop().await;
+}
+
 /// The idle probe recovers a batch the live stream lost; when the stream then
 /// delivers its late copy, that is a duplicate, not an engine restart (which
 /// would clear the worker while the engine still holds everything).

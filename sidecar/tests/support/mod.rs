@@ -155,11 +155,21 @@ impl Publisher {
 
 /// A fake vLLM replay endpoint (ROUTER) serving `history`, current reply
 /// format `[topic, seq, payload]`; `keep_last` models a bounded buffer.
-pub async fn replay_server(history: History, keep_last: usize) -> String {
+/// With `hold_first`, the first answer waits until that fake router has a
+/// sync, or for a second: a replay slower than the sidecar's first push.
+pub async fn replay_server(history: History, keep_last: usize, hold_first: Option<Arc<FakeState>>) -> String {
     let mut socket = zeromq::RouterSocket::new();
     let endpoint = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
     tokio::spawn(async move {
+        let mut hold = hold_first;
         while let Ok(req) = zeromq::SocketRecv::recv(&mut socket).await {
+            if let Some(fake) = hold.take() {
+                let synced = || fake.received.lock().iter().any(Received::is_sync);
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+                while !synced() && tokio::time::Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
             let frames = req.into_vec();
             let identity = frames[0].clone();
             let start = u64::from_be_bytes(frames[2][..8].try_into().unwrap());
@@ -216,11 +226,22 @@ pub struct Options {
     pub replay_keep_last: Option<usize>,
     /// Serve engine snapshots holding these hashes.
     pub snapshot: Option<Arc<Mutex<Vec<u64>>>>,
+    /// Batches the engine published before the sidecar started: in its
+    /// replay buffer, never seen live.
+    pub published_before: Vec<Vec<M>>,
+    /// The replay endpoint's first answer is slower than the first push.
+    pub slow_first_replay: bool,
 }
 
 impl Options {
     pub fn sync(sync_interval: &'static str) -> Self {
-        Options { sync_interval, replay_keep_last: None, snapshot: None }
+        Options {
+            sync_interval,
+            replay_keep_last: None,
+            snapshot: None,
+            published_before: Vec::new(),
+            slow_first_replay: false,
+        }
     }
 }
 
@@ -279,9 +300,15 @@ impl Harness {
             .with_test_writer()
             .try_init();
         let (addr, fake) = fake_server().await;
-        let publisher = Publisher::bind().await;
+        let mut publisher = Publisher::bind().await;
+        for batch in opts.published_before {
+            publisher.drop_next(batch);
+        }
         let replay = match opts.replay_keep_last {
-            Some(n) => Some(replay_server(publisher.history.clone(), n).await),
+            Some(n) => {
+                let hold = opts.slow_first_replay.then(|| fake.clone());
+                Some(replay_server(publisher.history.clone(), n, hold).await)
+            }
             None => None,
         };
         let engine_snapshot = match &opts.snapshot {
