@@ -7,8 +7,9 @@
 //! Layout: [`decode`] (vLLM's wire format) → [`translate`] (engine hash → key,
 //! refcounts) → [`coalesce`] (per-router net delta) inside [`state`];
 //! [`subscribe`] + [`replay`] feed it, [`push`] + [`supervisor`] drain it;
-//! [`engine`] + [`load`] + [`snapshot`] talk to the engine; [`http`] serves
-//! `/health` and `/metrics`.
+//! [`engine`] + [`load`] + [`snapshot`] talk to the engine; [`zmtp`] is the
+//! ZeroMQ wire protocol [`subscribe`], [`replay`] and [`snapshot`] speak;
+//! [`http`] serves `/health` and `/metrics`.
 
 pub mod cli;
 pub mod coalesce;
@@ -27,6 +28,7 @@ pub mod state;
 pub mod subscribe;
 pub mod supervisor;
 pub mod translate;
+pub mod zmtp;
 
 use std::future::Future;
 use std::sync::{Arc, OnceLock};

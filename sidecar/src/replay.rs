@@ -8,9 +8,9 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::decode::{DecodeError, EventBatch, Seq, decode_payload, parse_seq};
+use crate::zmtp::{Connection, SocketType, ZmtpError};
 
 /// The end-of-replay marker's seq (-1 as 8 bytes BE).
 const END: Seq = Seq(u64::MAX);
@@ -22,7 +22,7 @@ pub enum ReplayError {
     Zmq {
         endpoint: String,
         #[source]
-        source: zeromq::ZmqError,
+        source: ZmtpError,
     },
     #[error("replay from {endpoint} timed out")]
     Timeout { endpoint: String },
@@ -47,23 +47,20 @@ pub fn parse_reply(frames: &[Bytes]) -> Result<Option<(Seq, &[u8])>, ReplayError
 }
 
 /// The request frames for a replay from `start`.
-pub fn request(start: Seq) -> ZmqMessage {
-    let frames = vec![Bytes::new(), Bytes::copy_from_slice(&start.0.to_be_bytes())];
-    // Two frames: never empty.
-    ZmqMessage::try_from(frames).unwrap_or_else(|_| ZmqMessage::from(Bytes::new()))
+pub fn request(start: Seq) -> Vec<Bytes> {
+    vec![Bytes::new(), Bytes::copy_from_slice(&start.0.to_be_bytes())]
 }
 
 /// Replays from `start`, with the whole exchange bounded by `timeout`.
 pub async fn fetch(endpoint: &str, start: Seq, timeout: Duration) -> Result<Vec<(Seq, EventBatch)>, ReplayError> {
     let zmq = |source| ReplayError::Zmq { endpoint: endpoint.to_owned(), source };
     let exchange = async {
-        let mut socket = DealerSocket::new();
-        socket.connect(endpoint).await.map_err(zmq)?;
-        socket.send(request(start)).await.map_err(zmq)?;
+        let mut conn = Connection::open(endpoint, SocketType::Dealer).await.map_err(zmq)?;
+        let frames = request(start);
+        conn.send(&[&frames[0], &frames[1]]).await.map_err(zmq)?;
         let mut out = Vec::new();
         loop {
-            let msg = socket.recv().await.map_err(zmq)?;
-            let frames = msg.into_vec();
+            let frames = conn.recv().await.map_err(zmq)?;
             match parse_reply(&frames)? {
                 None => return Ok(out),
                 Some((seq, payload)) => out.push((seq, decode_payload(payload)?)),

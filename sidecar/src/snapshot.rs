@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use rmpv::ValueRef;
-use zeromq::{ReqSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::decode::EngineHash;
+use crate::zmtp::{Connection, SocketType, ZmtpError};
 
 /// Bound on one snapshot exchange.
 pub const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -26,7 +26,7 @@ pub enum SnapshotError {
     Zmq {
         endpoint: String,
         #[source]
-        source: zeromq::ZmqError,
+        source: ZmtpError,
     },
     #[error("snapshot from {endpoint} timed out")]
     Timeout { endpoint: String },
@@ -76,13 +76,15 @@ pub fn parse_reply(mut body: &[u8]) -> Result<HashSet<u64>, SnapshotError> {
 pub async fn fetch(endpoint: &str) -> Result<HashSet<u64>, SnapshotError> {
     let zmq = |source| SnapshotError::Zmq { endpoint: endpoint.to_owned(), source };
     let exchange = async {
-        // A fresh REQ socket per exchange: a REQ whose reply never came is stuck.
-        let mut socket = ReqSocket::new();
-        socket.connect(endpoint).await.map_err(zmq)?;
-        socket.send(ZmqMessage::from(request_body())).await.map_err(zmq)?;
-        let reply = socket.recv().await.map_err(zmq)?;
-        let body = reply.get(0).cloned().unwrap_or_default();
-        parse_reply(&body)
+        // A fresh connection per exchange: a REQ whose reply never came is stuck.
+        let mut conn = Connection::open(endpoint, SocketType::Req).await.map_err(zmq)?;
+        // REQ's envelope: an empty delimiter frame before the body, both ways.
+        conn.send(&[b"", &request_body()]).await.map_err(zmq)?;
+        let reply = conn.recv().await.map_err(zmq)?;
+        match reply.as_slice() {
+            [delimiter, body] if delimiter.is_empty() => parse_reply(body),
+            _ => Err(SnapshotError::Malformed("not an empty delimiter and one body frame")),
+        }
     };
     tokio::time::timeout(SNAPSHOT_TIMEOUT, exchange)
         .await

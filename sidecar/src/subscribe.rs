@@ -10,22 +10,22 @@
 //!   engine no longer has.
 //! - seq < expected: the engine restarted (its seq starts again from 0): clear
 //!   and resync the same way, then apply.
-//! - the stream is lost (engine gone): clear and resync at once, and treat the
-//!   first batch after the reconnect as a fresh start (see `Stream::recv`).
+//! - the stream is lost (engine gone, or a protocol error such as a message
+//!   over `zmtp::MAX_MESSAGE_BYTES`): clear and resync at once, and treat the
+//!   first batch after the reconnect as a fresh start (see `Stream::next`).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
-use zeromq::{Socket, SocketEvent, SocketRecv, SubSocket};
 
 use crate::decode::{EventBatch, Seq, decode_message};
 use crate::metrics::{ReplayLabels, ReplayOutcome};
 use crate::replay;
 use crate::state::WorkerState;
 use crate::translate::Rank;
+use crate::zmtp::Subscription;
 
 /// Live batches held while a replay runs; past this the gap is given up.
 const MAX_BUFFERED: usize = 100_000;
@@ -35,6 +35,9 @@ const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 /// after the last one were published: a lost *last* batch shows no gap until
 /// the next one arrives, which may be never.
 const IDLE_PROBE: Duration = Duration::from_secs(1);
+/// Reconnection backoff: doubled from the first to the last.
+const RECONNECT_FIRST: Duration = Duration::from_millis(100);
+const RECONNECT_MAX: Duration = Duration::from_secs(5);
 
 /// Where one rank's events come from.
 #[derive(Clone, Debug)]
@@ -45,38 +48,28 @@ pub struct RankSource {
     pub topic: String,
 }
 
-/// Subscribes and applies until cancelled. Connection failures are retried by
-/// the ZMQ socket itself.
+/// Subscribes and applies until cancelled, reconnecting whenever the
+/// engine's publisher goes away.
 pub async fn run(source: RankSource, state: Arc<WorkerState>, cancel: CancellationToken) {
     if source.replay.is_none() {
         // Nothing the engine published before this start can be read.
         state.mark_caught_up();
     }
-    let mut socket = SubSocket::new();
-    let connect = async {
-        let mut backoff = Duration::from_millis(100);
-        loop {
-            match socket.connect(&source.events).await {
-                Ok(()) => return,
-                Err(e) => {
-                    warn!(endpoint = %source.events, error = %e, "cannot connect to the engine's event publisher");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
-                }
-            }
-        }
+    let mut stream = Stream {
+        source,
+        state,
+        subscription: None,
+        next_attempt: tokio::time::Instant::now(),
+        backoff: RECONNECT_FIRST,
+        failed_connects: 0,
+        expected: None,
+        replayed_through: None,
+        lost: false,
     };
     tokio::select! {
         _ = cancel.cancelled() => return,
-        () = connect => {}
+        () = stream.connect() => {}
     }
-    if let Err(e) = socket.subscribe(&source.topic).await {
-        warn!(error = %e, "cannot subscribe");
-        return;
-    }
-    info!(endpoint = %source.events, rank = source.rank.0, "subscribed to KV events");
-    let monitor = Some(socket.monitor());
-    let mut stream = Stream { source, state, socket, monitor, expected: None, replayed_through: None, lost: false };
     // A sidecar (re)starting beside a running engine: rebuild what the engine
     // already cached from its replay buffer now, not at the next live batch.
     if stream.source.replay.is_some() {
@@ -110,11 +103,17 @@ pub async fn run(source: RankSource, state: Arc<WorkerState>, cancel: Cancellati
 struct Stream {
     source: RankSource,
     state: Arc<WorkerState>,
-    socket: SubSocket,
-    /// The socket's connection events: a `Disconnected` means the engine went
-    /// away (the socket reconnects by itself without failing `recv`).
-    /// `None` once the socket dropped its end.
-    monitor: Option<futures::channel::mpsc::Receiver<SocketEvent>>,
+    /// `None` while the engine's publisher is not connected.
+    subscription: Option<Subscription>,
+    /// When the next connection attempt may start.
+    next_attempt: tokio::time::Instant,
+    /// The wait after the next failure: doubled at each, back to the first
+    /// once a batch has been read (not at a mere connection, or a peer that
+    /// accepts and then breaks the protocol would be reconnected to in a
+    /// busy loop).
+    backoff: Duration,
+    /// Connection attempts failed in a row (logged at the first, then every 30th).
+    failed_connects: u32,
     expected: Option<Seq>,
     /// The last seq a replay applied: live copies of replayed batches that
     /// were still queued in the socket are skipped, not taken for a restart.
@@ -131,60 +130,71 @@ enum Next {
 }
 
 impl Stream {
+    /// Connects and subscribes, retrying with backoff until it does.
+    /// Cancel-safe: dropped mid-way, the next call starts again.
+    async fn connect(&mut self) {
+        loop {
+            tokio::time::sleep_until(self.next_attempt).await;
+            match Subscription::open(&self.source.events, &self.source.topic).await {
+                Ok(s) => {
+                    info!(endpoint = %self.source.events, rank = self.source.rank.0, "subscribed to KV events");
+                    self.subscription = Some(s);
+                    self.failed_connects = 0;
+                    return;
+                }
+                Err(e) => {
+                    if self.failed_connects.is_multiple_of(30) {
+                        let error = kvroute_shared::logging::error_chain(&e);
+                        warn!(endpoint = %self.source.events, error, attempts = self.failed_connects + 1, "cannot subscribe to the engine's KV events; retrying");
+                    }
+                    self.failed_connects += 1;
+                    self.defer_reconnect();
+                }
+            }
+        }
+    }
+
+    fn defer_reconnect(&mut self) {
+        self.next_attempt = tokio::time::Instant::now() + self.backoff;
+        self.backoff = (self.backoff * 2).min(RECONNECT_MAX);
+    }
+
     /// The next decodable batch. Never gives up: when the engine goes away
-    /// (restart, crash), the socket reconnects in the background and
-    /// re-subscribes, and the stream resumes.
+    /// (restart, crash) or breaks the protocol, the connection is dropped
+    /// and made again, and the stream resumes.
     ///
     /// A lost stream means the engine's state is unknown: it may have
-    /// restarted empty, and batches published before the socket is back are
-    /// lost to it (ZMQ's slow joiner). So the rank is cleared at once — the
-    /// routers drop its keys under a new epoch rather than route to blocks
-    /// that may be gone — and `expected` is forgotten: the first batch after
-    /// the reconnect is seq 0 (a fresh engine) or a gap that is replayed from
-    /// 0, which rebuilds the state exactly while the engine's buffer holds it.
+    /// restarted empty, and batches published before the subscription is back
+    /// are lost to it (ZMQ's slow joiner). So the rank is cleared at once —
+    /// the routers drop its keys under a new epoch rather than route to
+    /// blocks that may be gone — and `expected` is forgotten: the first batch
+    /// after the reconnect is seq 0 (a fresh engine) or a gap that is
+    /// replayed from 0, which rebuilds the state exactly while the engine's
+    /// buffer holds it. Cancel-safe.
     async fn next(&mut self) -> Next {
-        let mut backoff = Duration::from_millis(50);
         loop {
-            let monitor = async {
-                match &mut self.monitor {
-                    Some(m) => m.next().await,
-                    None => std::future::pending().await,
+            let Some(subscription) = &mut self.subscription else {
+                self.connect().await;
+                if std::mem::take(&mut self.lost) {
+                    return Next::Reconnected;
                 }
+                continue;
             };
-            let received = tokio::select! {
-                r = self.socket.recv() => r,
-                event = monitor => {
-                    match event {
-                        Some(SocketEvent::Disconnected(_)) => self.stream_lost("peer disconnected"),
-                        Some(SocketEvent::Connected(..)) if self.lost => {
-                            self.lost = false;
-                            return Next::Reconnected;
-                        }
-                        Some(_) => {}
-                        None => self.monitor = None,
+            match subscription.recv().await {
+                Ok(frames) => match decode_message(&frames) {
+                    Ok((seq, batch)) => {
+                        self.backoff = RECONNECT_FIRST;
+                        return Next::Batch(seq, batch);
                     }
-                    continue;
-                }
-            };
-            let msg = match received {
-                Ok(m) => {
-                    backoff = Duration::from_millis(50);
-                    m
-                }
+                    Err(e) => {
+                        self.state.metrics().decode_errors.inc();
+                        warn!(error = %e, "undecodable KV-event message");
+                    }
+                },
                 Err(e) => {
-                    self.stream_lost(&e.to_string());
-                    // Until the socket's reconnect task is done, recv fails
-                    // fast: pace the retries.
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
-                    continue;
-                }
-            };
-            match decode_message(&msg.into_vec()) {
-                Ok((seq, batch)) => return Next::Batch(seq, batch),
-                Err(e) => {
-                    self.state.metrics().decode_errors.inc();
-                    warn!(error = %e, "undecodable KV-event message");
+                    self.subscription = None;
+                    self.defer_reconnect();
+                    self.stream_lost(&kvroute_shared::logging::error_chain(&e));
                 }
             }
         }

@@ -101,7 +101,7 @@ fn vllm_0_11_positional_events_decode_exactly() {
 fn check_replay(version: &str) {
     let path = capture_dir().join(format!("vllm-{version}.replay-from-5.json"));
     let exchange: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let request: Vec<Bytes> = replay::request(Seq(5)).into_vec();
+    let request: Vec<Bytes> = replay::request(Seq(5));
     assert_eq!(request, frames(&exchange["request_frames_hex"]));
     let expected: Vec<Value> = lines(version)
         .into_iter()
