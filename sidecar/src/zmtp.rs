@@ -14,10 +14,12 @@
 
 use std::time::Duration;
 
-use bytes::Bytes;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use std::sync::Arc;
+
+use bytes::{Buf, Bytes, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError, mpsc};
 
 /// The largest message accepted (all its frames). vLLM's largest, an event
 /// batch of one scheduler step with every stored block's token ids, or a
@@ -27,9 +29,14 @@ pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 const MAX_COMMAND_BYTES: usize = 64 << 10;
 /// Bound on connecting and the handshake.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
-/// Messages a subscription reads ahead of its consumer: with
-/// [`MAX_MESSAGE_BYTES`], at most about 200 MB held for a hostile peer.
-const READ_AHEAD: usize = 2;
+/// Bytes of messages a subscription reads ahead of its consumer (a message
+/// larger than this is read alone): with the one being read, at most
+/// 2 × [`MAX_MESSAGE_BYTES`] held for a peer that floods.
+const READ_AHEAD_BYTES: usize = MAX_MESSAGE_BYTES;
+/// Messages a subscription reads ahead, whatever their size.
+const READ_AHEAD_MESSAGES: usize = 1024;
+/// The read buffer's usual size: many small frames per read.
+const READ_CHUNK: usize = 64 << 10;
 /// TCP keepalive on every connection, so an engine host that vanished
 /// without closing is noticed (about 25 s), not waited on for ever.
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
@@ -91,13 +98,15 @@ impl SocketType {
 /// One frame as read: its flags and body.
 struct Frame {
     flags: u8,
-    body: Vec<u8>,
+    body: Bytes,
 }
 
 /// An open, handshaken connection.
 #[derive(Debug)]
 pub struct Connection {
-    io: BufReader<TcpStream>,
+    stream: TcpStream,
+    /// Read and not yet parsed.
+    buf: BytesMut,
 }
 
 impl Connection {
@@ -113,7 +122,7 @@ impl Connection {
                 .with_interval(KEEPALIVE_INTERVAL)
                 .with_retries(KEEPALIVE_RETRIES);
             socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive)?;
-            let mut conn = Connection { io: BufReader::new(stream) };
+            let mut conn = Connection { stream, buf: BytesMut::with_capacity(READ_CHUNK) };
             conn.handshake(socket).await?;
             Ok(conn)
         };
@@ -121,9 +130,10 @@ impl Connection {
     }
 
     async fn handshake(&mut self, socket: SocketType) -> Result<(), ZmtpError> {
-        self.io.get_mut().write_all(&greeting()).await?;
+        self.stream.write_all(&greeting()).await?;
+        self.fill(64).await?;
         let mut theirs = [0u8; 64];
-        self.io.read_exact(&mut theirs).await.map_err(eof_is_closed)?;
+        self.buf.copy_to_slice(&mut theirs);
         check_greeting(&theirs)?;
         self.write(&[&ready(socket)], FLAG_COMMAND).await?;
         let frame = self.read_frame(MAX_COMMAND_BYTES).await?;
@@ -164,7 +174,7 @@ impl Connection {
             }
             buf.extend_from_slice(frame);
         }
-        self.io.get_mut().write_all(&buf).await?;
+        self.stream.write_all(&buf).await?;
         Ok(())
     }
 
@@ -183,7 +193,7 @@ impl Connection {
                 continue;
             }
             total += frame.body.len();
-            frames.push(Bytes::from(frame.body));
+            frames.push(frame.body);
             if frame.flags & FLAG_MORE == 0 {
                 return Ok(frames);
             }
@@ -191,24 +201,35 @@ impl Connection {
     }
 
     /// Reads one frame, refusing one whose body would exceed `limit` before
-    /// anything is allocated for it.
+    /// any room is made for it.
     async fn read_frame(&mut self, limit: usize) -> Result<Frame, ZmtpError> {
-        let flags = self.io.read_u8().await.map_err(eof_is_closed)?;
+        self.fill(1).await?;
+        let flags = self.buf[0];
         if flags & !(FLAG_MORE | FLAG_LONG | FLAG_COMMAND) != 0 {
             return Err(ZmtpError::Protocol("reserved frame flags set"));
         }
-        let len = if flags & FLAG_LONG != 0 {
-            self.io.read_u64().await.map_err(eof_is_closed)?
-        } else {
-            u64::from(self.io.read_u8().await.map_err(eof_is_closed)?)
-        };
+        let header = if flags & FLAG_LONG != 0 { 9 } else { 2 };
+        self.fill(header).await?;
+        self.buf.advance(1);
+        let len = if flags & FLAG_LONG != 0 { self.buf.get_u64() } else { u64::from(self.buf.get_u8()) };
         let limit = if flags & FLAG_COMMAND != 0 { MAX_COMMAND_BYTES } else { limit };
         if len > limit as u64 {
             return Err(ZmtpError::TooLarge { len });
         }
-        let mut body = vec![0; len as usize];
-        self.io.read_exact(&mut body).await.map_err(eof_is_closed)?;
-        Ok(Frame { flags, body })
+        let len = len as usize;
+        self.fill(len).await?;
+        Ok(Frame { flags, body: self.buf.split_to(len).freeze() })
+    }
+
+    /// Reads until `n` bytes are buffered (`n` is bounded by the callers).
+    async fn fill(&mut self, n: usize) -> Result<(), ZmtpError> {
+        while self.buf.len() < n {
+            self.buf.reserve((n - self.buf.len()).max(READ_CHUNK));
+            if self.stream.read_buf(&mut self.buf).await? == 0 {
+                return Err(ZmtpError::Closed);
+            }
+        }
+        Ok(())
     }
 
     async fn on_command(&mut self, body: &[u8]) -> Result<(), ZmtpError> {
@@ -235,7 +256,7 @@ impl Connection {
 /// being read. Dropping the subscription closes the connection.
 #[derive(Debug)]
 pub struct Subscription {
-    rx: mpsc::Receiver<Result<Vec<Bytes>, ZmtpError>>,
+    rx: mpsc::Receiver<(Result<Vec<Bytes>, ZmtpError>, OwnedSemaphorePermit)>,
     reader: tokio::task::JoinHandle<()>,
 }
 
@@ -248,12 +269,25 @@ impl Subscription {
         subscribe.push(1);
         subscribe.extend_from_slice(topic.as_bytes());
         conn.send(&[&subscribe]).await?;
-        let (tx, rx) = mpsc::channel(READ_AHEAD);
+        let (tx, rx) = mpsc::channel(READ_AHEAD_MESSAGES);
+        let budget = Arc::new(Semaphore::new(READ_AHEAD_BYTES));
         let reader = tokio::spawn(async move {
             loop {
                 let msg = conn.recv().await;
+                let size = msg.as_ref().map_or(0, |frames| frames.iter().map(Bytes::len).sum::<usize>());
+                // Held until the consumer takes the message.
+                let permits = u32::try_from(size.clamp(1, READ_AHEAD_BYTES)).unwrap_or(u32::MAX);
+                let permit = match budget.clone().try_acquire_many_owned(permits) {
+                    Ok(permit) => permit,
+                    // The consumer is behind by the whole budget: wait for it.
+                    Err(TryAcquireError::NoPermits) => match budget.clone().acquire_many_owned(permits).await {
+                        Ok(permit) => permit,
+                        Err(_) => return,
+                    },
+                    Err(TryAcquireError::Closed) => return,
+                };
                 let ended = msg.is_err();
-                if tx.send(msg).await.is_err() || ended {
+                if tx.send((msg, permit)).await.is_err() || ended {
                     return;
                 }
             }
@@ -263,7 +297,7 @@ impl Subscription {
 
     /// The next message; an error ends the subscription. Cancel-safe.
     pub async fn recv(&mut self) -> Result<Vec<Bytes>, ZmtpError> {
-        self.rx.recv().await.unwrap_or(Err(ZmtpError::Closed))
+        self.rx.recv().await.map_or(Err(ZmtpError::Closed), |(msg, _permit)| msg)
     }
 }
 
@@ -354,10 +388,6 @@ fn property<'a>(mut rest: &'a [u8], wanted: &[u8]) -> Result<Option<&'a [u8]>, Z
 fn error_reason(rest: &[u8]) -> String {
     let reason = rest.split_first().map(|(&n, r)| &r[..usize::from(n).min(r.len())]).unwrap_or_default();
     String::from_utf8_lossy(reason).into_owned()
-}
-
-fn eof_is_closed(e: std::io::Error) -> ZmtpError {
-    if e.kind() == std::io::ErrorKind::UnexpectedEof { ZmtpError::Closed } else { ZmtpError::Io(e) }
 }
 
 #[cfg(test)]
