@@ -29,9 +29,10 @@ pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 const MAX_COMMAND_BYTES: usize = 64 << 10;
 /// Bound on connecting and the handshake.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
-/// Bytes of messages a subscription reads ahead of its consumer (a message
-/// larger than this is read alone): with the one being read, at most
-/// 2 × [`MAX_MESSAGE_BYTES`] held for a peer that floods.
+/// Bytes of messages a subscription reads ahead of its consumer: with the
+/// one being read, and the read chunks queued messages keep alive (at most
+/// [`READ_AHEAD_MESSAGES`] × [`READ_CHUNK`]), under 200 MB held for a peer
+/// that floods.
 const READ_AHEAD_BYTES: usize = MAX_MESSAGE_BYTES;
 /// Messages a subscription reads ahead, whatever their size.
 const READ_AHEAD_MESSAGES: usize = 1024;
