@@ -25,6 +25,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError, mpsc};
 /// batch of one scheduler step with every stored block's token ids, or a
 /// snapshot of a whole KV cache, is a few MB.
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+/// The most frames in one message (vLLM's have 2 to 5): empty frames cost
+/// nothing against [`MAX_MESSAGE_BYTES`] but memory all the same.
+const MAX_FRAMES: usize = 1024;
 /// The largest command (READY's metadata, PING): small by nature.
 const MAX_COMMAND_BYTES: usize = 64 << 10;
 /// Bound on connecting and the handshake.
@@ -192,6 +195,9 @@ impl Connection {
                 }
                 self.on_command(&frame.body).await?;
                 continue;
+            }
+            if frames.len() == MAX_FRAMES {
+                return Err(ZmtpError::Protocol("a message of more than 1024 frames"));
             }
             total += frame.body.len();
             frames.push(frame.body);
@@ -463,6 +469,16 @@ mod tests {
         });
         assert!(matches!(conn.recv().await, Err(ZmtpError::TooLarge { .. })));
         drop(writer);
+    }
+
+    #[tokio::test]
+    async fn a_message_of_endless_empty_frames_is_refused() {
+        let (endpoint, peer) = raw_peer("PUB").await;
+        let mut conn = Connection::open(&endpoint, SocketType::Sub).await.unwrap();
+        let mut s = peer.await.unwrap();
+        let _ready = read_raw_frame(&mut s).await;
+        s.write_all(&[FLAG_MORE, 0].repeat(MAX_FRAMES + 1)).await.unwrap();
+        assert!(matches!(conn.recv().await, Err(ZmtpError::Protocol(_))));
     }
 
     #[tokio::test]
