@@ -478,6 +478,7 @@ mod tests {
         let mut s = peer.await.unwrap();
         let _ready = read_raw_frame(&mut s).await;
         s.write_all(&[FLAG_MORE, 0].repeat(MAX_FRAMES + 1)).await.unwrap();
+        drop(s); // without the cap: a closed connection, not a refusal
         assert!(matches!(conn.recv().await, Err(ZmtpError::Protocol(_))));
     }
 
