@@ -56,7 +56,7 @@ const FLAG_COMMAND: u8 = 0b100;
 pub enum ZmtpError {
     #[error("{0:?} is not tcp://HOST:PORT")]
     Endpoint(String),
-    #[error("connecting timed out")]
+    #[error("connecting, or answering a PING, timed out")]
     Timeout,
     #[error("the connection failed")]
     Io(#[from] std::io::Error),
@@ -231,7 +231,12 @@ impl Connection {
     /// Reads until `n` bytes are buffered (`n` is bounded by the callers).
     async fn fill(&mut self, n: usize) -> Result<(), ZmtpError> {
         while self.buf.len() < n {
-            self.buf.reserve((n - self.buf.len()).max(READ_CHUNK));
+            // Room for the rest of a large frame at once, so its buffer is
+            // not doubled and copied on the way; a chunk's for small ones.
+            let missing = n - self.buf.len();
+            if self.buf.capacity() - self.buf.len() < missing.min(READ_CHUNK) {
+                self.buf.reserve(missing.max(READ_CHUNK));
+            }
             if self.stream.read_buf(&mut self.buf).await? == 0 {
                 return Err(ZmtpError::Closed);
             }
@@ -249,7 +254,11 @@ impl Connection {
                 let mut pong = vec![4];
                 pong.extend_from_slice(b"PONG");
                 pong.extend_from_slice(context);
-                self.write(&[&pong], FLAG_COMMAND).await
+                // A peer that pings and never reads would hold the write,
+                // and with it the reading, for ever.
+                tokio::time::timeout(OPEN_TIMEOUT, self.write(&[&pong], FLAG_COMMAND))
+                    .await
+                    .unwrap_or(Err(ZmtpError::Timeout))
             }
             b"ERROR" => Err(ZmtpError::Refused(error_reason(rest))),
             // PONG, SUBSCRIBE (3.1), anything newer: nothing to do.
@@ -397,8 +406,58 @@ fn error_reason(rest: &[u8]) -> String {
     String::from_utf8_lossy(reason).into_owned()
 }
 
+/// The other end of a connection, written byte by byte, for tests here and
+/// in the modules that use this one.
+#[cfg(test)]
+pub(crate) mod peer {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    use super::{FLAG_COMMAND, FLAG_LONG, FLAG_MORE, greeting};
+
+    /// Greets as a 3.1 peer (as libzmq 4.3 does) and says READY as `kind`.
+    pub async fn handshake(s: &mut TcpStream, kind: &str) {
+        let mut g = greeting();
+        g[11] = 1;
+        s.write_all(&g).await.unwrap();
+        let mut theirs = [0u8; 64];
+        s.read_exact(&mut theirs).await.unwrap();
+        let mut ready = vec![5];
+        ready.extend_from_slice(b"READY");
+        ready.push(11);
+        ready.extend_from_slice(b"Socket-Type");
+        ready.extend_from_slice(&(kind.len() as u32).to_be_bytes());
+        ready.extend_from_slice(kind.as_bytes());
+        s.write_all(&[FLAG_COMMAND, ready.len() as u8]).await.unwrap();
+        s.write_all(&ready).await.unwrap();
+    }
+
+    /// One message of `frames` on the wire.
+    pub fn message(frames: &[&[u8]]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (i, frame) in frames.iter().enumerate() {
+            let more = if i + 1 < frames.len() { FLAG_MORE } else { 0 };
+            out.push(more | FLAG_LONG);
+            out.extend_from_slice(&(frame.len() as u64).to_be_bytes());
+            out.extend_from_slice(frame);
+        }
+        out
+    }
+
+    /// Reads one frame's flags and body.
+    pub async fn read_frame(s: &mut TcpStream) -> (u8, Vec<u8>) {
+        let flags = s.read_u8().await.unwrap();
+        let len =
+            if flags & FLAG_LONG != 0 { s.read_u64().await.unwrap() } else { u64::from(s.read_u8().await.unwrap()) };
+        let mut body = vec![0; len as usize];
+        s.read_exact(&mut body).await.unwrap();
+        (flags, body)
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::peer::read_frame as read_raw_frame;
     use super::*;
     use tokio::net::TcpListener;
 
@@ -408,32 +467,10 @@ mod tests {
         let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
         let peer = tokio::spawn(async move {
             let (mut s, _) = listener.accept().await.unwrap();
-            let mut g = greeting();
-            g[11] = 1; // a 3.1 peer, as libzmq 4.3
-            s.write_all(&g).await.unwrap();
-            let mut theirs = [0u8; 64];
-            s.read_exact(&mut theirs).await.unwrap();
-            let mut ready = vec![5];
-            ready.extend_from_slice(b"READY");
-            ready.push(11);
-            ready.extend_from_slice(b"Socket-Type");
-            ready.extend_from_slice(&(kind.len() as u32).to_be_bytes());
-            ready.extend_from_slice(kind.as_bytes());
-            s.write_all(&[FLAG_COMMAND, ready.len() as u8]).await.unwrap();
-            s.write_all(&ready).await.unwrap();
+            peer::handshake(&mut s, kind).await;
             s
         });
         (endpoint, peer)
-    }
-
-    /// Reads one frame's flags and body from the raw peer's side.
-    async fn read_raw_frame(s: &mut TcpStream) -> (u8, Vec<u8>) {
-        let flags = s.read_u8().await.unwrap();
-        let len =
-            if flags & FLAG_LONG != 0 { s.read_u64().await.unwrap() } else { u64::from(s.read_u8().await.unwrap()) };
-        let mut body = vec![0; len as usize];
-        s.read_exact(&mut body).await.unwrap();
-        (flags, body)
     }
 
     #[tokio::test]
@@ -467,7 +504,8 @@ mod tests {
             s.write_all(&half.to_be_bytes()).await.unwrap();
             s
         });
-        assert!(matches!(conn.recv().await, Err(ZmtpError::TooLarge { .. })));
+        let refused = tokio::time::timeout(Duration::from_secs(30), conn.recv()).await;
+        assert!(matches!(refused, Ok(Err(ZmtpError::TooLarge { .. }))), "{refused:?}");
         drop(writer);
     }
 
