@@ -30,7 +30,14 @@ pub enum ReplayError {
     Frames(usize),
     #[error("undecodable replayed batch")]
     Decode(#[from] DecodeError),
+    #[error("the replay from {endpoint} exceeds {MAX_REPLAY_BYTES} bytes")]
+    TooLarge { endpoint: String },
 }
+
+/// The most one replay may bring, in bytes on the wire (vLLM's buffer holds
+/// its last 10,000 steps, mostly small): past it the replay fails, and the
+/// rank is cleared and resynced as for any failed replay.
+pub const MAX_REPLAY_BYTES: usize = 256 << 20;
 
 /// One reply message, delimiter already stripped: `Some((seq, payload))`, or
 /// `None` for the end marker.
@@ -59,8 +66,13 @@ pub async fn fetch(endpoint: &str, start: Seq, timeout: Duration) -> Result<Vec<
         let frames = request(start);
         conn.send(&[&frames[0], &frames[1]]).await.map_err(zmq)?;
         let mut out = Vec::new();
+        let mut bytes = 0;
         loop {
             let frames = conn.recv().await.map_err(zmq)?;
+            bytes += frames.iter().map(Bytes::len).sum::<usize>();
+            if bytes > MAX_REPLAY_BYTES {
+                return Err(ReplayError::TooLarge { endpoint: endpoint.to_owned() });
+            }
             match parse_reply(&frames)? {
                 None => return Ok(out),
                 Some((seq, payload)) => out.push((seq, decode_payload(payload)?)),

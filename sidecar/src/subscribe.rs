@@ -27,8 +27,10 @@ use crate::state::WorkerState;
 use crate::translate::Rank;
 use crate::zmtp::Subscription;
 
-/// Live batches held while a replay runs; past this the gap is given up.
+/// Live batches held while a replay runs, and their bytes on the wire; past
+/// either the gap is given up.
 const MAX_BUFFERED: usize = 100_000;
+const MAX_BUFFERED_BYTES: usize = 256 << 20;
 /// Bound on a whole replay exchange.
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 /// After this long without a batch, ask the replay endpoint whether batches
@@ -83,7 +85,10 @@ pub async fn run(source: RankSource, state: Arc<WorkerState>, cancel: Cancellati
         let next = tokio::select! {
             _ = cancel.cancelled() => return,
             next = stream.next() => next,
-            _ = probe.tick() => {
+            // Not while reconnecting: a tick would cut the attempt short
+            // (an engine slower than the tick to accept would never be
+            // reached), and there is nothing to probe for.
+            _ = probe.tick(), if stream.subscription.is_some() => {
                 if last_batch.elapsed() >= IDLE_PROBE {
                     stream.probe().await;
                 }
@@ -92,7 +97,7 @@ pub async fn run(source: RankSource, state: Arc<WorkerState>, cancel: Cancellati
         };
         last_batch = tokio::time::Instant::now();
         match next {
-            Next::Batch(seq, batch) => stream.on_batch(seq, batch).await,
+            Next::Batch(seq, batch, _) => stream.on_batch(seq, batch).await,
             // Back after a loss: rebuild from the engine's replay buffer now,
             // not when (if ever) the next live batch shows a gap.
             Next::Reconnected => stream.recover(Seq(0), None).await,
@@ -124,7 +129,8 @@ struct Stream {
 
 /// What the event socket produced.
 enum Next {
-    Batch(Seq, EventBatch),
+    /// A batch, and its message's size in bytes.
+    Batch(Seq, EventBatch, usize),
     /// The socket reconnected after the stream was lost.
     Reconnected,
 }
@@ -184,7 +190,7 @@ impl Stream {
                 Ok(frames) => match decode_message(&frames) {
                     Ok((seq, batch)) => {
                         self.backoff = RECONNECT_FIRST;
-                        return Next::Batch(seq, batch);
+                        return Next::Batch(seq, batch, frames.iter().map(|f| f.len()).sum());
                     }
                     Err(e) => {
                         self.state.metrics().decode_errors.inc();
@@ -285,6 +291,8 @@ impl Stream {
     async fn recover(&mut self, from: Seq, live: Option<(Seq, EventBatch)>) {
         let rank = self.source.rank;
         let mut buffered: Vec<(Seq, EventBatch)> = live.into_iter().collect();
+        let mut buffered_bytes = 0;
+        let mut reconnected = false;
         let replayed = match self.source.replay.clone() {
             None => None,
             Some(endpoint) => {
@@ -294,15 +302,35 @@ impl Stream {
                     tokio::select! {
                         r = &mut fetch => break Some(r),
                         live = self.next() => match live {
-                            Next::Batch(s, b) if buffered.len() < MAX_BUFFERED => buffered.push((s, b)),
+                            Next::Batch(s, b, n)
+                                if buffered.len() < MAX_BUFFERED && buffered_bytes + n <= MAX_BUFFERED_BYTES =>
+                            {
+                                buffered.push((s, b));
+                                buffered_bytes += n;
+                            }
                             Next::Batch(..) => break None,
-                            // Lost and back again mid-replay: this replay still stands.
-                            Next::Reconnected => {}
+                            Next::Reconnected => reconnected = true,
                         },
                     }
                 }
             }
         };
+        if reconnected || self.lost {
+            // The stream was lost while this replay ran: the rank was
+            // cleared, and the engine may have restarted in between, so
+            // neither the replay nor the batches buffered before the loss
+            // hold. Start again from the engine's first batch once back.
+            warn!(rank = rank.0, from = from.0, "event stream lost during a replay: starting again from the beginning");
+            self.state.metrics().replays.get_or_create(&ReplayLabels { outcome: ReplayOutcome::Failed.as_str() }).inc();
+            self.state.reset(rank);
+            self.expected = None;
+            self.replayed_through = None;
+            if reconnected && !self.lost {
+                Box::pin(self.recover(Seq(0), None)).await;
+            }
+            // Still lost: the next `Reconnected` replays from the beginning.
+            return;
+        }
         let outcome = match replayed {
             // A fresh engine with nothing published yet: nothing was lost.
             Some(Ok(replayed)) if replayed.is_empty() && buffered.is_empty() => ReplayOutcome::Recovered,
@@ -341,5 +369,73 @@ impl Stream {
             self.state.apply(rank, b);
             self.expected = Some(Seq(s.0.wrapping_add(1)));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvroute_shared::{BlockSize, ModelName};
+    use rmpv::Value;
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::TcpListener;
+
+    use super::*;
+    use crate::metrics::Metrics;
+    use crate::translate::Translator;
+    use crate::zmtp::peer;
+
+    /// One vLLM event message: batch `seq` storing one block.
+    fn stored(seq: u64, hash: u64) -> Vec<u8> {
+        let event = Value::Map(vec![
+            (Value::from("type"), Value::from("BlockStored")),
+            (Value::from("block_hashes"), Value::Array(vec![Value::from(hash)])),
+            (Value::from("parent_block_hash"), Value::Nil),
+            (Value::from("token_ids"), Value::Array((0..4).map(|t| Value::from(t + hash)).collect())),
+            (Value::from("block_size"), Value::from(4)),
+            (Value::from("lora_id"), Value::Nil),
+            (Value::from("medium"), Value::from("GPU")),
+        ]);
+        let mut payload = Vec::new();
+        rmpv::encode::write_value(&mut payload, &Value::Array(vec![1.7e9.into(), Value::Array(vec![event]), 0.into()]))
+            .unwrap();
+        peer::message(&[b"kv", &seq.to_be_bytes(), &payload])
+    }
+
+    /// An engine back on its port that takes longer to answer than the idle
+    /// probe's 1 s tick is reached all the same: the tick used to cut every
+    /// attempt short, for ever.
+    #[tokio::test]
+    async fn a_reconnect_slower_than_the_probe_tick_is_not_cut_short() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let events = format!("tcp://{}", listener.local_addr().unwrap());
+        let engine = tokio::spawn(async move {
+            let (mut first, _) = listener.accept().await.unwrap();
+            peer::handshake(&mut first, "PUB").await;
+            let _subscription = peer::read_frame(&mut first).await;
+            first.write_all(&stored(0, 1)).await.unwrap();
+            drop(first);
+            // Restarted, and slow to greet.
+            let (mut second, _) = listener.accept().await.unwrap();
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            peer::handshake(&mut second, "PUB").await;
+            let _subscription = peer::read_frame(&mut second).await;
+            second.write_all(&stored(0, 2)).await.unwrap();
+            second
+        });
+        let metrics = Arc::new(Metrics::new());
+        let translator = Translator::new(ModelName::new("m"), BlockSize::new(4).unwrap(), metrics.translate.clone());
+        let state = Arc::new(WorkerState::new(translator, metrics.clone(), 1_000));
+        let source = RankSource { rank: Rank(0), events, replay: None, topic: "kv".into() };
+        let cancel = CancellationToken::new();
+        let subscriber = tokio::spawn(run(source, state, cancel.clone()));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while metrics.event_batches.get() < 2 {
+            assert!(tokio::time::Instant::now() < deadline, "the restarted engine was never reached");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(metrics.disconnects.get(), 1);
+        cancel.cancel();
+        subscriber.await.unwrap();
+        drop(engine);
     }
 }

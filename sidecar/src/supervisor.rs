@@ -23,8 +23,8 @@ use crate::translate::Rank;
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 /// How long the first push waits for the engine's replay buffer to be read
 /// (`WorkerState::caught_up`): a replay is bounded by 5 s, and an engine
-/// whose event endpoint does not answer must not keep its worker
-/// unregistered for ever.
+/// whose event endpoint does not answer (the connection comes before the
+/// replay) must not keep its worker unregistered for ever.
 const CATCH_UP_WAIT: Duration = Duration::from_secs(6);
 
 struct Task {

@@ -47,6 +47,24 @@ async fn the_first_sync_waits_for_what_the_engine_cached_before_the_start() {
     h.stop().await;
 }
 
+/// An engine that restarts on its port: the sidecar sees the connection
+/// close, clears the worker, connects again and rebuilds from the new
+/// engine's replay buffer (its first batch went out before the sidecar was
+/// back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restarted_on_its_port_is_reconnected_and_rebuilt() {
+    let mut h = Harness::start_with(Options { replay_keep_last: Some(10_000), ..Options::sync("60s") }).await;
+    let old: Vec<u32> = (0..4).collect();
+    h.publisher.publish(vec![stored(&[1], None, &old)]).await;
+    support::wait("the old engine's block", || async { h.router_view() == hex_set(&keys(&old)) }).await;
+    h.publisher.restart().await;
+    let new: Vec<u32> = (10..14).collect();
+    h.publisher.publish(vec![stored(&[2], None, &new)]).await;
+    support::wait("the new engine's block only", || async { h.router_view() == hex_set(&keys(&new)) }).await;
+    assert!(h.metric("kvroute_sidecar_event_disconnects_total").await >= 1.0);
+    h.stop().await;
+}
+
 /// The idle probe recovers a batch the live stream lost; when the stream then
 /// delivers its late copy, that is a duplicate, not an engine restart (which
 /// would clear the worker while the engine still holds everything).

@@ -123,6 +123,21 @@ impl Publisher {
         Publisher { socket, endpoint, seq: 0, history: History::default() }
     }
 
+    /// The engine restarts on the same port: its connections close, its
+    /// seq starts again from 0 and its replay buffer is empty.
+    pub async fn restart(&mut self) {
+        let endpoint = self.endpoint.clone();
+        drop(std::mem::replace(&mut self.socket, PubSocket::new()));
+        // The dropped socket's listener closes in its own task.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while let Err(e) = self.socket.bind(&endpoint).await {
+            assert!(tokio::time::Instant::now() < deadline, "cannot bind {endpoint} again: {e}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        self.history.clear();
+        self.seq = 0;
+    }
+
     /// Publishes one batch with the next seq.
     pub async fn publish(&mut self, events: Vec<M>) {
         let seq = self.seq;
