@@ -125,6 +125,7 @@ pub struct Metrics {
     pub tracked_keys: Gauge,
     pub snapshot_dropped_blocks: Counter,
     pub snapshot_failures: Counter,
+    pub snapshots_deferred: Counter,
     pub load_scrape_failures: Counter,
     pub event_batches: Counter,
     pub events_silent: Gauge,
@@ -202,6 +203,7 @@ impl Metrics {
             tracked_keys: Gauge::default(),
             snapshot_dropped_blocks: Counter::default(),
             snapshot_failures: Counter::default(),
+            snapshots_deferred: Counter::default(),
             load_scrape_failures: Counter::default(),
             event_batches: Counter::default(),
             events_silent: Gauge::default(),
@@ -256,6 +258,11 @@ impl Metrics {
             self.snapshot_dropped_blocks.clone(),
         );
         r.register("snapshot_failures", "Engine snapshot requests that failed", self.snapshot_failures.clone());
+        r.register(
+            "snapshots_deferred",
+            "Engine snapshots that would have dropped more than half a rank's blocks, held back until the next agreed",
+            self.snapshots_deferred.clone(),
+        );
         r.register("load_scrape_failures", "Engine /metrics scrapes that failed", self.load_scrape_failures.clone());
         r.register("event_batches", "KV-event batches received from the engine", self.event_batches.clone());
         r.register(

@@ -28,7 +28,7 @@ use tokio::sync::watch;
 use crate::coalesce::{Delta, Pending};
 use crate::decode::EventBatch;
 use crate::metrics::Metrics;
-use crate::translate::{KeySink, Rank, Translator};
+use crate::translate::{KeySink, Rank, Reconciled, Translator};
 
 /// Identifies this sidecar-and-engine incarnation to routers; a new one is
 /// drawn at start, whenever the engine restarts or events were lost, and when
@@ -307,14 +307,18 @@ impl WorkerState {
         self.inner.lock().translator.begin_snapshot();
     }
 
-    /// Drops blocks of `rank` the engine's own snapshot no longer holds.
-    pub fn reconcile(&self, rank: Rank, held: &HashSet<u64>) -> usize {
+    /// Drops blocks of `rank` the engine's own snapshot no longer holds
+    /// (more than half of them only when `confirmed`: see
+    /// [`Translator::retain_engine_hashes`]).
+    pub fn reconcile(&self, rank: Rank, held: &HashSet<u64>, confirmed: bool) -> Reconciled {
         let mut inner = self.inner.lock();
         let Inner { translator, routers, digest, .. } = &mut *inner;
-        let dropped = translator.retain_engine_hashes(rank, held, &mut Fanout { routers, digest });
-        self.metrics.snapshot_dropped_blocks.inc_by(dropped as u64);
+        let done = translator.retain_engine_hashes(rank, held, confirmed, &mut Fanout { routers, digest });
+        if let Reconciled::Dropped(n) = done {
+            self.metrics.snapshot_dropped_blocks.inc_by(n as u64);
+        }
         self.update_gauges(translator);
-        dropped
+        done
     }
 
     /// Every key currently held (tests, health).

@@ -4,7 +4,7 @@
 //! syncs are each push task's own business (`push`): a v2 router gets one
 //! only on a digest mismatch or at the safety interval.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,7 +17,7 @@ use crate::push::{self, Pusher};
 use crate::routers;
 use crate::snapshot;
 use crate::state::{RouterTarget, WorkerState};
-use crate::translate::Rank;
+use crate::translate::{Rank, Reconciled};
 
 /// How long push tasks get to flush at shutdown.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
@@ -58,6 +58,7 @@ impl Supervisor {
         }
         let mut tasks: BTreeMap<RouterTarget, Task> = BTreeMap::new();
         let mut resolved: HashMap<String, Vec<RouterTarget>> = HashMap::new();
+        let mut deferred = HashSet::new();
         let mut tick = tokio::time::interval(self.sync_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -65,7 +66,7 @@ impl Supervisor {
                 _ = cancel.cancelled() => break,
                 _ = tick.tick() => {}
             }
-            self.anti_entropy().await;
+            self.anti_entropy(&mut deferred).await;
             for url in &self.router_urls {
                 match routers::resolve(url).await {
                     Ok(targets) => {
@@ -110,17 +111,31 @@ impl Supervisor {
         Task { cancel, wake, handle }
     }
 
-    /// Drops blocks the engine no longer holds, per rank.
-    async fn anti_entropy(&self) {
+    /// Drops blocks the engine no longer holds, per rank. `deferred`: the
+    /// ranks whose last snapshot would have dropped most of their blocks.
+    async fn anti_entropy(&self, deferred: &mut HashSet<Rank>) {
         for (rank, endpoint) in &self.snapshot_endpoints {
             self.state.begin_snapshot();
             match snapshot::fetch(endpoint).await {
-                Ok(held) => {
-                    let dropped = self.state.reconcile(*rank, &held);
-                    if dropped > 0 {
-                        info!(rank = rank.0, dropped, "engine snapshot dropped stale blocks");
+                Ok(held) => match self.state.reconcile(*rank, &held, deferred.contains(rank)) {
+                    Reconciled::Dropped(dropped) => {
+                        deferred.remove(rank);
+                        if dropped > 0 {
+                            info!(rank = rank.0, dropped, "engine snapshot dropped stale blocks");
+                        }
                     }
-                }
+                    Reconciled::Deferred { would_drop, tracked } => {
+                        deferred.insert(*rank);
+                        self.state.metrics().snapshots_deferred.inc();
+                        warn!(
+                            rank = rank.0,
+                            would_drop,
+                            tracked,
+                            "the engine's snapshot would drop most of the blocks its events reported: \
+                             held back until the next snapshot agrees"
+                        );
+                    }
+                },
                 Err(e) => {
                     self.state.metrics().snapshot_failures.inc();
                     warn!(rank = rank.0, error = %e, "engine snapshot failed");

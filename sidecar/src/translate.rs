@@ -84,6 +84,16 @@ pub struct Translator {
     counters: TranslateCounters,
 }
 
+/// What an engine snapshot did to a rank's blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reconciled {
+    /// These many blocks the engine no longer holds were dropped.
+    Dropped(usize),
+    /// The snapshot would drop more than half the rank's blocks: nothing
+    /// dropped until the next snapshot agrees.
+    Deferred { would_drop: usize, tracked: usize },
+}
+
 impl Translator {
     pub fn new(base_model: ModelName, block_size: BlockSize, counters: TranslateCounters) -> Self {
         let base_root = KeyRoot::new(base_model.as_str(), None);
@@ -277,21 +287,34 @@ impl Translator {
 
     /// Drops every block of `rank` whose engine hash id is not in `held` (the
     /// engine's own snapshot of its prefix cache, taken after the last
-    /// [`Translator::begin_snapshot`]). Returns how many were dropped.
-    pub fn retain_engine_hashes(&mut self, rank: Rank, held: &HashSet<u64>, sink: &mut impl KeySink) -> usize {
+    /// [`Translator::begin_snapshot`]). A snapshot that would drop more than
+    /// half the rank's blocks is held back unless `confirmed` (the previous
+    /// snapshot wanted the same): a hook that answers empty, or another
+    /// engine answering on its port, must not empty the worker at once.
+    pub fn retain_engine_hashes(
+        &mut self,
+        rank: Rank,
+        held: &HashSet<u64>,
+        confirmed: bool,
+        sink: &mut impl KeySink,
+    ) -> Reconciled {
         let fresh = self.fresh.take().unwrap_or_default();
         let Some(blocks) = self.ranks.get_mut(&rank) else {
-            return 0;
+            return Reconciled::Dropped(0);
         };
         let gone: Vec<u64> =
             blocks.keys.keys().filter(|id| !held.contains(id) && !fresh.contains_key(id)).copied().collect();
+        let tracked = blocks.keys.len();
+        if gone.len() * 2 > tracked && !confirmed {
+            return Reconciled::Deferred { would_drop: gone.len(), tracked };
+        }
         for id in &gone {
             blocks.extra_copies.remove(id);
             if let Some(key) = blocks.keys.remove(id) {
                 release(&mut self.key_set, &mut self.key_extra, key, sink);
             }
         }
-        gone.len()
+        Reconciled::Dropped(gone.len())
     }
 
     /// Every router key the worker currently holds.

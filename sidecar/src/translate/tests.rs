@@ -164,9 +164,26 @@ fn snapshot_drops_blocks_the_engine_lost_but_keeps_fresh_ones() {
     t.apply(Rank(0), &stored(&[1, 2], None, (0..8).collect()), &mut NullSink);
     t.begin_snapshot();
     t.apply(Rank(0), &stored(&[3], Some(2), (8..12).collect()), &mut NullSink);
-    let dropped = t.retain_engine_hashes(Rank(0), &HashSet::from([1]), &mut NullSink);
-    assert_eq!(dropped, 1, "hash 2 is gone; 3 arrived after the snapshot began");
+    let dropped = t.retain_engine_hashes(Rank(0), &HashSet::from([1]), false, &mut NullSink);
+    assert_eq!(dropped, Reconciled::Dropped(1), "hash 2 is gone; 3 arrived after the snapshot began");
     assert_eq!(t.block_count(), 2);
+}
+
+/// A snapshot that would drop most of a rank (an empty answer from a hook
+/// that no longer finds the engine's cache, another engine on its port) is
+/// held back until the next one agrees.
+#[test]
+fn a_snapshot_dropping_most_blocks_waits_for_a_second_one() {
+    let mut t = translator();
+    t.apply(Rank(0), &stored(&[1, 2, 3], None, (0..12).collect()), &mut NullSink);
+    t.begin_snapshot();
+    let first = t.retain_engine_hashes(Rank(0), &HashSet::new(), false, &mut NullSink);
+    assert_eq!(first, Reconciled::Deferred { would_drop: 3, tracked: 3 });
+    assert_eq!(t.block_count(), 3, "nothing dropped on one empty snapshot");
+    t.begin_snapshot();
+    let second = t.retain_engine_hashes(Rank(0), &HashSet::new(), true, &mut NullSink);
+    assert_eq!(second, Reconciled::Dropped(3));
+    assert_eq!(t.block_count(), 0);
 }
 
 /// One step of the model engine.
