@@ -1,6 +1,9 @@
 import hashlib
 
+import pytest
+
 from kvroute_hooks import collect_hashes, convert_key
+from kvroute_hooks.hashes import CacheUnavailable
 
 from fakes import BlockHashType, BlockPool, EarlyBlockPool, grouped
 
@@ -51,11 +54,22 @@ def test_evicted_blocks_disappear():
     assert collect_hashes([pool]) == {vllm_int(digest(2))}
 
 
-def test_union_over_pools_and_pools_without_cache():
+def test_union_over_pools():
     a, b = BlockPool(), BlockPool()
     a.cached_block_hash_to_block.insert(grouped(digest(1)), object())
     b.cached_block_hash_to_block.insert(grouped(digest(2)), object())
-    assert collect_hashes([a, b, object()]) == {vllm_int(digest(1)), vllm_int(digest(2))}
+    assert collect_hashes([a, b]) == {vllm_int(digest(1)), vllm_int(digest(2))}
+
+
+def test_a_cache_that_cannot_be_read_is_an_error_not_an_empty_snapshot():
+    # An empty set would tell the sidecar the engine holds nothing, and it
+    # would drop every block: a renamed attribute, or no pool yet, is an error.
+    a = BlockPool()
+    a.cached_block_hash_to_block.insert(grouped(digest(1)), object())
+    with pytest.raises(CacheUnavailable, match="cached_block_hash_to_block"):
+        collect_hashes([a, object()])
+    with pytest.raises(CacheUnavailable, match="no GPU block pool"):
+        collect_hashes([])
 
 
 def test_only_gpu_pools_and_group_zero_reach_a_snapshot():

@@ -1,6 +1,7 @@
 import hashlib
 
 import msgpack
+import pytest
 import zmq
 
 from kvroute_hooks import SnapshotServer, install, tracked_pools
@@ -40,9 +41,84 @@ def test_collector_errors_are_replies_not_crashes():
 
     server = SnapshotServer("tcp://127.0.0.1:0", broken).start()
     try:
-        assert ask(server.endpoint, {"op": "snapshot"}) == {"ok": False, "error": "ValueError"}
+        assert ask(server.endpoint, {"op": "snapshot"}) == {"ok": False, "error": "ValueError: boom"}
     finally:
         server.stop()
+
+
+def test_a_request_of_several_frames_is_answered_and_the_endpoint_lives_on():
+    # A REP that replied before reading every frame would be stuck (EFSM),
+    # and its thread died: no snapshot until the engine restarted.
+    server = SnapshotServer("tcp://127.0.0.1:0", lambda: {7}).start()
+    try:
+        ctx = zmq.Context.instance()
+        s = ctx.socket(zmq.REQ)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 5000)
+        s.connect(server.endpoint)
+        s.send_multipart([msgpack.packb({"op": "snapshot"}), b"more"])
+        assert msgpack.unpackb(s.recv(), raw=False) == {"ok": False, "error": "a request is one frame"}
+        s.close()
+        assert ask(server.endpoint, {"op": "snapshot"})["hashes"] == [7]
+    finally:
+        server.stop()
+
+
+def test_an_oversized_request_is_dropped_and_the_endpoint_lives_on():
+    server = SnapshotServer("tcp://127.0.0.1:0", lambda: {7}).start()
+    try:
+        ctx = zmq.Context.instance()
+        s = ctx.socket(zmq.REQ)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 1000)
+        s.connect(server.endpoint)
+        s.send(b"\0" * (1 << 20))
+        with pytest.raises(zmq.Again):
+            s.recv()  # libzmq closed that connection: no answer
+        s.close()
+        assert ask(server.endpoint, {"op": "snapshot"})["hashes"] == [7]
+    finally:
+        server.stop()
+
+
+def test_a_snapshot_is_collected_at_most_once_a_second():
+    calls = []
+
+    def collect():
+        calls.append(1)
+        return {len(calls)}
+
+    server = SnapshotServer("tcp://127.0.0.1:0", collect).start()
+    try:
+        replies = [ask(server.endpoint, {"op": "snapshot"})["hashes"] for _ in range(5)]
+        assert replies == [[1]] * 5, "asked in a loop, the engine collected once"
+        assert len(calls) == 1
+    finally:
+        server.stop()
+
+
+def test_a_malformed_endpoint_never_raises_into_the_engine(monkeypatch):
+    from fakes import BlockPool
+    from kvroute_hooks import install_scheduler, patch
+
+    class ParallelConfig:
+        data_parallel_index = 1
+
+    class KVCacheManager:
+        def __init__(self) -> None:
+            self.block_pool = BlockPool()
+
+    class Scheduler:
+        def __init__(self) -> None:
+            self.parallel_config = ParallelConfig()
+            self.kv_cache_manager = KVCacheManager()
+
+    monkeypatch.setenv("KVROUTE_SNAPSHOT_ENDPOINT", "tcp://127.0.0.1")  # no port
+    monkeypatch.setattr(patch, "_server", None)
+    install_scheduler(Scheduler)
+    sched = Scheduler()  # rank 1 offsets the port: this raised ValueError here
+    assert sched.kv_cache_manager.block_pool in tracked_pools()
+    assert patch._server is None
 
 
 def test_install_tracks_pools_and_serves_them():

@@ -32,8 +32,8 @@ pub enum SnapshotError {
     Timeout { endpoint: String },
     #[error("snapshot reply is malformed: {0}")]
     Malformed(&'static str),
-    #[error("the engine hook reported an error")]
-    Hook,
+    #[error("the engine hook reported an error: {0}")]
+    Hook(String),
 }
 
 /// The request body: msgpack `{"op": "snapshot"}`.
@@ -55,7 +55,12 @@ pub fn parse_reply(mut body: &[u8]) -> Result<HashSet<u64>, SnapshotError> {
         fields.iter().find_map(|(k, v)| matches!(k, ValueRef::String(s) if s.as_str() == Some(name)).then_some(v))
     };
     if !matches!(field("ok"), Some(ValueRef::Boolean(true))) {
-        return Err(SnapshotError::Hook);
+        // The hook's reason (bounded: it goes into a log line).
+        let reason = match field("error") {
+            Some(ValueRef::String(s)) => s.as_str().unwrap_or("not UTF-8").chars().take(200).collect(),
+            _ => "no reason given".to_owned(),
+        };
+        return Err(SnapshotError::Hook(reason));
     }
     let Some(ValueRef::Array(hashes)) = field("hashes") else {
         return Err(SnapshotError::Malformed("no hashes array"));
@@ -89,4 +94,27 @@ pub async fn fetch(endpoint: &str) -> Result<HashSet<u64>, SnapshotError> {
     tokio::time::timeout(SNAPSHOT_TIMEOUT, exchange)
         .await
         .unwrap_or_else(|_| Err(SnapshotError::Timeout { endpoint: endpoint.to_owned() }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn encode(value: rmpv::Value) -> Vec<u8> {
+        let mut buf = Vec::new();
+        rmpv::encode::write_value(&mut buf, &value).unwrap();
+        buf
+    }
+
+    #[test]
+    fn a_hook_error_carries_its_reason_into_the_log() {
+        let reply = rmpv::Value::Map(vec![
+            (rmpv::Value::from("ok"), rmpv::Value::Boolean(false)),
+            (rmpv::Value::from("error"), rmpv::Value::from("CacheUnavailable: no GPU block pool is tracked")),
+        ]);
+        let e = parse_reply(&encode(reply)).unwrap_err();
+        assert_eq!(e.to_string(), "the engine hook reported an error: CacheUnavailable: no GPU block pool is tracked");
+        let bare = rmpv::Value::Map(vec![(rmpv::Value::from("ok"), rmpv::Value::Boolean(false))]);
+        assert!(parse_reply(&encode(bare)).unwrap_err().to_string().ends_with("no reason given"));
+    }
 }

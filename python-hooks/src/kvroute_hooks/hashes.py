@@ -24,22 +24,38 @@ _MASK64 = (1 << 64) - 1
 _GROUPED_LENGTHS = (36, 20)
 
 
+class CacheUnavailable(RuntimeError):
+    """The engine's prefix cache could not be read. Answered as an error,
+    never as an empty snapshot: the sidecar drops whatever a snapshot does
+    not list."""
+
+
 def _vllm_helpers():
     try:
         from vllm.v1.core import kv_cache_utils as u  # type: ignore
     except Exception:  # vLLM absent or a version without these helpers
-        return None, None
-    return getattr(u, "get_block_hash", None), getattr(u, "maybe_convert_block_hash", None)
+        return None, None, None
+    return (
+        getattr(u, "get_block_hash", None),
+        getattr(u, "maybe_convert_block_hash", None),
+        getattr(u, "get_group_id", None),
+    )
 
 
 def _use_int_hashes() -> bool:
     return os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").lower() not in ("0", "false", "no")
 
 
-def group_of(key: Any) -> int:
-    """The KV-cache group of a ``BlockHashWithGroupId`` bytes key (0 otherwise)."""
-    if isinstance(key, (bytes, bytearray, memoryview)) and len(key) in _GROUPED_LENGTHS:
-        return int.from_bytes(bytes(key[-4:]), "big")
+def group_of(key: Any, get_group_id=None) -> int:
+    """The KV-cache group of a ``BlockHashWithGroupId`` bytes key (0 otherwise):
+    vLLM's own ``get_group_id`` where it has one (every bytes key is grouped
+    there, whatever its hash's length), else by the key's length."""
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        if get_group_id is not None:
+            return get_group_id(bytes(key))
+        if len(key) in _GROUPED_LENGTHS:
+            return int.from_bytes(bytes(key[-4:]), "big")
+        return 0
     group = getattr(key, "group_id", None)
     return group if isinstance(group, int) else 0
 
@@ -48,10 +64,13 @@ def convert_key(key: Any, get_block_hash=None, maybe_convert=None) -> ExternalHa
     """One cache-map key as vLLM's KV events would publish it."""
     if isinstance(key, (bytes, bytearray, memoryview)):
         raw = bytes(key)
-        # Bytes keys are BlockHashWithGroupId (hash + 4-byte group id); a bare
-        # digest length means a version that keyed by the hash alone.
-        if len(raw) in _GROUPED_LENGTHS:
-            raw = bytes(get_block_hash(raw)) if get_block_hash is not None else raw[:-4]
+        # Bytes keys are BlockHashWithGroupId (hash + 4-byte group id) in every
+        # vLLM with get_block_hash; without it, a bare digest length means a
+        # version that keyed by the hash alone.
+        if get_block_hash is not None:
+            raw = bytes(get_block_hash(raw))
+        elif len(raw) in _GROUPED_LENGTHS:
+            raw = raw[:-4]
         if maybe_convert is not None:
             return maybe_convert(raw)
         if _use_int_hashes():
@@ -88,7 +107,7 @@ def _keys_of(cache_map: Any) -> List[Any]:
             return list(cache_map)
         except RuntimeError:  # "dictionary changed size during iteration"
             continue
-    return []
+    raise CacheUnavailable("the cache map kept changing while it was read")
 
 
 def collect_hashes(pools: Iterable[Any]) -> Set[ExternalHash]:
@@ -96,16 +115,23 @@ def collect_hashes(pools: Iterable[Any]) -> Set[ExternalHash]:
 
     Only what the sidecar routes on: pools whose ``medium`` is GPU (offload
     tiers publish their own events, with medium CPU) and KV-cache group 0
-    (hybrid models repeat the same hashes in their other groups)."""
-    get_block_hash, maybe_convert = _vllm_helpers()
+    (hybrid models repeat the same hashes in their other groups).
+
+    Raises ``CacheUnavailable`` when there is no GPU pool yet, or one without
+    the map this reads (a vLLM that renamed it): an empty set would tell the
+    sidecar that the engine holds nothing."""
+    get_block_hash, maybe_convert, get_group_id = _vllm_helpers()
+    gpu_pools = [pool for pool in pools if getattr(pool, "medium", "GPU") == "GPU"]
+    if not gpu_pools:
+        raise CacheUnavailable("no GPU block pool is tracked (the engine has not built its scheduler yet)")
     out: Set[ExternalHash] = set()
-    for pool in pools:
-        if getattr(pool, "medium", "GPU") != "GPU":
-            continue
+    for pool in gpu_pools:
         cache_map = getattr(pool, "cached_block_hash_to_block", None)
         if cache_map is None:
-            continue
+            raise CacheUnavailable(
+                f"{type(pool).__name__} has no cached_block_hash_to_block: a vLLM this plugin does not know"
+            )
         for key in _keys_of(cache_map):
-            if group_of(key) == 0:
+            if group_of(key, get_group_id) == 0:
                 out.add(convert_key(key, get_block_hash, maybe_convert))
     return out

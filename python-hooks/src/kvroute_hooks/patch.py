@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 from .hashes import collect_hashes
 from .server import SnapshotServer
@@ -73,15 +73,21 @@ def _is_gpu_pool(pool: Any) -> bool:
     return getattr(pool, "medium", "GPU") == "GPU"
 
 
-def _ensure_server(endpoint: str) -> None:
+def _ensure_server(endpoint: Callable[[], str]) -> None:
+    """Starts the endpoint once per process. Runs inside vLLM's own
+    constructors: nothing here may raise into them (a busy port, a malformed
+    ``KVROUTE_SNAPSHOT_ENDPOINT``), so the endpoint is resolved under the
+    same guard."""
     global _server
     with _lock:
         if _server is not None:
             return
+        address = "?"
         try:
-            _server = SnapshotServer(endpoint, lambda: collect_hashes(tracked_pools())).start()
-        except Exception:  # a busy port must not stop the engine
-            log.exception("kvroute snapshot endpoint %s could not start", endpoint)
+            address = endpoint()
+            _server = SnapshotServer(address, lambda: collect_hashes(tracked_pools())).start()
+        except Exception:
+            log.exception("kvroute snapshot endpoint %s could not start", address)
 
 
 def install_scheduler(scheduler_cls: Any, endpoint: Optional[str] = None) -> None:
@@ -99,7 +105,7 @@ def install_scheduler(scheduler_cls: Any, endpoint: Optional[str] = None) -> Non
             return
         _pools.add(pool)
         rank = rank_of(getattr(self, "parallel_config", None))
-        _ensure_server(endpoint or endpoint_for_rank(_base_endpoint(), rank))
+        _ensure_server(lambda: endpoint or endpoint_for_rank(_base_endpoint(), rank))
 
     __init__.__wrapped__ = original  # type: ignore[attr-defined]
     scheduler_cls.__init__ = __init__
@@ -118,7 +124,7 @@ def install(block_pool_cls: Any, endpoint: Optional[str] = None) -> None:
             return
         _pools.add(self)
         # Resolved here, inside the engine core, where the rank is known.
-        _ensure_server(endpoint or endpoint_for_rank(_base_endpoint(), _env_rank()))
+        _ensure_server(lambda: endpoint or endpoint_for_rank(_base_endpoint(), _env_rank()))
 
     __init__.__wrapped__ = original  # type: ignore[attr-defined]
     block_pool_cls.__init__ = __init__

@@ -3,6 +3,14 @@
 Protocol (msgpack): request ``{"op": "snapshot"}``; reply
 ``{"ok": True, "hashes": [...], "count": n, "ts": unix_seconds}`` or
 ``{"ok": False, "error": "..."}``. The sidecar's ``snapshot.rs`` is the client.
+
+The socket runs inside the engine and answers whoever reaches its port, so:
+requests are at most 4 KiB (``MAXMSGSIZE``: libzmq drops the connection of a
+peer that sends more), few are queued either way, a request of several
+frames gets an error reply (a REP that replied before reading them all would
+be stuck), any failure is logged and the socket made again, and a snapshot
+is collected at most once a second (requests within that second get the
+same reply): a client asking in a loop cannot keep the engine's GIL busy.
 """
 
 import logging
@@ -16,6 +24,9 @@ import zmq
 log = logging.getLogger("kvroute_hooks")
 
 _POLL_MS = 200
+_MAX_REQUEST_BYTES = 4096
+_QUEUE = 4
+_MIN_COLLECT_INTERVAL_S = 1.0
 
 
 class SnapshotServer:
@@ -24,11 +35,11 @@ class SnapshotServer:
     def __init__(self, endpoint: str, collect: Callable[[], Iterable[Any]]):
         self._collect = collect
         self._ctx = zmq.Context.instance()
-        self._socket = self._ctx.socket(zmq.REP)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(endpoint)
-        # The real address (a ":0" port resolved), for logs and tests.
+        self._socket = self._bind(endpoint)
+        # The real address (a ":0" port resolved), for logs and tests; the
+        # socket is made again on this address after a failure.
         self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._last: Optional[tuple] = None  # (monotonic time, reply) of the last snapshot
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kvroute-snapshot", daemon=True)
 
@@ -36,6 +47,19 @@ class SnapshotServer:
         self._thread.start()
         log.info("kvroute snapshot endpoint on %s", self.endpoint)
         return self
+
+    def _bind(self, endpoint: str) -> "zmq.Socket":
+        socket = self._ctx.socket(zmq.REP)
+        try:
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
+            socket.setsockopt(zmq.RCVHWM, _QUEUE)
+            socket.setsockopt(zmq.SNDHWM, _QUEUE)
+            socket.bind(endpoint)
+        except Exception:
+            socket.close(linger=0)
+            raise
+        return socket
 
     def stop(self, timeout: Optional[float] = 2.0) -> None:
         self._stopping.set()
@@ -48,21 +72,43 @@ class SnapshotServer:
             return msgpack.packb({"ok": False, "error": "request is not msgpack"})
         if not isinstance(body, dict) or body.get("op") != "snapshot":
             return msgpack.packb({"ok": False, "error": "unknown op"})
+        now = time.monotonic()
+        if self._last is not None and now - self._last[0] < _MIN_COLLECT_INTERVAL_S:
+            return self._last[1]
         try:
             hashes = list(self._collect())
+            reply = msgpack.packb({"ok": True, "hashes": hashes, "count": len(hashes), "ts": time.time()})
         except Exception as e:  # never take the engine down
-            log.exception("kvroute snapshot failed")
-            return msgpack.packb({"ok": False, "error": type(e).__name__})
-        return msgpack.packb({"ok": True, "hashes": hashes, "count": len(hashes), "ts": time.time()})
+            log.warning("kvroute snapshot failed: %s: %s", type(e).__name__, e)
+            reply = msgpack.packb({"ok": False, "error": f"{type(e).__name__}: {e}"})
+        self._last = (now, reply)
+        return reply
 
     def _serve(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._serve_until_failure()
+            except Exception:  # never let one bad peer end the endpoint
+                log.exception("kvroute snapshot endpoint failed; making its socket again")
+                self._socket.close(linger=0)
+                while not self._stopping.is_set():
+                    try:
+                        self._socket = self._bind(self.endpoint)
+                        break
+                    except Exception:
+                        log.exception("kvroute snapshot endpoint %s could not be bound again", self.endpoint)
+                        self._stopping.wait(1.0)
+        self._socket.close(linger=0)
+
+    def _serve_until_failure(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
-        try:
-            while not self._stopping.is_set():
-                if not dict(poller.poll(_POLL_MS)):
-                    continue
-                request = self._socket.recv()
-                self._socket.send(self._reply(request))
-        finally:
-            self._socket.close(linger=0)
+        while not self._stopping.is_set():
+            if not dict(poller.poll(_POLL_MS)):
+                continue
+            frames = self._socket.recv_multipart()
+            if len(frames) == 1:
+                reply = self._reply(frames[0])
+            else:
+                reply = msgpack.packb({"ok": False, "error": "a request is one frame"})
+            self._socket.send(reply)
