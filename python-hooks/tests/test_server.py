@@ -10,12 +10,16 @@ from kvroute_hooks.patch import endpoint_for_rank
 from fakes import grouped
 
 
-def ask(endpoint: str, body) -> dict:
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.REQ)
+def req(endpoint: str, timeout_ms: int = 5000) -> zmq.Socket:
+    s = zmq.Context.instance().socket(zmq.REQ)
     s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.RCVTIMEO, 5000)
+    s.setsockopt(zmq.RCVTIMEO, timeout_ms)
     s.connect(endpoint)
+    return s
+
+
+def ask(endpoint: str, body) -> dict:
+    s = req(endpoint)
     try:
         s.send(msgpack.packb(body))
         return msgpack.unpackb(s.recv(), raw=False)
@@ -51,11 +55,7 @@ def test_a_request_of_several_frames_is_answered_and_the_endpoint_lives_on():
     # and its thread died: no snapshot until the engine restarted.
     server = SnapshotServer("tcp://127.0.0.1:0", lambda: {7}).start()
     try:
-        ctx = zmq.Context.instance()
-        s = ctx.socket(zmq.REQ)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.RCVTIMEO, 5000)
-        s.connect(server.endpoint)
+        s = req(server.endpoint)
         s.send_multipart([msgpack.packb({"op": "snapshot"}), b"more"])
         assert msgpack.unpackb(s.recv(), raw=False) == {"ok": False, "error": "a request is one frame"}
         s.close()
@@ -67,11 +67,7 @@ def test_a_request_of_several_frames_is_answered_and_the_endpoint_lives_on():
 def test_an_oversized_request_is_dropped_and_the_endpoint_lives_on():
     server = SnapshotServer("tcp://127.0.0.1:0", lambda: {7}).start()
     try:
-        ctx = zmq.Context.instance()
-        s = ctx.socket(zmq.REQ)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.RCVTIMEO, 1000)
-        s.connect(server.endpoint)
+        s = req(server.endpoint, timeout_ms=1000)
         s.send(b"\0" * (1 << 20))
         with pytest.raises(zmq.Again):
             s.recv()  # libzmq closed that connection: no answer

@@ -473,12 +473,19 @@ mod tests {
         (endpoint, peer)
     }
 
-    #[tokio::test]
-    async fn a_frame_announcing_more_than_the_bound_is_an_error_not_an_allocation() {
-        let (endpoint, peer) = raw_peer("PUB").await;
-        let mut conn = Connection::open(&endpoint, SocketType::Sub).await.unwrap();
+    /// A connection of `socket` to a raw peer of `kind`, past the handshake
+    /// and with the peer's side having read this side's first frame.
+    async fn connected(socket: SocketType, kind: &'static str) -> (Connection, TcpStream) {
+        let (endpoint, peer) = raw_peer(kind).await;
+        let conn = Connection::open(&endpoint, socket).await.unwrap();
         let mut s = peer.await.unwrap();
         let _ready = read_raw_frame(&mut s).await;
+        (conn, s)
+    }
+
+    #[tokio::test]
+    async fn a_frame_announcing_more_than_the_bound_is_an_error_not_an_allocation() {
+        let (mut conn, mut s) = connected(SocketType::Sub, "PUB").await;
         let mut header = vec![FLAG_LONG];
         header.extend_from_slice(&(1u64 << 40).to_be_bytes());
         s.write_all(&header).await.unwrap();
@@ -490,10 +497,7 @@ mod tests {
 
     #[tokio::test]
     async fn frames_that_add_up_past_the_bound_are_refused_too() {
-        let (endpoint, peer) = raw_peer("PUB").await;
-        let mut conn = Connection::open(&endpoint, SocketType::Sub).await.unwrap();
-        let mut s = peer.await.unwrap();
-        let _ready = read_raw_frame(&mut s).await;
+        let (mut conn, mut s) = connected(SocketType::Sub, "PUB").await;
         let half = (MAX_MESSAGE_BYTES / 2 + 1) as u64;
         s.write_all(&[FLAG_LONG | FLAG_MORE]).await.unwrap();
         s.write_all(&half.to_be_bytes()).await.unwrap();
@@ -511,10 +515,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_message_of_endless_empty_frames_is_refused() {
-        let (endpoint, peer) = raw_peer("PUB").await;
-        let mut conn = Connection::open(&endpoint, SocketType::Sub).await.unwrap();
-        let mut s = peer.await.unwrap();
-        let _ready = read_raw_frame(&mut s).await;
+        let (mut conn, mut s) = connected(SocketType::Sub, "PUB").await;
         s.write_all(&[FLAG_MORE, 0].repeat(MAX_FRAMES + 1)).await.unwrap();
         drop(s); // without the cap: a closed connection, not a refusal
         assert!(matches!(conn.recv().await, Err(ZmtpError::Protocol(_))));
