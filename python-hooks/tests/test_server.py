@@ -77,7 +77,10 @@ def test_an_oversized_request_is_dropped_and_the_endpoint_lives_on():
         server.stop()
 
 
-def test_a_snapshot_is_collected_at_most_once_a_second():
+def test_every_answer_is_read_when_its_request_arrives():
+    # The sidecar drops what a snapshot does not list unless it was stored
+    # after it asked: an answer kept from an earlier request (a cache, to
+    # spare the engine's GIL) dropped blocks stored in between.
     calls = []
 
     def collect():
@@ -86,9 +89,8 @@ def test_a_snapshot_is_collected_at_most_once_a_second():
 
     server = SnapshotServer("tcp://127.0.0.1:0", collect).start()
     try:
-        replies = [ask(server.endpoint, {"op": "snapshot"})["hashes"] for _ in range(5)]
-        assert replies == [[1]] * 5, "asked in a loop, the engine collected once"
-        assert len(calls) == 1
+        replies = [ask(server.endpoint, {"op": "snapshot"})["hashes"] for _ in range(3)]
+        assert replies == [[1], [2], [3]]
     finally:
         server.stop()
 

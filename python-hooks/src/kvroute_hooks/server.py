@@ -8,9 +8,12 @@ The socket runs inside the engine and answers whoever reaches its port, so:
 requests are at most 4 KiB (``MAXMSGSIZE``: libzmq drops the connection of a
 peer that sends more), few are queued either way, a request of several
 frames gets an error reply (a REP that replied before reading them all would
-be stuck), any failure is logged and the socket made again, and a snapshot
-is collected at most once a second (requests within that second get the
-same reply): a client asking in a loop cannot keep the engine's GIL busy.
+be stuck), and any failure is logged and the socket made again.
+
+Every answer is read from the cache when its request arrives, never kept
+from an earlier one: the sidecar drops blocks a snapshot does not list
+unless they were stored after it asked, so an older answer would drop
+blocks stored in between.
 """
 
 import logging
@@ -26,7 +29,6 @@ log = logging.getLogger("kvroute_hooks")
 _POLL_MS = 200
 _MAX_REQUEST_BYTES = 4096
 _QUEUE = 4
-_MIN_COLLECT_INTERVAL_S = 1.0
 
 
 class SnapshotServer:
@@ -39,7 +41,6 @@ class SnapshotServer:
         # The real address (a ":0" port resolved), for logs and tests; the
         # socket is made again on this address after a failure.
         self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._last: Optional[tuple] = None  # (monotonic time, reply) of the last snapshot
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kvroute-snapshot", daemon=True)
 
@@ -72,17 +73,12 @@ class SnapshotServer:
             return msgpack.packb({"ok": False, "error": "request is not msgpack"})
         if not isinstance(body, dict) or body.get("op") != "snapshot":
             return msgpack.packb({"ok": False, "error": "unknown op"})
-        now = time.monotonic()
-        if self._last is not None and now - self._last[0] < _MIN_COLLECT_INTERVAL_S:
-            return self._last[1]
         try:
             hashes = list(self._collect())
-            reply = msgpack.packb({"ok": True, "hashes": hashes, "count": len(hashes), "ts": time.time()})
         except Exception as e:  # never take the engine down
             log.warning("kvroute snapshot failed: %s: %s", type(e).__name__, e)
-            reply = msgpack.packb({"ok": False, "error": f"{type(e).__name__}: {e}"})
-        self._last = (now, reply)
-        return reply
+            return msgpack.packb({"ok": False, "error": f"{type(e).__name__}: {e}"})
+        return msgpack.packb({"ok": True, "hashes": hashes, "count": len(hashes), "ts": time.time()})
 
     def _serve(self) -> None:
         while not self._stopping.is_set():
