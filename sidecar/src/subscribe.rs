@@ -386,6 +386,11 @@ mod tests {
 
     /// One vLLM event message: batch `seq` storing one block.
     fn stored(seq: u64, hash: u64) -> Vec<u8> {
+        peer::message(&[b"kv", &seq.to_be_bytes(), &payload(hash)])
+    }
+
+    /// A batch's payload: one block `hash` of 4 tokens from `hash`, no parent.
+    fn payload(hash: u64) -> Vec<u8> {
         let event = Value::Map(vec![
             (Value::from("type"), Value::from("BlockStored")),
             (Value::from("block_hashes"), Value::Array(vec![Value::from(hash)])),
@@ -398,7 +403,97 @@ mod tests {
         let mut payload = Vec::new();
         rmpv::encode::write_value(&mut payload, &Value::Array(vec![1.7e9.into(), Value::Array(vec![event]), 0.into()]))
             .unwrap();
-        peer::message(&[b"kv", &seq.to_be_bytes(), &payload])
+        payload
+    }
+
+    fn state() -> (Arc<WorkerState>, Arc<Metrics>) {
+        let metrics = Arc::new(Metrics::new());
+        let translator = Translator::new(ModelName::new("m"), BlockSize::new(4).unwrap(), metrics.translate.clone());
+        (Arc::new(WorkerState::new(translator, metrics.clone(), 1_000)), metrics)
+    }
+
+    /// Polls `done` every 10 ms; panics after 10 s.
+    async fn wait_until(what: &str, done: impl Fn() -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !done() {
+            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// The engine restarts while a replay of a gap is in flight: the replay
+    /// (the old engine's batches) and the batch that showed the gap must not
+    /// be applied to the set the loss cleared; the new engine's buffer is
+    /// replayed from its first batch instead. Before, the old engine's blocks
+    /// were applied and the new engine's never read.
+    #[tokio::test]
+    async fn a_stream_lost_during_a_replay_starts_again_from_the_first_batch() {
+        let events = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let replays = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let source = RankSource {
+            rank: Rank(0),
+            events: format!("tcp://{}", events.local_addr().unwrap()),
+            replay: Some(format!("tcp://{}", replays.local_addr().unwrap())),
+            topic: "kv".into(),
+        };
+        let (gap_asked, mut gap_asked_rx) = tokio::sync::mpsc::channel::<()>(1);
+        let restarted = Arc::new(tokio::sync::Notify::new());
+        let restarted_flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        // The replay endpoint: the old engine's batches 0–5 (blocks 1–6),
+        // the new engine's batch 0 (block 100) once it has restarted.
+        let replay_side = {
+            let (restarted, restarted_flag) = (restarted.clone(), restarted_flag.clone());
+            tokio::spawn(async move {
+                let mut first = true;
+                loop {
+                    let (mut s, _) = replays.accept().await.unwrap();
+                    peer::handshake(&mut s, "ROUTER").await;
+                    let _ready = peer::read_frame(&mut s).await;
+                    let (_, _delimiter) = peer::read_frame(&mut s).await;
+                    let (_, start) = peer::read_frame(&mut s).await;
+                    let start = u64::from_be_bytes(start.try_into().unwrap());
+                    let batches: Vec<(u64, u64)> = if restarted_flag.load(std::sync::atomic::Ordering::SeqCst) {
+                        vec![(0, 100)]
+                    } else if first {
+                        vec![(0, 1), (1, 2)]
+                    } else {
+                        // The gap's replay: held until the engine has restarted.
+                        gap_asked.send(()).await.unwrap();
+                        restarted.notified().await;
+                        (2..6).map(|seq| (seq, seq + 1)).collect()
+                    };
+                    first = false;
+                    for (seq, hash) in batches.into_iter().filter(|&(seq, _)| seq >= start) {
+                        s.write_all(&peer::message(&[b"", b"kv", &seq.to_be_bytes(), &payload(hash)])).await.unwrap();
+                    }
+                    s.write_all(&peer::message(&[b"", b"", &u64::MAX.to_be_bytes(), b""])).await.unwrap();
+                }
+            })
+        };
+        let (state, _metrics) = state();
+        let cancel = CancellationToken::new();
+        let subscriber = tokio::spawn(run(source, state.clone(), cancel.clone()));
+        let (mut old, _) = events.accept().await.unwrap();
+        peer::handshake(&mut old, "PUB").await;
+        let _subscription = peer::read_frame(&mut old).await;
+        wait_until("the initial replay", || state.counts().0 == 2).await;
+        old.write_all(&stored(5, 6)).await.unwrap(); // batches 2–4 went by unseen
+        gap_asked_rx.recv().await.unwrap();
+        drop(old); // the engine restarts while the gap is being replayed
+        let (mut new, _) = events.accept().await.unwrap();
+        peer::handshake(&mut new, "PUB").await;
+        let _subscription = peer::read_frame(&mut new).await;
+        restarted_flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        restarted.notify_one();
+        let want = kvroute_shared::block_keys(
+            kvroute_shared::KeyRoot::new("m", None),
+            &[100, 101, 102, 103],
+            BlockSize::new(4).unwrap(),
+        );
+        wait_until("the new engine's block alone", || state.keys() == want).await;
+        cancel.cancel();
+        subscriber.await.unwrap();
+        replay_side.abort();
     }
 
     /// An engine back on its port that takes longer to answer than the idle
@@ -422,9 +517,7 @@ mod tests {
             second.write_all(&stored(0, 2)).await.unwrap();
             second
         });
-        let metrics = Arc::new(Metrics::new());
-        let translator = Translator::new(ModelName::new("m"), BlockSize::new(4).unwrap(), metrics.translate.clone());
-        let state = Arc::new(WorkerState::new(translator, metrics.clone(), 1_000));
+        let (state, metrics) = state();
         let source = RankSource { rank: Rank(0), events, replay: None, topic: "kv".into() };
         let cancel = CancellationToken::new();
         let subscriber = tokio::spawn(run(source, state, cancel.clone()));
