@@ -521,11 +521,7 @@ mod tests {
         let source = RankSource { rank: Rank(0), events, replay: None, topic: "kv".into() };
         let cancel = CancellationToken::new();
         let subscriber = tokio::spawn(run(source, state, cancel.clone()));
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while metrics.event_batches.get() < 2 {
-            assert!(tokio::time::Instant::now() < deadline, "the restarted engine was never reached");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        wait_until("the restarted engine", || metrics.event_batches.get() >= 2).await;
         assert_eq!(metrics.disconnects.get(), 1);
         cancel.cancel();
         subscriber.await.unwrap();
