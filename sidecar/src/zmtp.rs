@@ -139,7 +139,7 @@ impl Connection {
         let mut theirs = [0u8; 64];
         self.buf.copy_to_slice(&mut theirs);
         check_greeting(&theirs)?;
-        self.write(&[&ready(socket)], FLAG_COMMAND).await?;
+        self.write(&[&ready(socket.name().as_bytes())], FLAG_COMMAND).await?;
         let frame = self.read_frame(MAX_COMMAND_BYTES).await?;
         if frame.flags & FLAG_COMMAND == 0 {
             return Err(ZmtpError::Protocol("the first frame after the greeting is not a command"));
@@ -166,19 +166,7 @@ impl Connection {
     }
 
     async fn write(&mut self, frames: &[&[u8]], kind: u8) -> Result<(), ZmtpError> {
-        let mut buf = Vec::with_capacity(frames.iter().map(|f| f.len() + 9).sum());
-        for (i, frame) in frames.iter().enumerate() {
-            let more = if i + 1 < frames.len() { FLAG_MORE } else { 0 };
-            match u8::try_from(frame.len()) {
-                Ok(short) => buf.extend_from_slice(&[kind | more, short]),
-                Err(_) => {
-                    buf.push(kind | more | FLAG_LONG);
-                    buf.extend_from_slice(&(frame.len() as u64).to_be_bytes());
-                }
-            }
-            buf.extend_from_slice(frame);
-        }
-        self.stream.write_all(&buf).await?;
+        self.stream.write_all(&encode(frames, kind)).await?;
         Ok(())
     }
 
@@ -361,8 +349,26 @@ fn check_greeting(g: &[u8; 64]) -> Result<(), ZmtpError> {
 }
 
 /// The READY command's body for `socket`.
-fn ready(socket: SocketType) -> Vec<u8> {
-    let name = socket.name().as_bytes();
+/// `frames` as one message on the wire; `kind` is [`FLAG_COMMAND`] for a
+/// command, else 0.
+fn encode(frames: &[&[u8]], kind: u8) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(frames.iter().map(|f| f.len() + 9).sum());
+    for (i, frame) in frames.iter().enumerate() {
+        let more = if i + 1 < frames.len() { FLAG_MORE } else { 0 };
+        match u8::try_from(frame.len()) {
+            Ok(short) => buf.extend_from_slice(&[kind | more, short]),
+            Err(_) => {
+                buf.push(kind | more | FLAG_LONG);
+                buf.extend_from_slice(&(frame.len() as u64).to_be_bytes());
+            }
+        }
+        buf.extend_from_slice(frame);
+    }
+    buf
+}
+
+/// The READY command's body for a socket of type `name` ("SUB", "PUB", …).
+fn ready(name: &[u8]) -> Vec<u8> {
     let mut body = vec![5];
     body.extend_from_slice(b"READY");
     body.push(11);
@@ -413,7 +419,7 @@ pub(crate) mod peer {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
 
-    use super::{FLAG_COMMAND, FLAG_LONG, FLAG_MORE, greeting};
+    use super::{FLAG_COMMAND, FLAG_LONG, encode, greeting, ready};
 
     /// Greets as a 3.1 peer (as libzmq 4.3 does) and says READY as `kind`.
     pub async fn handshake(s: &mut TcpStream, kind: &str) {
@@ -422,26 +428,12 @@ pub(crate) mod peer {
         s.write_all(&g).await.unwrap();
         let mut theirs = [0u8; 64];
         s.read_exact(&mut theirs).await.unwrap();
-        let mut ready = vec![5];
-        ready.extend_from_slice(b"READY");
-        ready.push(11);
-        ready.extend_from_slice(b"Socket-Type");
-        ready.extend_from_slice(&(kind.len() as u32).to_be_bytes());
-        ready.extend_from_slice(kind.as_bytes());
-        s.write_all(&[FLAG_COMMAND, ready.len() as u8]).await.unwrap();
-        s.write_all(&ready).await.unwrap();
+        s.write_all(&encode(&[&ready(kind.as_bytes())], FLAG_COMMAND)).await.unwrap();
     }
 
     /// One message of `frames` on the wire.
     pub fn message(frames: &[&[u8]]) -> Vec<u8> {
-        let mut out = Vec::new();
-        for (i, frame) in frames.iter().enumerate() {
-            let more = if i + 1 < frames.len() { FLAG_MORE } else { 0 };
-            out.push(more | FLAG_LONG);
-            out.extend_from_slice(&(frame.len() as u64).to_be_bytes());
-            out.extend_from_slice(frame);
-        }
-        out
+        encode(frames, 0)
     }
 
     /// Reads one frame's flags and body.
