@@ -74,8 +74,7 @@ async fn a_replica_routes_around_the_prefill_another_replica_sent() {
     assert_eq!((&view["sole_router"], &view["routers_counted"]), (&json!(false), &json!(true)));
     let small = prompt_routed_to(&b, "w1", 40).await;
     let long = prompt_routed_to(&a, "w1", 1_500).await;
-    let sent = a.http.post(format!("{}/v1/completions", a.url)).json(&json!({"model": "m", "prompt": long}));
-    let _hanging = tokio::spawn(sent.send());
+    let _hanging = send_hanging(&a, long.clone());
 
     // a's pending prefill on w1 (the whole uncached prompt) reaches b.
     let own = eventually("a to count its request pending", || async {
@@ -120,18 +119,11 @@ async fn a_replica_routes_around_the_prefill_another_replica_sent() {
 /// counts it, though the next full report is 10 s away.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_routed_request_is_news_to_the_replicas_before_the_next_full_report() {
-    let engine = hanging_engine().await;
-    let (replica, mut heard) = listening_replica().await;
-    let r = router(&[("w1", engine.as_str())], |c| {
-        c.replicas = vec![replica];
-        c.replica_exchange_interval = Duration::from_secs(10);
-    })
-    .await;
+    let (r, mut heard) = reporting_router(Duration::from_secs(10)).await;
     let first = next_report(&mut heard).await;
     assert_eq!((&first["loads_only"], &first["workers"]), (&Value::Null, &json!([])), "{first}");
 
-    let sent = r.http.post(format!("{}/v1/completions", r.url)).json(&json!({"model": "m", "prompt": words(3, 300)}));
-    let _hanging = tokio::spawn(sent.send());
+    let _hanging = send_hanging(&r, words(3, 300));
     let news = next_report(&mut heard).await;
     assert_eq!(news["loads_only"], true, "{news}");
     assert_eq!(news["sent"], json!([]), "{news}");
@@ -177,15 +169,8 @@ async fn a_busy_replica_is_asked_for_its_news_though_this_router_routes_nothing(
 /// meanwhile: the other replicas still count what it has in flight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draining_router_keeps_reporting_what_it_has_in_flight() {
-    let engine = hanging_engine().await;
-    let (replica, mut heard) = listening_replica().await;
-    let r = router(&[("w1", engine.as_str())], |c| {
-        c.replicas = vec![replica];
-        c.replica_exchange_interval = Duration::from_millis(100);
-    })
-    .await;
-    let sent = r.http.post(format!("{}/v1/completions", r.url)).json(&json!({"model": "m", "prompt": words(5, 50)}));
-    let _hanging = tokio::spawn(sent.send());
+    let (r, mut heard) = reporting_router(Duration::from_millis(100)).await;
+    let _hanging = send_hanging(&r, words(5, 50));
     let in_flight = |report: &Value| report["workers"].as_array().is_some_and(|w| w.iter().any(|w| w["inflight"] == 1));
     while !in_flight(&next_report(&mut heard).await) {}
     drop(r); // shutdown: the hanging request holds the drain open
@@ -194,6 +179,26 @@ async fn a_draining_router_keeps_reporting_what_it_has_in_flight() {
         let report = next_report(&mut heard).await;
         assert!(in_flight(&report), "{report}");
     }
+}
+
+/// A router with one worker (a hanging engine) that reports every
+/// `interval` to a [`listening_replica`]: the router, and the reports.
+async fn reporting_router(interval: Duration) -> (TestRouter, tokio::sync::mpsc::UnboundedReceiver<Value>) {
+    let engine = hanging_engine().await;
+    let (replica, heard) = listening_replica().await;
+    let r = router(&[("w1", engine.as_str())], |c| {
+        c.replicas = vec![replica];
+        c.replica_exchange_interval = interval;
+    })
+    .await;
+    (r, heard)
+}
+
+/// Sends a completion of `prompt` through `r` that its hanging engine
+/// never answers: in flight until the returned task is dropped with the test.
+fn send_hanging(r: &TestRouter, prompt: String) -> tokio::task::JoinHandle<reqwest::Result<reqwest::Response>> {
+    let sent = r.http.post(format!("{}/v1/completions", r.url)).json(&json!({"model": "m", "prompt": prompt}));
+    tokio::spawn(sent.send())
 }
 
 /// A replica that takes every report (sent on the channel) and has nothing
