@@ -208,6 +208,7 @@ fn expire(state: &AppState, w: &Worker, now: u64) {
     let sidecar = w.live.has_sidecar.load(Ordering::Relaxed);
     if w.source == Source::Static || (sidecar && engine_answers(w)) {
         w.live.has_sidecar.store(false, Ordering::Relaxed);
+        w.live.forget_reported();
         let dropped = map.index.clear_worker(w.slot);
         map.index.set_approximate(w.slot, Some(state.config.raw.approx_capacity_blocks));
         drop(map);
@@ -356,10 +357,20 @@ mod tests {
         let state = state();
         let now = now_ms();
         let w = registered(&state, "a", now - 60_000, &[BlockKey(1), BlockKey(2)]);
+        // The sidecar's last report: a busy engine.
+        let busy = kvroute_shared::wire::Load { running: 40, waiting: 25, kv_usage: 0.95 };
+        w.live.set_reported(&busy, now - 60_000);
         w.live.last_probe_ok_ms.store(now - 1_000, Ordering::Relaxed);
         housekeeping(&state);
         assert!(state.workers.is_current(&w), "still registered");
         assert!(!w.live.has_sidecar.load(Ordering::Relaxed));
+        // No push will refresh those figures: they are not kept.
+        let load = w.live.load(now, 0);
+        assert_eq!(
+            (load.running, load.waiting, load.kv_usage),
+            (0, 0, 0.0),
+            "a silent sidecar's last load is forgotten"
+        );
         let map = state.map.read();
         assert!(map.index.is_approximate(w.slot));
         assert_eq!(map.index.counts(w.slot), crate::index::Counts::default(), "the unverifiable entries are gone");

@@ -174,6 +174,19 @@ impl WorkerLive {
         self.capacity_blocks.store(blocks.filter(|&b| b > 0).unwrap_or(u64::MAX), Ordering::Relaxed);
     }
 
+    /// Forgets the engine's last reported load: its sidecar stopped
+    /// reporting, and figures that no push will refresh would make the
+    /// worker look as loaded as it was then, for as long as it stays
+    /// routable (the spill gate, foreign queue and KV knee all read them).
+    /// The worker is then weighed by this router's own requests, as one
+    /// without a sidecar is.
+    pub fn forget_reported(&self) {
+        self.running.store(0, Ordering::Relaxed);
+        self.waiting.store(0, Ordering::Relaxed);
+        self.kv_usage_bits.store(0f64.to_bits(), Ordering::Relaxed);
+        *self.watch.lock() = ReportWatch::default();
+    }
+
     pub fn forget_capacity(&self) {
         self.capacity_blocks.store(0, Ordering::Relaxed);
     }
