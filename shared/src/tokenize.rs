@@ -13,6 +13,7 @@
 //! exists so a router can still place prefixes consistently (approximate index)
 //! and so the simulator and router agree with no tokenizer files at all.
 
+mod chat_messages;
 pub mod chat_template;
 mod fast_bpe;
 mod segments;

@@ -100,6 +100,47 @@ fn qwen3_template_renders_tools_and_tool_calls() {
     assert!(text.contains("<tool_response>\nsunny\n</tool_response>"), "{text}");
 }
 
+/// vLLM builds every message anew before rendering (`chat_utils.py`): a
+/// null or missing content is `""`, and Qwen3's template, which takes a
+/// string, gets text parts joined. Rendered raw, the null raised
+/// "cannot perform a containment check" and the parts "no method named
+/// startswith": a 400 for the agent loop that sends back what vLLM
+/// answered a tool call with.
+#[test]
+fn qwen3_renders_null_content_and_text_parts_as_vllm_passes_them() {
+    let Some(tok) = load("qwen3") else { return };
+    let call = json!([{"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]);
+    let render = |messages: Value| {
+        let body = json!({"model": "qwen3", "messages": messages});
+        let req = PromptRequest::parse(Endpoint::ChatCompletions, body.to_string().as_bytes()).unwrap();
+        let PromptRequest::Chat(chat) = &req else { unreachable!() };
+        tok.render_chat(chat).unwrap_or_else(|e| panic!("{messages}: {e}"))
+    };
+    let plain = render(json!([
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": call},
+        {"role": "tool", "tool_call_id": "c1", "content": "21C"}
+    ]));
+    for messages in [
+        json!([
+            {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+            {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+            {"role": "assistant", "content": null, "tool_calls": call},
+            {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "21C"}]}
+        ]),
+        json!([
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "tool_calls": call, "refusal": null},
+            {"role": "tool", "tool_call_id": "c1", "content": "21C"}
+        ]),
+    ] {
+        assert_eq!(render(messages), plain);
+    }
+    assert!(plain.contains("<tool_call>\n{\"name\": \"w\", \"arguments\": {}}\n</tool_call>"), "{plain}");
+}
+
 #[test]
 fn chat_without_template_is_a_clear_error() {
     let Some(tok) = load("gpt2") else { return };

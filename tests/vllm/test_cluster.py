@@ -177,6 +177,30 @@ def _conversations() -> list:
         }
         for g in _goldens()
     ]
+    # Messages as agent loops and SDKs send them: vLLM builds each anew
+    # (null content is "", text parts are joined for Qwen3's string
+    # template, developer turns become the system message).
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    cases += [
+        {"messages": [
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": '{"temp": 3}'}]},
+        ], "tools": TOOLS},
+        {"messages": [
+            {"role": "system", "content": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}]},
+            {"role": "user", "content": [{"type": "text", "text": "hello"}, "there"]},
+            {"role": "assistant", "reasoning_content": "greet back", "content": "hi"},
+            {"role": "assistant", "tool_calls": [], "refusal": None, "content": "again"},
+            {"role": "user", "content": "bye"},
+        ]},
+        {"messages": [
+            {"role": "system", "content": "first"},
+            {"role": "user", "content": "u"},
+            {"role": "developer", "content": "second"},
+            {"role": "user", "content": "v"},
+        ]},
+    ]
     rng = random.Random(11)
     for i in range(24):
         msgs = [{"role": "system", "content": text(300 + i, rng.randint(3, 30))}] if i % 3 else []

@@ -14,6 +14,7 @@ use minijinja::{Environment, Error, ErrorKind};
 use serde_json::{Map, Value as Json};
 
 use super::TokenizeError;
+use super::chat_messages::{self, ContentFormat};
 
 const TEMPLATE_NAME: &str = "chat_template";
 
@@ -22,14 +23,16 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     /// `bos_token`, `eos_token`, … from `tokenizer_config.json`.
     special_tokens: Map<String, Json>,
-    /// vLLM passes content as a plain string unless the template iterates over
-    /// content parts (its "openai" content format).
-    content_as_parts: bool,
+    /// How the template takes a message's content, as vLLM detects it.
+    format: ContentFormat,
+    /// Does the template name the developer role (else vLLM makes developer
+    /// messages system ones)?
+    developer_role: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChatTemplate").field("content_as_parts", &self.content_as_parts).finish()
+        f.debug_struct("ChatTemplate").field("format", &self.format).finish()
     }
 }
 
@@ -58,14 +61,15 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
         env.set_formatter(python_formatter);
-        let content_as_parts = iterates_content_parts(&source);
+        let format = chat_messages::detect_format(&source);
+        let developer_role = chat_messages::names_developer_role(&source);
         env.add_template_owned(TEMPLATE_NAME, source).map_err(|e| template_error(&e))?;
-        Ok(ChatTemplate { env, special_tokens, content_as_parts })
+        Ok(ChatTemplate { env, special_tokens, format, developer_role })
     }
 
     /// Renders `messages` to the prompt text.
     pub fn render(&self, messages: &[Map<String, Json>], opts: &ChatOptions<'_>) -> Result<String, TokenizeError> {
-        let messages: Vec<Json> = messages.iter().map(|m| self.normalize_message(m)).collect();
+        let messages = chat_messages::prepare(messages, self.format, self.developer_role);
         let mut ctx = self.special_tokens.clone();
         ctx.insert("messages".into(), Json::Array(messages.clone()));
         ctx.insert("tools".into(), opts.tools.map_or(Json::Null, |t| Json::Array(t.to_vec())));
@@ -95,57 +99,31 @@ impl ChatTemplate {
         }
         Ok(out)
     }
-
-    /// vLLM's message post-processing: text content parts joined by newlines
-    /// (for string-content templates), tool-call arguments parsed from JSON.
-    fn normalize_message(&self, m: &Map<String, Json>) -> Json {
-        let mut m = m.clone();
-        if let Some(Json::Array(parts)) = m.get("content") {
-            let texts = parts.iter().filter_map(|p| match p {
-                Json::String(s) => Some(s.as_str()),
-                Json::Object(o) => o.get("text").and_then(Json::as_str),
-                _ => None,
-            });
-            let content = if self.content_as_parts {
-                Json::Array(texts.map(|t| serde_json::json!({"type": "text", "text": t})).collect())
-            } else {
-                Json::String(texts.collect::<Vec<_>>().join("\n"))
-            };
-            m.insert("content".into(), content);
-        }
-        if let Some(Json::Array(calls)) = m.get_mut("tool_calls") {
-            for call in calls {
-                if let Some(Json::Object(f)) = call.get_mut("function")
-                    && let Some(Json::String(args)) = f.get("arguments")
-                    && let Ok(parsed @ Json::Object(_)) = serde_json::from_str::<Json>(args)
-                {
-                    f.insert("arguments".into(), parsed);
-                }
-            }
-        }
-        Json::Object(m)
-    }
-}
-
-/// vLLM's heuristic: does the template loop over `message['content']`?
-fn iterates_content_parts(source: &str) -> bool {
-    let squashed: String = source.split_whitespace().collect::<Vec<_>>().join(" ");
-    ["in message['content']", "in message[\"content\"]", "in message.content", "in content "]
-        .iter()
-        .any(|p| squashed.contains(p))
 }
 
 /// HF: with `continue_final_message`, the prompt ends right after the final
 /// message's content, so the model continues it.
 fn truncate_after_final_message(out: &mut String, last: Option<&Json>) -> Result<(), TokenizeError> {
-    let content = last.and_then(|m| m.get("content")).and_then(Json::as_str).unwrap_or("");
+    // A list of parts continues its last text part.
+    let content = match last.and_then(|m| m.get("content")) {
+        Some(Json::Array(parts)) => parts.iter().rev().find_map(|p| p.get("text")).and_then(Json::as_str),
+        other => other.and_then(Json::as_str),
+    };
+    let Some(content) = content else {
+        return Err(TokenizeError::Template {
+            line: None,
+            message: "continue_final_message: the final message has no text to continue".into(),
+        });
+    };
+    // Python's `rindex("")` is the text's end: an empty message continues
+    // the prompt as rendered.
     let needle = content.trim();
     match out.rfind(needle) {
-        Some(at) if !needle.is_empty() => {
+        Some(at) => {
             out.truncate(at + needle.len());
             Ok(())
         }
-        _ => Err(TokenizeError::Template {
+        None => Err(TokenizeError::Template {
             line: None,
             message: "continue_final_message: the final message's content is not in the rendered prompt".into(),
         }),
@@ -297,8 +275,8 @@ mod tests {
     #[test]
     fn tojson_is_pythons_json_dumps() {
         let out = render(
-            "{{ messages[0].x | tojson }}|{{ messages[0].x | tojson(indent=2) }}",
-            serde_json::json!([{"role": "user", "x": {"b": [1, 2.5, "é<"], "a": {}}}]),
+            "{% set x = messages[0].tool_calls[0].function.arguments %}{{ x | tojson }}|{{ x | tojson(indent=2) }}",
+            serde_json::json!([{"role": "assistant", "tool_calls": [{"function": {"arguments": {"b": [1, 2.5, "é<"], "a": {}}}}]}]),
         )
         .unwrap();
         assert_eq!(
@@ -331,7 +309,9 @@ mod tests {
             }
         }
         // 2 MB of nesting, indented 4 spaces a level: ~180 MB uncapped.
-        let out = render("{{ messages[0].x | tojson(indent=4) }}", serde_json::json!([{"role": "user", "x": nested}]));
+        let calls =
+            serde_json::json!([{"role": "assistant", "tool_calls": [{"function": {"arguments": {"x": nested}}}]}]);
+        let out = render("{{ messages[0].tool_calls[0].function.arguments | tojson(indent=4) }}", calls);
         let Err(TokenizeError::Template { message, .. }) = out else { panic!("rendered {:?}", out.map(|s| s.len())) };
         assert!(message.contains("exceeds"), "{message}");
         // Plain output is capped as well.
@@ -391,7 +371,8 @@ mod tests {
             ]),
         )
         .unwrap();
-        assert_eq!(out, "a\nb;None7;");
+        // vLLM renders a null content as "" (HF alone would print None).
+        assert_eq!(out, "a\nb;7;");
     }
 
     #[test]
