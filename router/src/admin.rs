@@ -78,7 +78,7 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
 pub async fn debug_route(State(state): State<Arc<AppState>>, body: Body) -> Result<Json<Value>, RouterError> {
     // Same limits as a real request: body deadline, concurrency slot, prompt
     // size, tokenizing off the runtime.
-    let (body, _permit) = admit(&state, body).await?;
+    let (body, _permit) = admit(&state, body, None).await?;
     let (_, prepared) = routing::parse_and_prepare(&state, endpoint_of(&body), &body).await?;
     let plan = routing::plan(&state, prepared, None, false)?;
     let name = |i: usize| plan.workers[i].id.to_string();

@@ -18,8 +18,9 @@ use crate::state::AppState;
 
 pub async fn create(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     let run = async {
-        // Refused as it arrives past the prompt bound, as the API's are.
-        let body = read_client_body(&state, body).await?;
+        // Read under the API's deadline and `max_body_bytes`; a completion's
+        // prompt bound is checked by `proxy` once the endpoint is known.
+        let body = read_client_body(&state, body, None).await?;
         let ttl = session_ttl(&state, &headers)?;
         let id = format!("ctx-{:032x}", rand::random::<u128>());
         proxy(&state, endpoint_of(&body), &headers, Body::from(body), Some((id, ttl))).await

@@ -72,10 +72,13 @@ pub fn parse(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Prompt
 /// Admits a request that will be planned (proxied or explained): its body is
 /// read under a deadline *before* a concurrency slot is taken (clients that
 /// send slowly must not hold the slots real requests need) and refused as
-/// soon as it is longer than any acceptable prompt's could be, not read on
-/// to `max_body_bytes`; then a slot.
-pub async fn admit(state: &AppState, body: Body) -> Result<(Bytes, OwnedSemaphorePermit), RouterError> {
-    let body = read_client_body(state, body).await?;
+/// soon as it is too long ([`read_client_body`]); then a slot.
+pub async fn admit(
+    state: &AppState,
+    body: Body,
+    endpoint: Option<Endpoint>,
+) -> Result<(Bytes, OwnedSemaphorePermit), RouterError> {
+    let body = read_client_body(state, body, endpoint).await?;
     let Ok(permit) = state.concurrency.clone().try_acquire_owned() else {
         state.metrics.shed.inc();
         return Err(RouterError::Overloaded);
@@ -84,10 +87,17 @@ pub async fn admit(state: &AppState, body: Body) -> Result<(Bytes, OwnedSemaphor
 }
 
 /// A client's prompt-carrying body, read within `body_read_timeout` (408)
-/// and refused (413) as soon as it is longer than `max_body_bytes` or than
-/// any acceptable prompt's could be.
-pub async fn read_client_body(state: &AppState, body: Body) -> Result<Bytes, RouterError> {
-    let prompt_limit = routing::prompt_body_limit(state);
+/// and refused (413) as soon as it is longer than `max_body_bytes`, or, for
+/// a completion (`endpoint`), than any acceptable prompt's could be. A chat
+/// body may carry images, audio or video (base64) that are no prompt text,
+/// so only `max_body_bytes` holds it: at 16 bytes a token, a 600 kB image
+/// was refused as a prompt too long for a 32k-token model. Where the
+/// endpoint is not yet known (`/v1/context`, `/debug/route`), likewise.
+pub async fn read_client_body(state: &AppState, body: Body, endpoint: Option<Endpoint>) -> Result<Bytes, RouterError> {
+    let prompt_limit = match endpoint {
+        Some(Endpoint::Completions) => routing::prompt_body_limit(state),
+        Some(Endpoint::ChatCompletions) | None => usize::MAX,
+    };
     read_in_time(state, body, state.config.raw.max_body_bytes.min(prompt_limit)).await.map_err(|e| match e {
         RouterError::PayloadTooLarge { limit } if limit == prompt_limit => {
             RouterError::PromptTooLong { tokens: None, max: state.config.raw.max_prompt_tokens }
@@ -158,7 +168,7 @@ async fn proxy_from(
     new_session: Option<(String, Duration)>,
     arrived: Instant,
 ) -> Result<Response, RouterError> {
-    let (body, _permit) = admit(state, body).await?;
+    let (body, _permit) = admit(state, body, Some(endpoint)).await?;
     let session = match new_session {
         Some(s) => Some(s),
         None => session_of(state, headers)?,

@@ -666,10 +666,10 @@ async fn prompts_beyond_max_prompt_tokens_are_refused_before_or_after_tokenizing
     let explain =
         r.http.post(format!("{}/debug/route", r.url)).json(&json!({"model": "m", "prompt": prompt(5_000)})).send();
     assert_eq!(explain.await.unwrap().status(), 413, "/debug/route has the same limits");
-    // Refused as it arrives: a body past 100 × 16 bytes that never ends is
-    // a 413, not read on until `body_read_timeout` (408); so is one that
-    // would open a session.
-    for path in ["/v1/completions", "/v1/context"] {
+    // Refused as it arrives: a completion's body past 100 × 16 bytes that
+    // never ends is a 413, not read on until `body_read_timeout` (408).
+    {
+        let path = "/v1/completions";
         let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(1);
         tx.send(Ok(Bytes::from(format!("{{\"model\": \"m\", \"prompt\": \"{}", prompt(2_000))))).await.unwrap();
         let never_ends = reqwest::Body::wrap_stream(tokio_stream_from(rx));
@@ -679,6 +679,25 @@ async fn prompts_beyond_max_prompt_tokens_are_refused_before_or_after_tokenizing
     }
     assert_eq!(r.complete(json!({"model": "m", "prompt": prompt(50)})).await.status(), 200);
     assert_eq!(w.hits.load(Ordering::SeqCst), 1, "refused prompts never reached the engine");
+}
+
+/// A chat body may carry media (base64 images) that are no prompt text:
+/// only `max_body_bytes` bounds it, not the prompt's 16 bytes a token
+/// (a 600 kB image was a 413 "prompt too long" for a 32k-token model).
+#[tokio::test]
+async fn a_chat_carrying_an_image_is_bounded_by_the_body_limit_not_the_prompts() {
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let r = router(&[("w1", &w.url)], |raw| raw.max_prompt_tokens = 32_768).await;
+    let image = format!("data:image/jpeg;base64,{}", "A".repeat(600_000));
+    let parts = json!([{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": image}}]);
+    let chat = json!({"model": "m", "messages": [{"role": "user", "content": parts}]});
+    assert!(chat.to_string().len() > 32_768 * 16, "past the prompt's bound");
+    let resp = r.chat(chat).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(w.hits.load(Ordering::SeqCst), 1);
+    // A completion of that size is text: refused as a prompt too long.
+    let (status, _) = error_of(r.complete(json!({"model": "m", "prompt": prompt(600_000)})).await).await;
+    assert_eq!(status, 413);
 }
 
 /// A chat template that indents JSON expands a small body of nested
