@@ -120,7 +120,7 @@ pub struct ServeArgs {
     /// Other workers tried when an attempt fails before any byte was sent [default: 2].
     #[arg(long)]
     pub retries: Option<u32>,
-    /// Time allowed until an upstream's response headers [default: 600s].
+    /// Time allowed for a non-streamed answer (vLLM sends it whole) and a queued stream's first token [default: 3600s].
     #[arg(long, value_name = "DURATION")]
     pub first_byte_timeout: Option<String>,
     /// Largest request body in bytes [default: 16777216].

@@ -105,15 +105,18 @@ pub struct RawConfig {
     pub retries: u32,
     #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
-    /// Until the upstream's response headers arrive.
+    /// Until a non-streamed answer arrives (vLLM sends it whole, after its
+    /// last token: an hour, for long generations); the longest a stream
+    /// queued on a busy worker waits for its first token.
     #[serde(with = "humantime_serde")]
     pub first_byte_timeout: Duration,
     /// Longest gap between two body chunks of a streaming answer.
     #[serde(with = "humantime_serde")]
     pub idle_timeout: Duration,
-    /// Until a streamed answer's first chunk (the first token), plus
-    /// `first_token_timeout_per_1k_tokens` per thousand uncached prompt
-    /// tokens; past it, with nothing sent yet, the request is cancelled and
+    /// Until a streamed answer's first chunk (the first token), from
+    /// dispatch, plus `first_token_timeout_per_1k_tokens` per thousand
+    /// uncached prompt tokens; past it, with nothing sent yet and no other
+    /// answer begun on that worker meanwhile, the request is cancelled and
     /// tried on another worker.
     #[serde(with = "humantime_serde")]
     pub first_token_timeout: Duration,
@@ -190,7 +193,7 @@ impl Default for RawConfig {
             worker_expiry: Duration::from_secs(30),
             retries: 2,
             connect_timeout: Duration::from_secs(2),
-            first_byte_timeout: Duration::from_secs(600),
+            first_byte_timeout: Duration::from_secs(3600),
             idle_timeout: Duration::from_secs(300),
             body_read_timeout: Duration::from_secs(30),
             max_connections: 10_000,

@@ -228,10 +228,41 @@ async fn dispatch(
                 model.pace_model_us(&cand.load, plan.uncached_tokens(cand), state.mean_uncached_tokens())
             })
             .flatten();
-        let guard = InflightGuard::new(state.clone(), worker.clone(), plan, cand, modelled, arrived);
+        let mut guard = InflightGuard::new(state.clone(), worker.clone(), plan, cand, modelled, arrived);
+        let mut wait = Deadline::new(state, streaming, plan.uncached_tokens(cand));
+        // A non-streamed answer's headers come with its last token: nothing
+        // marks its first, and its prompt would count as queued prefill for
+        // its whole generation. It is taken as prefilled when the timing
+        // model (at the worker's measured pace) says its first token comes.
+        let prefilled_at = (!streaming).then(|| {
+            let model = &state.config.raw.predicted_ttft;
+            let us = model.model_us(&cand.load, plan.uncached_tokens(cand), state.mean_uncached_tokens());
+            wait.started + Duration::from_secs_f64(us * cand.load.pace.unwrap_or(1.0).max(1.0) / 1e6)
+        });
+        let sent = send(worker, state, endpoint, headers, body.clone());
         let mut request_may_be_at_fault = false;
-        match send(state, worker, endpoint, headers, body.clone()).await {
-            Ok(upstream) if upstream.status().is_server_error() => {
+        match watch(worker, sent, &mut wait, Some((&mut guard, prefilled_at))).await {
+            Wait::Ejected => {
+                guard.failed("ejected");
+                last_err = Some(RouterError::UpstreamFailed {
+                    worker: worker.id.clone(),
+                    message: "ejected before its answer began".into(),
+                });
+                continue; // already ejected: not another failure
+            }
+            Wait::TimedOut if !streaming => {
+                // Past `first_byte_timeout` the answer is long, not lost: the
+                // worker is not charged, and the request is not run again.
+                guard.failed("timeout");
+                last_err = Some(RouterError::UpstreamTimeout { worker: worker.id.clone() });
+                break;
+            }
+            Wait::TimedOut => {
+                guard.failed("first_token_timeout");
+                state.metrics.event("first_token_timeout", 1);
+                last_err = Some(RouterError::UpstreamTimeout { worker: worker.id.clone() });
+            }
+            Wait::Done(Ok(upstream)) if upstream.status().is_server_error() => {
                 guard.failed("upstream_5xx");
                 request_may_be_at_fault = true;
                 last_err = Some(RouterError::UpstreamFailed {
@@ -239,7 +270,7 @@ async fn dispatch(
                     message: format!("answered {}", upstream.status()),
                 });
             }
-            Ok(upstream) if streaming && upstream.status().is_success() => {
+            Wait::Done(Ok(upstream)) if streaming && upstream.status().is_success() => {
                 // vLLM sends a stream's headers at once: only the first chunk
                 // says the engine is producing. Until it arrives nothing has
                 // reached the client, so a wedged, slow or ejected worker's
@@ -247,25 +278,30 @@ async fn dispatch(
                 let status = upstream.status();
                 let head = upstream.headers().clone();
                 let mut chunks: ChunkStream = Box::pin(upstream.bytes_stream());
-                let deadline = first_token_deadline(state, plan.uncached_tokens(cand));
-                match wait_first_chunk(worker, &mut chunks, deadline).await {
-                    First::Chunk(first) => {
+                let first = loop {
+                    match watch(worker, chunks.next(), &mut wait, None).await {
+                        Wait::Done(Some(Ok(b))) if b.is_empty() => continue,
+                        other => break other,
+                    }
+                };
+                match first {
+                    Wait::Done(Some(Ok(first))) => {
                         note_success(worker);
                         suspects.iter().for_each(|w| note_failure(state, w));
                         let chunks: ChunkStream = Box::pin(futures::stream::once(async { Ok(first) }).chain(chunks));
                         return Ok(relay(state, status, &head, chunks, guard, true));
                     }
-                    First::End => {
+                    Wait::Done(None) => {
                         note_success(worker);
                         suspects.iter().for_each(|w| note_failure(state, w));
                         return Ok(relay(state, status, &head, chunks, guard, true));
                     }
-                    First::TimedOut => {
+                    Wait::TimedOut => {
                         guard.failed("first_token_timeout");
                         state.metrics.event("first_token_timeout", 1);
                         last_err = Some(RouterError::UpstreamTimeout { worker: worker.id.clone() });
                     }
-                    First::Broken => {
+                    Wait::Done(Some(Err(_))) => {
                         guard.failed("broken_stream");
                         request_may_be_at_fault = true;
                         last_err = Some(RouterError::UpstreamFailed {
@@ -273,7 +309,7 @@ async fn dispatch(
                             message: "the stream broke before its first chunk".into(),
                         });
                     }
-                    First::Ejected => {
+                    Wait::Ejected => {
                         guard.failed("ejected");
                         last_err = Some(RouterError::UpstreamFailed {
                             worker: worker.id.clone(),
@@ -283,18 +319,14 @@ async fn dispatch(
                     }
                 }
             }
-            Ok(upstream) => {
+            Wait::Done(Ok(upstream)) => {
                 note_success(worker);
                 suspects.iter().for_each(|w| note_failure(state, w));
                 return Ok(respond(state, upstream, guard, streaming));
             }
-            Err(Failure { error, request_sent }) => {
-                guard.failed(match (&error, request_sent) {
-                    (RouterError::UpstreamTimeout { .. }, _) => "timeout",
-                    (_, true) => "closed",
-                    (_, false) => "connect_error",
-                });
-                request_may_be_at_fault = request_sent && !matches!(error, RouterError::UpstreamTimeout { .. });
+            Wait::Done(Err(Failure { error, request_sent })) => {
+                guard.failed(if request_sent { "closed" } else { "connect_error" });
+                request_may_be_at_fault = request_sent;
                 last_err = Some(error);
             }
         }
@@ -324,8 +356,8 @@ struct Failure {
 }
 
 async fn send(
-    state: &AppState,
     worker: &Worker,
+    state: &AppState,
     endpoint: Endpoint,
     headers: &HeaderMap,
     body: Bytes,
@@ -345,60 +377,108 @@ async fn send(
     if let Some(rank) = worker.dp_rank {
         rb = rb.header(DP_RANK_HEADER, rank);
     }
-    let timeout = || Failure { error: RouterError::UpstreamTimeout { worker: worker.id.clone() }, request_sent: true };
-    match tokio::time::timeout(state.config.raw.first_byte_timeout, rb.send()).await {
-        Err(_) => Err(timeout()),
-        Ok(Err(e)) if e.is_timeout() => Err(timeout()),
-        Ok(Err(e)) => {
-            // reqwest's message names the worker's URL: logged, never
-            // returned (error.rs).
-            let chain = kvroute_shared::logging::error_chain(&e);
-            tracing::warn!(worker = %worker.id, error = %chain, "request to the worker failed");
-            let message = if e.is_connect() { "could not connect" } else { "the connection closed without an answer" };
-            Err(Failure {
-                request_sent: !e.is_connect(),
-                error: RouterError::UpstreamFailed { worker: worker.id.clone(), message: message.into() },
-            })
+    rb.send().await.map_err(|e| {
+        // reqwest's message names the worker's URL: logged, never
+        // returned (error.rs).
+        let chain = kvroute_shared::logging::error_chain(&e);
+        tracing::warn!(worker = %worker.id, error = %chain, "request to the worker failed");
+        let message = if e.is_connect() { "could not connect" } else { "the connection closed without an answer" };
+        Failure {
+            request_sent: !e.is_connect(),
+            error: RouterError::UpstreamFailed { worker: worker.id.clone(), message: message.into() },
         }
-        Ok(Ok(resp)) => Ok(resp),
-    }
+    })
 }
 
 type ChunkStream = std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<Bytes>> + Send>>;
 
-/// How a streaming answer began.
-enum First {
-    Chunk(Bytes),
-    /// The stream ended without a chunk.
-    End,
+/// How waiting for an attempt's answer (its headers, a stream's first
+/// chunk) ended.
+enum Wait<T> {
+    Done(T),
     TimedOut,
-    Broken,
+    /// The worker was ejected meanwhile: nothing reached the client, so the
+    /// request is tried elsewhere.
     Ejected,
 }
 
-/// Time allowed until a stream's first chunk: `first_token_timeout` plus
-/// `first_token_timeout_per_1k_tokens` for each thousand uncached prompt
-/// tokens (prefill time grows with them).
-fn first_token_deadline(state: &AppState, uncached_tokens: u64) -> Duration {
-    let raw = &state.config.raw;
-    raw.first_token_timeout + raw.first_token_timeout_per_1k_tokens.mul_f64(uncached_tokens as f64 / 1000.0)
+/// How long an attempt may wait for its answer to begin.
+///
+/// A non-streamed answer comes whole, after its last token: it may take up
+/// to `first_byte_timeout`. A stream's first chunk is its first token: it
+/// must come within `first_token_timeout` (plus the per-1k-token share for
+/// the prompt's uncached tokens) of dispatch, headers included, unless the
+/// worker is seen making progress (another of this router's requests there
+/// got its first token or its answer within the last window): then it is
+/// queued behind real work, not wedged, and keeps its place for another
+/// `first_token_timeout`, up to `first_byte_timeout` in all. Cancelled,
+/// it would start again at the back of another worker's queue, and the
+/// worker, charged with a failure, be ejected for being busy.
+struct Deadline {
+    started: tokio::time::Instant,
+    until: tokio::time::Instant,
+    hard: tokio::time::Instant,
+    /// Streams: the window in which progress extends the wait.
+    window: Option<Duration>,
+    /// When progress was last looked for (unix ms).
+    checked_ms: u64,
 }
 
-/// Waits for the first chunk, up to `deadline`, giving up early if the worker
-/// is ejected meanwhile (its requests are retried while nothing was sent).
-async fn wait_first_chunk(worker: &Worker, chunks: &mut ChunkStream, deadline: Duration) -> First {
-    let until = tokio::time::Instant::now() + deadline;
+impl Deadline {
+    fn new(state: &AppState, streaming: bool, uncached_tokens: u64) -> Self {
+        let raw = &state.config.raw;
+        let started = tokio::time::Instant::now();
+        let hard = started + raw.first_byte_timeout;
+        let (until, window) = if streaming {
+            let first_token = raw.first_token_timeout
+                + raw.first_token_timeout_per_1k_tokens.mul_f64(uncached_tokens as f64 / 1000.0);
+            ((started + first_token).min(hard), Some(raw.first_token_timeout))
+        } else {
+            (hard, None)
+        };
+        Deadline { started, until, hard, window, checked_ms: now_ms() }
+    }
+
+    /// At `until`: may the wait go on (the worker made progress since the
+    /// last look, and `first_byte_timeout` is not reached)?
+    fn extend(&mut self, worker: &Worker) -> bool {
+        let now = tokio::time::Instant::now();
+        let progressed = worker.live.last_progress_ms.load(Ordering::Relaxed) >= self.checked_ms;
+        match self.window {
+            Some(window) if progressed && now < self.hard => {
+                self.until = (now + window).min(self.hard);
+                self.checked_ms = now_ms();
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// Waits for `answer` within `deadline`, giving up early if the worker is
+/// ejected meanwhile. `prefill`: the attempt's guard and when its prompt is
+/// taken as prefilled (a non-streamed answer's), released then.
+async fn watch<T>(
+    worker: &Worker,
+    answer: impl Future<Output = T>,
+    deadline: &mut Deadline,
+    mut prefill: Option<(&mut InflightGuard, Option<tokio::time::Instant>)>,
+) -> Wait<T> {
+    let mut answer = std::pin::pin!(answer);
     let mut check = tokio::time::interval(Duration::from_millis(250));
     loop {
+        let release_at = prefill.as_ref().and_then(|(g, at)| at.filter(|_| !g.prefill_released()));
         tokio::select! {
-            next = chunks.next() => return match next {
-                Some(Ok(b)) if b.is_empty() => continue,
-                Some(Ok(b)) => First::Chunk(b),
-                Some(Err(_)) => First::Broken,
-                None => First::End,
+            out = &mut answer => return Wait::Done(out),
+            () = tokio::time::sleep_until(deadline.until) => if !deadline.extend(worker) {
+                return Wait::TimedOut;
             },
-            _ = tokio::time::sleep_until(until) => return First::TimedOut,
-            _ = check.tick() => if !worker.live.is_healthy() { return First::Ejected },
+            () = tokio::time::sleep_until(release_at.unwrap_or(deadline.hard)), if release_at.is_some() => {
+                if let Some((guard, _)) = prefill.as_mut() {
+                    guard.release_prefill();
+                }
+            }
+            _ = check.tick() => if !worker.live.is_healthy() { return Wait::Ejected },
         }
     }
 }
@@ -486,6 +566,7 @@ fn sse_error(worker: &kvroute_shared::WorkerId) -> Bytes {
 
 pub fn note_success(worker: &Worker) {
     worker.live.consecutive_failures.store(0, Ordering::Relaxed);
+    worker.live.last_progress_ms.store(now_ms(), Ordering::Relaxed);
 }
 
 /// Passive health: eject after consecutive failures; the active checker
@@ -511,6 +592,8 @@ struct InflightGuard {
     arrived: Instant,
     started: Instant,
     first_seen: bool,
+    /// Its prompt no longer counts as pending prefill there.
+    prefilled: bool,
     outcome: Option<&'static str>,
     /// This request as the router's reports to its replicas name it, until
     /// a while after its first token (`crate::replicas::SentEntry`).
@@ -543,6 +626,7 @@ impl InflightGuard {
             arrived,
             started: Instant::now(),
             first_seen: false,
+            prefilled: false,
             outcome: None,
             failed: false,
         }
@@ -554,7 +638,7 @@ impl InflightGuard {
             return;
         }
         self.first_seen = true;
-        self.worker.live.pending_prefill_tokens.fetch_sub(self.pending, Ordering::Relaxed);
+        self.release_prefill();
         if let Some(sent) = &self.sent {
             sent.done(now_ms());
         }
@@ -566,6 +650,17 @@ impl InflightGuard {
         }
         let label = WorkerStatus { worker: self.worker.id.to_string(), status };
         self.state.metrics.ttft.get_or_create(&label).observe(took.as_secs_f64());
+    }
+
+    /// Its prompt is prefilled (its first byte came, or the model says so).
+    fn release_prefill(&mut self) {
+        if !std::mem::replace(&mut self.prefilled, true) {
+            self.worker.live.pending_prefill_tokens.fetch_sub(self.pending, Ordering::Relaxed);
+        }
+    }
+
+    fn prefill_released(&self) -> bool {
+        self.prefilled
     }
 
     fn finish(&mut self, outcome: &'static str) {
@@ -593,9 +688,7 @@ fn status_class(outcome: &str) -> &'static str {
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
-        if !self.first_seen {
-            self.worker.live.pending_prefill_tokens.fetch_sub(self.pending, Ordering::Relaxed);
-        }
+        self.release_prefill();
         if let Some(sent) = &self.sent {
             sent.done(now_ms());
         }

@@ -101,6 +101,9 @@ pub struct WorkerLive {
     pub last_sync_ms: AtomicU64,
     /// Unix ms of the last health probe the engine answered (0: none yet).
     pub last_probe_ok_ms: AtomicU64,
+    /// Unix ms of the last answer of this router's to begin there (a stream's
+    /// first token, a whole answer): the worker is producing.
+    pub last_progress_ms: AtomicU64,
     /// Is a sidecar reporting for this worker (exact index)?
     pub has_sidecar: AtomicBool,
     /// Its load reports against this router's requests there
@@ -131,6 +134,7 @@ impl Default for WorkerLive {
             last_report_ms: AtomicU64::new(0),
             last_sync_ms: AtomicU64::new(0),
             last_probe_ok_ms: AtomicU64::new(0),
+            last_progress_ms: AtomicU64::new(0),
             has_sidecar: AtomicBool::new(false),
             watch: Mutex::new(ReportWatch::default()),
             arrivals: Mutex::new(ArrivalRate::default()),

@@ -307,6 +307,140 @@ async fn a_stream_without_a_first_token_is_retried_elsewhere() {
     assert!(wedged.hits.load(Ordering::SeqCst) >= 1, "the wedged worker was tried");
 }
 
+/// A stream whose engine never sends its headers (a dead host, a blocked
+/// event loop) is given up at the first-token deadline as a wedged one is,
+/// not after `first_byte_timeout` (an hour).
+#[tokio::test]
+async fn a_stream_whose_headers_never_come_is_retried_at_the_first_token_deadline() {
+    let hang = fake_worker("hang", Behaviour::Hang).await;
+    let good = fake_worker("good", Behaviour::Ok).await;
+    let r = router(&[("a-hang", &hang.url), ("b-good", &good.url)], |raw| {
+        raw.policy = "round_robin".into();
+        raw.first_token_timeout = Duration::from_millis(200);
+        raw.first_token_timeout_per_1k_tokens = Duration::ZERO;
+    })
+    .await;
+    for _ in 0..2 {
+        let sent = r.complete(json!({"model": "m", "prompt": "hello", "stream": true}));
+        let resp = tokio::time::timeout(Duration::from_secs(20), sent).await.expect("answered, not held an hour");
+        assert_eq!(resp.headers()["x-kvroute-worker"], "b-good");
+    }
+    assert!(hang.hits.load(Ordering::SeqCst) >= 1, "the hanging worker was tried");
+}
+
+/// An engine answering slowly but answering: a stream queued there past the
+/// first-token deadline keeps its place while the worker's other answers
+/// come, instead of being cancelled, sent to the back of another queue and
+/// charged to the worker's health.
+#[tokio::test]
+async fn a_stream_queued_behind_progress_keeps_its_place() {
+    let app = Router::new().route(
+        "/v1/completions",
+        post(|axum::Json(body): axum::Json<Value>| async move {
+            if body["stream"] != true {
+                return axum::Json(json!({"choices": [{"text": "quick"}]})).into_response();
+            }
+            // Headers at once, as vLLM sends them; the first token late.
+            let chunks = futures::stream::once(async {
+                tokio::time::sleep(Duration::from_millis(900)).await;
+                Ok::<_, std::io::Error>(Bytes::from_static(b"data: {\"choices\":[{\"text\":\"hi\"}]}\n\n"))
+            })
+            .chain(futures::stream::once(async { Ok(Bytes::from_static(b"data: [DONE]\n\n")) }));
+            Response::builder().header("content-type", "text/event-stream").body(Body::from_stream(chunks)).unwrap()
+        }),
+    );
+    let busy = serve_engine(app).await;
+    let r = router(&[("busy", &busy)], |raw| {
+        raw.retries = 0;
+        raw.first_token_timeout = Duration::from_millis(300);
+        raw.first_token_timeout_per_1k_tokens = Duration::ZERO;
+    })
+    .await;
+    let stream = r.complete(json!({"model": "m", "prompt": "slow one", "stream": true}));
+    let progress = async {
+        loop {
+            assert_eq!(r.complete(json!({"model": "m", "prompt": "quick one"})).await.status(), 200);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let resp = tokio::select! {
+        resp = stream => resp,
+        () = progress => unreachable!(),
+    };
+    assert_eq!(resp.status(), 200, "the queued stream was cancelled");
+    assert!(resp.text().await.unwrap().contains("[DONE]"));
+    assert!(healthy(&r, "busy").await);
+}
+
+/// A non-streamed answer comes whole, after its last token: its prompt
+/// counts as pending prefill only until the timing model says its first
+/// token came, not for its whole generation (batch traffic made a worker
+/// look seconds deep in queued prefill).
+#[tokio::test]
+async fn a_non_streamed_request_stops_counting_as_pending_prefill() {
+    let hang = fake_worker("hang", Behaviour::Hang).await;
+    let r = router(&[("hang", &hang.url)], |_| {}).await;
+    let body = json!({"model": "m", "prompt": prompt(2_000)});
+    let _in_flight = tokio::spawn(r.http.post(format!("{}/v1/completions", r.url)).json(&body).send());
+    support::eventually("the request in flight, its prefill no longer pending", || async {
+        let workers: Value = r.http.get(format!("{}/admin/workers", r.url)).send().await.unwrap().json().await.unwrap();
+        let load = &workers["workers"][0]["load"];
+        (load["inflight"] == 1 && load["pending_prefill_tokens"] == 0).then_some(())
+    })
+    .await;
+}
+
+/// A worker ejected while a request waits for its answer's headers: the
+/// request is tried elsewhere at once (nothing reached the client).
+#[tokio::test]
+async fn a_request_waiting_on_a_worker_that_is_ejected_is_tried_elsewhere() {
+    let sick = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let s = sick.clone();
+    let app = Router::new().route("/v1/completions", post(futures::future::pending::<&'static str>)).route(
+        "/health",
+        get(move || {
+            let sick = s.load(Ordering::SeqCst);
+            async move { if sick { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK } }
+        }),
+    );
+    let hang = serve_engine(app).await;
+    let good = fake_worker("good", Behaviour::Ok).await;
+    let r = router(&[("a-hang", &hang), ("b-good", &good.url)], |raw| {
+        raw.policy = "round_robin".into();
+        raw.health_check_interval = Duration::from_millis(100);
+        raw.eject_after_failures = 1;
+    })
+    .await;
+    let body = json!({"model": "m", "prompt": "hello"});
+    let sent = tokio::spawn(r.http.post(format!("{}/v1/completions", r.url)).json(&body).send());
+    support::eventually("the request at a-hang", || async {
+        let workers: Value = r.http.get(format!("{}/admin/workers", r.url)).send().await.unwrap().json().await.unwrap();
+        (workers["workers"][0]["load"]["inflight"] == 1).then_some(())
+    })
+    .await;
+    sick.store(true, Ordering::SeqCst);
+    let resp =
+        tokio::time::timeout(Duration::from_secs(20), sent).await.expect("retried once ejected").unwrap().unwrap();
+    assert_eq!(resp.headers()["x-kvroute-worker"], "b-good");
+}
+
+/// Past `first_byte_timeout` a non-streamed answer is long, not lost: a
+/// 504, with the request not run again on the other workers and no worker
+/// charged for it.
+#[tokio::test]
+async fn a_non_streamed_answer_past_the_timeout_is_not_run_again() {
+    let (a, b) = (fake_worker("a", Behaviour::Hang).await, fake_worker("b", Behaviour::Hang).await);
+    let r = router(&[("a", &a.url), ("b", &b.url)], |raw| {
+        raw.first_byte_timeout = Duration::from_millis(200);
+        raw.eject_after_failures = 1;
+    })
+    .await;
+    let (status, _) = error_of(r.complete(json!({"model": "m", "prompt": "a long answer"})).await).await;
+    assert_eq!(status, 504);
+    assert_eq!(a.hits.load(Ordering::SeqCst) + b.hits.load(Ordering::SeqCst), 1, "run once");
+    assert!(healthy(&r, "a").await && healthy(&r, "b").await);
+}
+
 #[tokio::test]
 async fn all_workers_failing_is_a_502_and_hanging_is_a_504() {
     let bad = fake_worker("bad", Behaviour::Status(503)).await;

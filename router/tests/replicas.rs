@@ -197,7 +197,10 @@ async fn reporting_router(interval: Duration) -> (TestRouter, tokio::sync::mpsc:
 /// Sends a completion of `prompt` through `r` that its hanging engine
 /// never answers: in flight until the returned task is dropped with the test.
 fn send_hanging(r: &TestRouter, prompt: String) -> tokio::task::JoinHandle<reqwest::Result<reqwest::Response>> {
-    let sent = r.http.post(format!("{}/v1/completions", r.url)).json(&json!({"model": "m", "prompt": prompt}));
+    // Streamed: its prompt is pending prefill until a first token that never
+    // comes (a non-streamed one's only until the timing model's first token).
+    let body = json!({"model": "m", "prompt": prompt, "stream": true});
+    let sent = r.http.post(format!("{}/v1/completions", r.url)).json(&body);
     tokio::spawn(sent.send())
 }
 
