@@ -789,9 +789,15 @@ async fn a_full_session_table_makes_room_for_new_contexts() {
 #[tokio::test]
 async fn prompts_beyond_max_prompt_tokens_are_refused_before_or_after_tokenizing() {
     let w = fake_worker("w1", Behaviour::Ok).await;
-    let r = router(&[("w1", &w.url)], |raw| raw.max_prompt_tokens = 100).await;
-    // 150 bytes, byte-level tokens: 150 tokens > 100 (counted, 400).
-    let (status, body) = error_of(r.complete(json!({"model": "m", "prompt": prompt(150)})).await).await;
+    let gpt2 = kvroute_shared::testdata::tokenizer_dir("gpt2").unwrap_or_else(|why| panic!("no gpt2 tokenizer: {why}"));
+    let r = router(&[("w1", &w.url)], |raw| {
+        raw.max_prompt_tokens = 100;
+        raw.tokenizer = Some(gpt2);
+    })
+    .await;
+    // 150 words of GPT-2 tokens: more than 100 (counted, 400).
+    let words = vec!["hello"; 150].join(" ");
+    let (status, body) = error_of(r.complete(json!({"model": "m", "prompt": words})).await).await;
     assert_eq!(status, 400, "{body}");
     assert!(body["error"]["message"].as_str().unwrap().contains("150 tokens"), "{body}");
     // Far more bytes than 100 tokens could ever take: refused unread (413).
@@ -813,6 +819,20 @@ async fn prompts_beyond_max_prompt_tokens_are_refused_before_or_after_tokenizing
     }
     assert_eq!(r.complete(json!({"model": "m", "prompt": prompt(50)})).await.status(), 200);
     assert_eq!(w.hits.load(Ordering::SeqCst), 1, "refused prompts never reached the engine");
+}
+
+/// Without the model's tokenizer the router's "tokens" are bytes, about
+/// four to a real token: a prompt of more bytes than `max_prompt_tokens`
+/// (but far fewer tokens) is the engine's to count, not refused.
+#[tokio::test]
+async fn without_a_tokenizer_bytes_are_not_counted_as_tokens() {
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let r = router(&[("w1", &w.url)], |raw| raw.max_prompt_tokens = 100).await;
+    let words = vec!["hello"; 50].join(" "); // 299 bytes, 50 tokens
+    assert_eq!(r.complete(json!({"model": "m", "prompt": words})).await.status(), 200);
+    // Past 16 bytes a token it is refused still.
+    let (status, _) = error_of(r.complete(json!({"model": "m", "prompt": prompt(5_000)})).await).await;
+    assert_eq!(status, 413);
 }
 
 /// A chat body may carry media (base64 images) that are no prompt text:
