@@ -3,7 +3,8 @@
 //!
 //! The router forwards the client's body untouched; this view only tells it
 //! which tokens the engine will see. Unknown fields are ignored (clients send
-//! many), but the fields read here are type-checked and named on error.
+//! many), but the fields read here are type-checked, as vLLM's pydantic
+//! models check them (lax mode: `16.0` is 16), and named on error.
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -25,18 +26,18 @@ pub enum Prompt {
 pub struct CompletionRequest {
     pub model: String,
     pub prompt: Prompt,
-    #[serde(default, deserialize_with = "null_is_false")]
+    #[serde(default, deserialize_with = "lax::flag")]
     pub stream: bool,
     /// vLLM's per-request cache isolation; folded into the key root.
     #[serde(default)]
     pub cache_salt: Option<String>,
     /// vLLM's extension; completions default to `true`.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax::opt_bool")]
     pub add_special_tokens: Option<bool>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax::opt_u32")]
     pub max_tokens: Option<u32>,
     /// The paper's hint: how many leading tokens form the shared prefix.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax::opt_u32")]
     pub prefix_len: Option<u32>,
 }
 
@@ -45,7 +46,7 @@ pub struct CompletionRequest {
 pub struct ChatRequest {
     pub model: String,
     pub messages: Vec<Map<String, Value>>,
-    #[serde(default, deserialize_with = "null_is_false")]
+    #[serde(default, deserialize_with = "lax::flag")]
     pub stream: bool,
     #[serde(default)]
     pub cache_salt: Option<String>,
@@ -54,26 +55,80 @@ pub struct ChatRequest {
     #[serde(default)]
     pub documents: Option<Vec<Value>>,
     /// vLLM's extensions, with vLLM's defaults.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax::opt_bool")]
     pub add_generation_prompt: Option<bool>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax::flag")]
     pub continue_final_message: bool,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax::opt_bool")]
     pub add_special_tokens: Option<bool>,
     #[serde(default)]
     pub chat_template_kwargs: Option<Map<String, Value>>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax::opt_u32")]
     pub max_tokens: Option<u32>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax::opt_u32")]
     pub max_completion_tokens: Option<u32>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax::opt_u32")]
     pub prefix_len: Option<u32>,
 }
 
-/// vLLM declares `stream` `Optional[bool] = False`: `"stream": null` is a
-/// request not streamed, not a bad request.
-fn null_is_false<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
-    Ok(Option::<bool>::deserialize(d)?.unwrap_or(false))
+/// Scalars read as pydantic reads them in its default (lax) mode, as
+/// vLLM's request models do: `16.0` and `"16"` are the integer 16, `"true"`,
+/// `"yes"`, `1` are true. Strict types refused what the engine takes (a
+/// client sending `"max_tokens": 16.0` got the router's 400).
+mod lax {
+    use serde::Deserialize;
+    use serde::de::Error;
+    use serde_json::Value;
+
+    fn to_bool(v: &Value) -> Option<bool> {
+        match v {
+            Value::Bool(b) => Some(*b),
+            Value::Number(n) => match n.as_f64() {
+                Some(0.0) => Some(false),
+                Some(1.0) => Some(true),
+                _ => None,
+            },
+            Value::String(s) => match s.to_ascii_lowercase().as_str() {
+                "0" | "off" | "f" | "false" | "n" | "no" => Some(false),
+                "1" | "on" | "t" | "true" | "y" | "yes" => Some(true),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    fn to_u32(v: &Value) -> Option<u32> {
+        let f = match v {
+            Value::Number(n) => return n.as_u64().map_or_else(|| whole(n.as_f64()?), |u| u32::try_from(u).ok()),
+            Value::String(s) => s.trim().parse::<f64>().ok()?,
+            Value::Bool(b) => return Some(u32::from(*b)),
+            _ => return None,
+        };
+        whole(f)
+    }
+
+    fn whole(f: f64) -> Option<u32> {
+        (f.fract() == 0.0 && (0.0..=f64::from(u32::MAX)).contains(&f)).then_some(f as u32)
+    }
+
+    /// A bool; null or absent is false (vLLM: `Optional[bool] = False`).
+    pub fn flag<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+        Ok(opt_bool(d)?.unwrap_or(false))
+    }
+
+    pub fn opt_bool<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<bool>, D::Error> {
+        match Value::deserialize(d)? {
+            Value::Null => Ok(None),
+            v => to_bool(&v).map(Some).ok_or_else(|| D::Error::custom(format!("expected a boolean, got {v}"))),
+        }
+    }
+
+    pub fn opt_u32<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+        match Value::deserialize(d)? {
+            Value::Null => Ok(None),
+            v => to_u32(&v).map(Some).ok_or_else(|| D::Error::custom(format!("expected a whole number, got {v}"))),
+        }
+    }
 }
 
 /// Either kind of request, told apart by the endpoint it came to.
@@ -215,13 +270,34 @@ mod tests {
         assert!(PromptRequest::parse(Endpoint::ChatCompletions, streamed).unwrap().stream());
     }
 
+    /// Scalars as pydantic's lax mode (vLLM's request models) takes them.
+    #[test]
+    fn scalars_are_read_as_vllm_reads_them() {
+        let c =
+            br#"{"model":"m","prompt":"x","stream":"true","max_tokens":16.0,"add_special_tokens":0,"prefix_len":"32"}"#;
+        let PromptRequest::Completion(c) = PromptRequest::parse(Endpoint::Completions, c).unwrap() else { panic!() };
+        assert_eq!(
+            (c.stream, c.max_tokens, c.add_special_tokens, c.prefix_len),
+            (true, Some(16), Some(false), Some(32))
+        );
+        let chat = br#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_completion_tokens":"8","add_generation_prompt":"no","continue_final_message":null}"#;
+        let PromptRequest::Chat(c) = PromptRequest::parse(Endpoint::ChatCompletions, chat).unwrap() else { panic!() };
+        assert_eq!(
+            (c.max_completion_tokens, c.add_generation_prompt, c.continue_final_message),
+            (Some(8), Some(false), false)
+        );
+    }
+
     #[test]
     fn bad_requests_name_the_field() {
         let e = PromptRequest::parse(Endpoint::Completions, br#"{"model":"m"}"#).unwrap_err();
         assert!(e.message.contains("prompt"), "{e}");
         let e =
-            PromptRequest::parse(Endpoint::Completions, br#"{"model":"m","prompt":"x","stream":"yes"}"#).unwrap_err();
+            PromptRequest::parse(Endpoint::Completions, br#"{"model":"m","prompt":"x","stream":"maybe"}"#).unwrap_err();
         assert_eq!(e.field, "stream");
+        let e = PromptRequest::parse(Endpoint::Completions, br#"{"model":"m","prompt":"x","max_tokens":16.5}"#)
+            .unwrap_err();
+        assert_eq!(e.field, "max_tokens");
         let e = PromptRequest::parse(Endpoint::ChatCompletions, br#"{"model":"m","messages":[]}"#).unwrap_err();
         assert_eq!(e.field, "messages");
         let e = PromptRequest::parse(
