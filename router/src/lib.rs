@@ -17,6 +17,7 @@ pub mod health;
 pub mod index;
 pub mod internal;
 pub mod metrics;
+pub mod passthrough;
 pub mod policy;
 pub mod process_metrics;
 pub mod proxy;
@@ -149,6 +150,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route(kvroute_shared::wire::EVICTION_PATH, post(internal::eviction))
         .route(kvroute_shared::wire::SYNC_PATH, post(internal::sync))
         .route(replicas::REPLICA_PATH, post(replicas::report))
+        .fallback(passthrough::forward)
         .with_state(state)
 }
 

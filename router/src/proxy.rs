@@ -33,7 +33,7 @@ pub const SESSION_HEADER: &str = "x-session-id";
 pub const SESSION_TTL_HEADER: &str = "x-session-ttl";
 
 /// Request headers passed on to the engine.
-const FORWARDED: &[&str] = &["authorization", "x-request-id", "traceparent", "tracestate", "accept"];
+pub const FORWARDED: &[&str] = &["authorization", "x-request-id", "traceparent", "tracestate", "accept"];
 
 /// Reads a body up to `limit` bytes (413 beyond it) within
 /// `body_read_timeout` (408 beyond it): a client's, a sidecar's push or a

@@ -307,6 +307,57 @@ async fn a_stream_without_a_first_token_is_retried_elsewhere() {
     assert!(wedged.hits.load(Ordering::SeqCst) >= 1, "the wedged worker was tried");
 }
 
+/// The engine's other client endpoints reach a worker as they are (method,
+/// path, query, body, API key) and its answer comes back; engine control
+/// and unknown paths do not.
+#[tokio::test]
+async fn the_engines_other_endpoints_are_forwarded_and_control_ones_are_not() {
+    let control = Arc::new(AtomicUsize::new(0));
+    let c = control.clone();
+    let app = Router::new()
+        .route(
+            "/v1/embeddings",
+            post(
+                |headers: axum::http::HeaderMap, uri: axum::http::Uri, axum::Json(body): axum::Json<Value>| async move {
+                    let auth = headers.get("authorization").map(|v| v.to_str().unwrap().to_owned());
+                    (
+                        StatusCode::CREATED,
+                        axum::Json(json!({"input": body["input"], "auth": auth, "query": uri.query()})),
+                    )
+                },
+            ),
+        )
+        .route("/version", get(|| async { axum::Json(json!({"version": "0.32.0"})) }))
+        .route(
+            "/v1/load_lora_adapter",
+            post(move || {
+                c.fetch_add(1, Ordering::SeqCst);
+                async { "loaded" }
+            }),
+        );
+    let engine = serve_engine(app).await;
+    let r = router(&[("w1", &engine)], |_| {}).await;
+    let resp = r
+        .http
+        .post(format!("{}/v1/embeddings?x=1", r.url))
+        .bearer_auth("client-key")
+        .json(&json!({"model": "m", "input": "hello"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 201);
+    assert_eq!(resp.headers()["x-kvroute-worker"], "w1");
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body, json!({"input": "hello", "auth": "Bearer client-key", "query": "x=1"}));
+    let version: Value = r.http.get(format!("{}/version", r.url)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(version["version"], "0.32.0");
+    for path in ["/v1/load_lora_adapter", "/reset_prefix_cache", "/internal/other", "/nowhere"] {
+        let resp = r.http.post(format!("{}{path}", r.url)).json(&json!({"lora_name": "x"})).send().await.unwrap();
+        assert_eq!(resp.status(), 404, "{path}");
+    }
+    assert_eq!(control.load(Ordering::SeqCst), 0, "engine control is not the router's to forward");
+}
+
 /// A stream whose engine never sends its headers (a dead host, a blocked
 /// event loop) is given up at the first-token deadline as a wedged one is,
 /// not after `first_byte_timeout` (an hour).

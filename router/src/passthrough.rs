@@ -1,0 +1,173 @@
+//! The engine's other endpoints (`/v1/embeddings`, `/tokenize`,
+//! `/v1/responses`, `/pooling`, `/version`, …): forwarded as they are to a
+//! healthy worker serving the body's `model` (any healthy worker when the
+//! request names none), the one with the fewest requests in flight. No
+//! prefix routing: only completions and chats are keyed. A client pointed at
+//! the router instead of an engine keeps the whole OpenAI surface vLLM
+//! serves; before, every such path was a bare 404.
+//!
+//! Only the client API is forwarded: paths under `/v1/` and `/v2/`, and
+//! vLLM's `/tokenize`, `/detokenize`, `/pooling`, `/classify`, `/score`,
+//! `/rerank`, `/invocations` and `/version`. Engine control (loading LoRA
+//! adapters, resetting the prefix cache, sleeping, profiling) is the
+//! operator's, per engine, and the router's own paths are its own: those
+//! get a 404. A request is retried on the next worker only when it could not
+//! connect (nothing was sent); it is answered within `first_byte_timeout`,
+//! and its body and answer are held to the API's limits (`max_body_bytes`,
+//! `body_read_timeout`, `idle_timeout`, the concurrency limit).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
+
+use crate::error::RouterError;
+use crate::proxy::{FORWARDED, WORKER_HEADER, read_in_time};
+use crate::state::{AppState, now_ms};
+use crate::workers::Worker;
+
+/// Is `path` part of the engine's client API?
+fn is_client_api(path: &str) -> bool {
+    const EXACT: [&str; 8] =
+        ["/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/invocations", "/version"];
+    const CONTROL: [&str; 2] = ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"];
+    ((path.starts_with("/v1/") || path.starts_with("/v2/")) && !CONTROL.contains(&path)) || EXACT.contains(&path)
+}
+
+pub async fn forward(
+    State(state): State<Arc<AppState>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    run(&state, method, uri, &headers, body).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn run(
+    state: &Arc<AppState>,
+    method: Method,
+    uri: Uri,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Response, RouterError> {
+    if !is_client_api(uri.path()) {
+        return Err(RouterError::NotFound(format!("no route for {} {}", method, uri.path())));
+    }
+    let body = read_in_time(state, body, state.config.raw.max_body_bytes).await?;
+    let Ok(permit) = state.concurrency.clone().try_acquire_owned() else {
+        state.metrics.shed.inc();
+        return Err(RouterError::Overloaded);
+    };
+    let model = model_of(&body);
+    let snapshot = state.workers.snapshot();
+    let mut workers: Vec<&Arc<Worker>> =
+        snapshot.iter().filter(|w| w.live.is_healthy() && model.as_deref().is_none_or(|m| w.serves(m))).collect();
+    if workers.is_empty() {
+        let model = model.unwrap_or_default();
+        if !model.is_empty() && !snapshot.is_empty() && !snapshot.iter().any(|w| w.serves(&model)) {
+            return Err(RouterError::ModelNotFound { model });
+        }
+        return Err(RouterError::NoHealthyWorker { model });
+    }
+    workers.sort_by_key(|w| w.live.inflight.load(Ordering::Relaxed) + w.live.replica_inflight.load(Ordering::Relaxed));
+    let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
+    let mut last = None;
+    for worker in workers.into_iter().take(1 + state.config.raw.retries as usize) {
+        let mut rb = state.client.request(method.clone(), format!("{}{path}", worker.url)).body(body.clone());
+        for name in FORWARDED.iter().copied().chain([header::CONTENT_TYPE.as_str()]) {
+            if let Some(v) = headers.get(name) {
+                rb = rb.header(name, v);
+            }
+        }
+        let inflight = Inflight::new(worker);
+        match tokio::time::timeout(state.config.raw.first_byte_timeout, rb.send()).await {
+            Err(_) => return Err(RouterError::UpstreamTimeout { worker: worker.id.clone() }),
+            Ok(Err(e)) if e.is_connect() => {
+                let chain = kvroute_shared::logging::error_chain(&e);
+                tracing::warn!(worker = %worker.id, error = %chain, path = uri.path(), "could not connect to the worker");
+                last = Some(RouterError::UpstreamFailed {
+                    worker: worker.id.clone(),
+                    message: "could not connect".into(),
+                });
+            }
+            Ok(Err(e)) => {
+                let chain = kvroute_shared::logging::error_chain(&e);
+                tracing::warn!(worker = %worker.id, error = %chain, path = uri.path(), "request to the worker failed");
+                let message = "the connection closed without an answer".into();
+                return Err(RouterError::UpstreamFailed { worker: worker.id.clone(), message });
+            }
+            Ok(Ok(upstream)) => {
+                state.metrics.request(worker.id.as_str(), "passthrough");
+                return Ok(relay(state, worker, upstream, (inflight, permit)));
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| RouterError::NoHealthyWorker { model: model.unwrap_or_default() }))
+}
+
+/// The body's `model`, when it is a JSON object naming one.
+fn model_of(body: &Bytes) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Named {
+        model: String,
+    }
+    serde_json::from_slice::<Named>(body).ok().map(|n| n.model).filter(|m| !m.is_empty())
+}
+
+/// Counts a forwarded request as in flight on its worker until its answer
+/// ends.
+struct Inflight(Arc<Worker>);
+
+impl Inflight {
+    fn new(worker: &Arc<Worker>) -> Self {
+        worker.live.inflight.fetch_add(1, Ordering::Relaxed);
+        Inflight(worker.clone())
+    }
+}
+
+impl Drop for Inflight {
+    fn drop(&mut self) {
+        self.0.live.record_end(now_ms());
+    }
+}
+
+/// The engine's status, the headers a client needs, and its body, chunk by
+/// chunk under `idle_timeout`; `held` (the in-flight count and the
+/// concurrency permit) until the body ends.
+fn relay(
+    state: &AppState,
+    worker: &Worker,
+    upstream: reqwest::Response,
+    held: (Inflight, tokio::sync::OwnedSemaphorePermit),
+) -> Response {
+    let status = StatusCode::from_u16(upstream.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let mut headers = HeaderMap::new();
+    for name in [header::CONTENT_TYPE, header::CACHE_CONTROL, header::HeaderName::from_static("x-request-id")] {
+        if let Some(v) = upstream.headers().get(name.as_str()).and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok())
+        {
+            headers.insert(name, v);
+        }
+    }
+    if let Ok(v) = HeaderValue::from_str(worker.id.as_str()) {
+        headers.insert(WORKER_HEADER, v);
+    }
+    let idle = state.config.raw.idle_timeout;
+    let chunks = upstream.bytes_stream();
+    let stream = futures::stream::unfold((Box::pin(chunks), Some(held)), move |(mut chunks, held)| async move {
+        held.as_ref()?;
+        match tokio::time::timeout(idle, chunks.next()).await {
+            Ok(Some(Ok(chunk))) => Some((Ok(chunk), (chunks, held))),
+            Ok(None) => None,
+            Ok(Some(Err(_))) | Err(_) => Some((Err(std::io::Error::other("upstream stream broke")), (chunks, None))),
+        }
+    });
+    let mut resp = Response::new(Body::from_stream(stream));
+    *resp.status_mut() = status;
+    *resp.headers_mut() = headers;
+    resp
+}
