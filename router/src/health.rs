@@ -79,6 +79,39 @@ async fn check(state: &AppState, worker: &Arc<Worker>) {
     if !worker.live.has_sidecar.load(Ordering::Relaxed) || !worker.live.capacity_read() {
         learn_capacity(state, worker).await;
     }
+    if worker.source == Source::Static && !worker.live.has_sidecar.load(Ordering::Relaxed) {
+        learn_models(state, worker).await;
+    }
+}
+
+/// A static worker without a sidecar (whose syncs name its models) learns
+/// them from the engine's `/v1/models` at each probe, adapters loaded since
+/// included: without them `GET /v1/models` listed nothing, and a request for
+/// any model could go to any static worker, engines serving other models
+/// included (their 404s are passed on, not retried). An engine that does not
+/// answer the list (an API key the router lacks) keeps what was known; with
+/// nothing known, the worker takes any model.
+async fn learn_models(state: &AppState, worker: &Worker) {
+    use kvroute_shared::wire::{MAX_MODELS_BYTES, parse_model_list};
+    let timeout = state.config.raw.health_check_timeout;
+    let body = match state.client.get(format!("{}/v1/models", worker.url)).timeout(timeout).send().await {
+        Ok(r) if r.status().is_success() => match read_within(reqwest::Body::from(r), MAX_MODELS_BYTES).await {
+            Ok(Some(body)) => body,
+            _ => return,
+        },
+        _ => return,
+    };
+    match parse_model_list(&body) {
+        Ok(models) if !models.is_empty() => {
+            if let Err(e) = state.workers.upsert(&worker.id, None, Some(&models), Source::Static) {
+                tracing::warn!(worker.id = %worker.id, error = %e, "could not take the engine's model list");
+            }
+        }
+        Ok(_) => {}
+        Err(e) => {
+            tracing::debug!(worker.id = %worker.id, error = %e, "the engine's /v1/models is not a list the router takes")
+        }
+    }
 }
 
 /// The worker's KV capacity in blocks from

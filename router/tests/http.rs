@@ -358,6 +358,47 @@ async fn the_engines_other_endpoints_are_forwarded_and_control_ones_are_not() {
     assert_eq!(control.load(Ordering::SeqCst), 0, "engine control is not the router's to forward");
 }
 
+/// Static workers without sidecars learn their models from the engine's
+/// `/v1/models`: the router lists them, and a request for one model goes
+/// only to the engines serving it.
+#[tokio::test]
+async fn static_workers_learn_their_models_from_the_engine() {
+    async fn engine(model: &'static str) -> String {
+        let app = Router::new()
+            .route("/v1/models", get(move || async move { axum::Json(json!({"data": [{"id": model}]})) }))
+            .route("/health", get(|| async { "ok" }))
+            .route(
+                "/v1/completions",
+                post(move |axum::Json(body): axum::Json<Value>| async move {
+                    if body["model"] == model {
+                        axum::Json(json!({"choices": [{"text": "hi"}]})).into_response()
+                    } else {
+                        (StatusCode::NOT_FOUND, "no such model").into_response()
+                    }
+                }),
+            );
+        serve_engine(app).await
+    }
+    let (a, b) = (engine("alpha").await, engine("beta").await);
+    let r = router(&[("a", &a), ("b", &b)], |raw| {
+        raw.policy = "round_robin".into();
+        raw.health_check_interval = Duration::from_millis(50);
+    })
+    .await;
+    let listed = support::eventually("both models listed", || async {
+        let models: Value = r.http.get(format!("{}/v1/models", r.url)).send().await.unwrap().json().await.unwrap();
+        let ids: Vec<String> =
+            models["data"].as_array()?.iter().map(|m| m["id"].as_str().unwrap().to_owned()).collect();
+        (ids.len() == 2).then_some(ids)
+    })
+    .await;
+    assert_eq!(listed, ["alpha", "beta"]);
+    for _ in 0..4 {
+        let resp = r.complete(json!({"model": "beta", "prompt": "hello"})).await;
+        assert_eq!((resp.status(), resp.headers()["x-kvroute-worker"].to_str().unwrap()), (StatusCode::OK, "b"));
+    }
+}
+
 /// A stream whose engine never sends its headers (a dead host, a blocked
 /// event loop) is given up at the first-token deadline as a wedged one is,
 /// not after `first_byte_timeout` (an hour).

@@ -95,6 +95,29 @@ pub fn check_models(models: &[ModelName]) -> Result<(), DecodeError> {
     Ok(())
 }
 
+/// The most of an engine's `/v1/models` that is read: room for
+/// [`MAX_MODELS`] entries of vLLM's shape, ids of up to
+/// [`MAX_MODEL_NAME_LEN`] bytes.
+pub const MAX_MODELS_BYTES: usize = 4 << 20;
+
+/// The model names in an engine's `/v1/models` answer, base model first
+/// (as vLLM lists them), if it is a list a router takes
+/// ([`check_models`]).
+pub fn parse_model_list(body: &[u8]) -> Result<Vec<ModelName>, DecodeError> {
+    #[derive(Deserialize)]
+    struct ModelList {
+        data: Vec<ModelEntry>,
+    }
+    #[derive(Deserialize)]
+    struct ModelEntry {
+        id: String,
+    }
+    let list: ModelList = decode(body)?;
+    let models: Vec<ModelName> = list.data.into_iter().map(|m| ModelName::new(m.id)).collect();
+    check_models(&models)?;
+    Ok(models)
+}
+
 /// The request header vLLM's API server (internal load balancing) reads to
 /// pin a request to one data-parallel rank.
 pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";

@@ -7,10 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_shared::body::{MAX_ENGINE_METRICS_BYTES, read_within};
-use kvroute_shared::wire::{Load, check_models};
+use kvroute_shared::wire::{Load, MAX_MODELS_BYTES, parse_model_list};
 use kvroute_shared::{BlockSize, ModelName};
 use parking_lot::RwLock;
-use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -37,21 +36,6 @@ pub enum EngineError {
     TooLarge { url: String, limit: usize },
     #[error("{url} answered no model list: {detail}")]
     BadModels { url: String, detail: String },
-}
-
-/// The most of the engine's `/v1/models` that is read: room for
-/// `wire::MAX_MODELS` entries of vLLM's shape, ids of up to
-/// `wire::MAX_MODEL_NAME_LEN` bytes.
-pub const MAX_MODELS_BYTES: usize = 4 << 20;
-
-#[derive(Deserialize)]
-struct ModelList {
-    data: Vec<ModelEntry>,
-}
-
-#[derive(Deserialize)]
-struct ModelEntry {
-    id: String,
 }
 
 /// Client for the engine's HTTP endpoints.
@@ -85,12 +69,10 @@ impl EngineClient {
     pub async fn models(&self) -> Result<Vec<ModelName>, EngineError> {
         let body = self.get("/v1/models", MAX_MODELS_BYTES).await?;
         let bad = |detail: String| EngineError::BadModels { url: format!("{}/v1/models", self.base), detail };
-        let list: ModelList = serde_json::from_slice(&body).map_err(|e| bad(e.to_string()))?;
-        if list.data.is_empty() {
+        let models = parse_model_list(&body).map_err(|e| bad(e.to_string()))?;
+        if models.is_empty() {
             return Err(EngineError::NoModel(self.base.clone()));
         }
-        let models: Vec<ModelName> = list.data.into_iter().map(|m| ModelName::new(m.id)).collect();
-        check_models(&models).map_err(|e| bad(e.to_string()))?;
         Ok(models)
     }
 
