@@ -181,6 +181,11 @@ pub async fn workers(State(state): State<Arc<AppState>>) -> Json<Value> {
                 "models": w.models,
                 "source": w.source,
                 "healthy": w.live.is_healthy(),
+                // Ejected for failed requests: not re-admitted for this long
+                // while its /health answers.
+                "held_out_ms": (!w.live.is_healthy())
+                    .then(|| w.live.held_until_ms.load(Ordering::Relaxed).saturating_sub(now))
+                    .filter(|&ms| ms > 0),
                 "sidecar": w.live.has_sidecar.load(Ordering::Relaxed),
                 // Exact: a sidecar reports the engine's cache. Approximate:
                 // the router's own routing decisions stand in for it.

@@ -28,13 +28,12 @@ use kvroute_shared::body::{MAX_ENGINE_METRICS_BYTES, read_within};
 
 use crate::index::Compaction;
 use crate::metrics::{ENGINE_KINDS, INDEX_KINDS, WorkerKind, WorkerLabel};
-use crate::proxy::note_failure;
 use crate::state::{AppState, now_ms};
 use crate::workers::{Source, Worker};
 
 /// Takes an unhealthy worker out of the index: its cache state is unknown
 /// (it may come back restarted and empty).
-pub fn eject(state: &AppState, worker: &Worker) {
+pub fn eject(state: &AppState, worker: &Worker, why: &str) {
     let purged = {
         let mut map = state.map.write();
         if !map.is_member(&state.workers, worker) {
@@ -43,7 +42,39 @@ pub fn eject(state: &AppState, worker: &Worker) {
         map.index.clear_worker(worker.slot)
     };
     state.metrics.ejections.get_or_create(&WorkerLabel { worker: worker.id.to_string() }).inc();
-    tracing::warn!(worker.id = %worker.id, purged, "worker ejected after consecutive failures");
+    tracing::warn!(worker.id = %worker.id, purged, why, "worker ejected");
+}
+
+/// How long a worker ejected for failed requests (its `k`-th such ejection
+/// since a request there succeeded) stays out while its `/health` answers:
+/// 5 s, doubling to 5 min. An engine that answers its probes and fails its
+/// requests (a wedged GPU, a broken model) was re-admitted by the next probe,
+/// 2 s later, and ejected again after costing its next requests their
+/// first-token deadline, for ever. A probe that fails ends the hold: the
+/// engine went away, and answering again it is re-admitted at once.
+pub fn request_hold(k: u32) -> Duration {
+    Duration::from_secs(5 << k.saturating_sub(1).min(6)).min(Duration::from_secs(300))
+}
+
+/// A health probe failed.
+fn probe_failed(state: &AppState, worker: &Worker) {
+    worker.live.held_until_ms.store(0, Ordering::Relaxed);
+    let n = worker.live.probe_failures.fetch_add(1, Ordering::Relaxed) + 1;
+    if n >= state.config.raw.eject_after_failures && worker.live.healthy.swap(false, Ordering::Relaxed) {
+        eject(state, worker, &format!("{n} health probes failed in a row"));
+    }
+}
+
+/// A health probe answered at `now`: an ejected worker is re-admitted unless
+/// it is held out for failed requests. Returns whether it was re-admitted.
+fn probe_answered(worker: &Worker, now: u64) -> bool {
+    worker.live.probe_failures.store(0, Ordering::Relaxed);
+    worker.live.last_probe_ok_ms.store(now, Ordering::Relaxed);
+    if worker.live.is_healthy() || now < worker.live.held_until_ms.load(Ordering::Relaxed) {
+        return false;
+    }
+    worker.live.consecutive_failures.store(0, Ordering::Relaxed);
+    !worker.live.healthy.swap(true, Ordering::Relaxed)
 }
 
 pub async fn run_health_checks(state: Arc<AppState>) {
@@ -67,12 +98,10 @@ async fn check(state: &AppState, worker: &Arc<Worker>) {
         Err(_) => false,
     };
     if !ok {
-        note_failure(state, worker);
+        probe_failed(state, worker);
         return;
     }
-    worker.live.consecutive_failures.store(0, Ordering::Relaxed);
-    worker.live.last_probe_ok_ms.store(now_ms(), Ordering::Relaxed);
-    if !worker.live.healthy.swap(true, Ordering::Relaxed) {
+    if probe_answered(worker, now_ms()) {
         tracing::info!(worker.id = %worker.id, "worker re-admitted");
         worker.live.forget_capacity();
     }
@@ -374,6 +403,40 @@ mod tests {
         assert!(state.workers.is_current(&w));
     }
 
+    /// Request failures count though probes answer between them; a worker
+    /// ejected for them is held out, not re-admitted by the next probe, for
+    /// 5 s, then 10 s the next time; a probe that fails ends the hold.
+    #[test]
+    fn a_worker_whose_requests_fail_while_its_health_answers_is_held_out() {
+        let state = state();
+        let now = now_ms();
+        let w = registered(&state, "a", now, &[BlockKey(1)]);
+        let n = state.config.raw.eject_after_failures;
+        for _ in 1..n {
+            crate::proxy::note_failure(&state, &w);
+            assert!(!probe_answered(&w, now_ms()), "a healthy worker is not re-admitted");
+        }
+        assert!(w.live.is_healthy());
+        crate::proxy::note_failure(&state, &w);
+        assert!(!w.live.is_healthy(), "ejected after {n} failed requests, probes answering between them");
+        let held = w.live.held_until_ms.load(Ordering::Relaxed);
+        assert!(held >= now + 5_000, "held 5 s");
+        assert!(!probe_answered(&w, now_ms()), "the next probe does not re-admit it");
+        assert!(probe_answered(&w, held), "re-admitted once the hold is over");
+        // Ejected again before any request succeeded there: held twice as long.
+        for _ in 0..n {
+            crate::proxy::note_failure(&state, &w);
+        }
+        assert!(!w.live.is_healthy());
+        let again = w.live.held_until_ms.load(Ordering::Relaxed);
+        assert!(again >= now_ms() + 9_000, "held 10 s the second time");
+        // The engine goes away and comes back: re-admitted at once.
+        probe_failed(&state, &w);
+        assert!(probe_answered(&w, now_ms()));
+        assert_eq!(request_hold(1), Duration::from_secs(5));
+        assert_eq!(request_hold(30), Duration::from_secs(300));
+    }
+
     #[test]
     fn ejecting_a_replaced_worker_leaves_its_slot_alone() {
         let state = state();
@@ -381,7 +444,7 @@ mod tests {
         let a = registered(&state, "a", now - 60_000, &[BlockKey(1)]);
         expire(&state, &a, now);
         let b = registered(&state, "b", now, &[BlockKey(2)]);
-        eject(&state, &a);
+        eject(&state, &a, "test");
         assert_eq!(state.map.read().index.counts(b.slot).confirmed, 1);
     }
 

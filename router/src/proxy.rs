@@ -566,15 +566,24 @@ fn sse_error(worker: &kvroute_shared::WorkerId) -> Bytes {
 
 pub fn note_success(worker: &Worker) {
     worker.live.consecutive_failures.store(0, Ordering::Relaxed);
+    worker.live.request_ejections.store(0, Ordering::Relaxed);
     worker.live.last_progress_ms.store(now_ms(), Ordering::Relaxed);
 }
 
-/// Passive health: eject after consecutive failures; the active checker
-/// re-admits the worker when it answers again.
+/// Passive health: a request failed there. After `eject_after_failures` in a
+/// row (health probes that answer meanwhile do not reset the count) the
+/// worker is ejected and held out ([`crate::health::request_hold`]).
 pub fn note_failure(state: &AppState, worker: &Worker) {
     let n = worker.live.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
     if n >= state.config.raw.eject_after_failures && worker.live.healthy.swap(false, Ordering::Relaxed) {
-        crate::health::eject(state, worker);
+        let k = worker.live.request_ejections.fetch_add(1, Ordering::Relaxed) + 1;
+        let hold = crate::health::request_hold(k);
+        worker.live.held_until_ms.store(now_ms() + hold.as_millis() as u64, Ordering::Relaxed);
+        crate::health::eject(
+            state,
+            worker,
+            &format!("{n} requests failed in a row; held out for {hold:?} while /health answers"),
+        );
     }
 }
 

@@ -95,7 +95,17 @@ pub struct WorkerLive {
     waiting: AtomicU32,
     kv_usage_bits: AtomicU64,
     pub healthy: AtomicBool,
+    /// Requests failed there in a row (a request's success resets it).
     pub consecutive_failures: AtomicU32,
+    /// Health probes failed in a row (a probe's success resets it).
+    pub probe_failures: AtomicU32,
+    /// Ejections for failed requests since a request there last succeeded:
+    /// each doubles how long the worker is held out ([`Self::held_until_ms`]).
+    pub request_ejections: AtomicU32,
+    /// Unix ms before which a worker ejected for failed requests is not
+    /// re-admitted by a probe that answers (its `/health` may answer while
+    /// its requests fail); 0 when not held.
+    pub held_until_ms: AtomicU64,
     /// Unix ms of the last sidecar message (sync or eviction).
     pub last_report_ms: AtomicU64,
     pub last_sync_ms: AtomicU64,
@@ -131,6 +141,9 @@ impl Default for WorkerLive {
             kv_usage_bits: AtomicU64::new(0f64.to_bits()),
             healthy: AtomicBool::new(true),
             consecutive_failures: AtomicU32::new(0),
+            probe_failures: AtomicU32::new(0),
+            request_ejections: AtomicU32::new(0),
+            held_until_ms: AtomicU64::new(0),
             last_report_ms: AtomicU64::new(0),
             last_sync_ms: AtomicU64::new(0),
             last_probe_ok_ms: AtomicU64::new(0),
