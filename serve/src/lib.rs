@@ -72,8 +72,8 @@ pub struct Limits {
     pub write_timeout: Duration,
 }
 
-/// Serves `app` on `listener` until `shutdown` is cancelled, then waits for
-/// open connections to finish.
+/// Serves `app` on `listener` until `shutdown` is cancelled, then closes the
+/// listener and waits for open connections to finish.
 pub async fn serve<L>(mut listener: L, app: axum::Router, limits: Limits, shutdown: CancellationToken)
 where
     L: axum::serve::Listener,
@@ -158,6 +158,10 @@ where
             drop(permit);
         });
     }
+    // Closed now, not when the last answer has drained: the kernel would
+    // go on completing connections that nobody serves, and their clients
+    // hang for the drain instead of being refused and trying elsewhere.
+    drop(listener);
     connections.close();
     connections.wait().await;
 }
