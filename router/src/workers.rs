@@ -81,6 +81,17 @@ impl Worker {
     }
 }
 
+/// What [`WorkerLive::note_moved`] made of a registration that moved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Moved {
+    /// The first move in a minute: logged as news.
+    Once,
+    /// Moved again within a minute: logged as an error.
+    BackAndForth,
+    /// Again, the error logged less than 10 s ago.
+    BackAndForthLogged,
+}
+
 /// Figures that change per request; shared by every snapshot of a worker.
 #[derive(Debug)]
 pub struct WorkerLive {
@@ -114,6 +125,10 @@ pub struct WorkerLive {
     /// Unix ms of the last answer of this router's to begin there (a stream's
     /// first token, a whole answer): the worker is producing.
     pub last_progress_ms: AtomicU64,
+    /// Unix ms its registration last moved (URL or rank), and of the last
+    /// error logged for moving back and forth (`note_moved`).
+    moved_ms: AtomicU64,
+    conflict_logged_ms: AtomicU64,
     /// Is a sidecar reporting for this worker (exact index)?
     pub has_sidecar: AtomicBool,
     /// Its load reports against this router's requests there
@@ -148,6 +163,8 @@ impl Default for WorkerLive {
             last_sync_ms: AtomicU64::new(0),
             last_probe_ok_ms: AtomicU64::new(0),
             last_progress_ms: AtomicU64::new(0),
+            moved_ms: AtomicU64::new(0),
+            conflict_logged_ms: AtomicU64::new(0),
             has_sidecar: AtomicBool::new(false),
             watch: Mutex::new(ReportWatch::default()),
             arrivals: Mutex::new(ArrivalRate::default()),
@@ -202,6 +219,30 @@ impl WorkerLive {
         self.waiting.store(0, Ordering::Relaxed);
         self.kv_usage_bits.store(0f64.to_bits(), Ordering::Relaxed);
         *self.watch.lock() = ReportWatch::default();
+    }
+
+    /// Its registration moved from `from` to `to` (URL, rank): logged, and
+    /// as an error when it moved within the last minute too (at most every
+    /// 10 s): two sidecars reporting under one worker id (data-parallel ranks
+    /// given the same `--worker-id`) move it back and forth with every sync,
+    /// each sync refused the other's next push, up to ten full syncs a
+    /// second, and the router said nothing.
+    fn note_moved(&self, id: &WorkerId, from: (&str, Option<u32>), to: (&str, Option<u32>)) -> Moved {
+        let now = crate::state::now_ms();
+        let previous = self.moved_ms.swap(now, Ordering::Relaxed);
+        if previous == 0 || now.saturating_sub(previous) > 60_000 {
+            tracing::info!(worker.id = %id, from = from.0, from_rank = from.1, to = to.0, to_rank = to.1, "worker moved");
+            Moved::Once
+        } else if now.saturating_sub(self.conflict_logged_ms.load(Ordering::Relaxed)) > 10_000 {
+            self.conflict_logged_ms.store(now, Ordering::Relaxed);
+            tracing::error!(
+                worker.id = %id, from = from.0, from_rank = from.1, to = to.0, to_rank = to.1,
+                "worker moves back and forth: two sidecars report under this worker id (give each engine, and each data-parallel rank, its own --worker-id)"
+            );
+            Moved::BackAndForth
+        } else {
+            Moved::BackAndForthLogged
+        }
     }
 
     pub fn forget_capacity(&self) {
@@ -359,6 +400,9 @@ impl Registry {
             if url == old.url && dp_rank == old.dp_rank && models == old.models {
                 return Ok((old.clone(), Upsert::Unchanged));
             }
+            if url != old.url || dp_rank != old.dp_rank {
+                let _ = old.live.note_moved(id, (&old.url, old.dp_rank), (&url, dp_rank));
+            }
             let updated = Arc::new(Worker {
                 id: old.id.clone(),
                 slot: old.slot,
@@ -431,6 +475,21 @@ mod tests {
         assert_eq!(w2.live.inflight.load(Ordering::Relaxed), 3);
         assert!(w2.serves("m") && !w2.serves("other"));
         assert_eq!(r.upsert(&id, None, None, Source::Sidecar).unwrap().1, Upsert::Unchanged);
+    }
+
+    /// A registration that moves back and forth (two sidecars under one
+    /// id) is told from one that moved once, and the error is not repeated
+    /// at every sync.
+    #[test]
+    fn a_registration_moving_back_and_forth_is_an_error_logged_now_and_then() {
+        let live = WorkerLive::default();
+        let id = WorkerId::new("w1");
+        let (a, b) = (("http://a", None), ("http://b", None));
+        assert_eq!(live.note_moved(&id, a, b), Moved::Once);
+        assert_eq!(live.note_moved(&id, b, a), Moved::BackAndForth);
+        assert_eq!(live.note_moved(&id, a, b), Moved::BackAndForthLogged);
+        live.moved_ms.store(crate::state::now_ms() - 61_000, Ordering::Relaxed);
+        assert_eq!(live.note_moved(&id, b, a), Moved::Once, "a minute later it is news again");
     }
 
     #[test]
