@@ -128,6 +128,11 @@ impl EngineView {
     pub fn models(&self) -> Vec<ModelName> {
         self.models.read().clone()
     }
+
+    #[cfg(test)]
+    pub fn set_models(&self, models: Vec<ModelName>) {
+        *self.models.write() = models;
+    }
 }
 
 /// Scrapes load every [`LOAD_INTERVAL`] and the model list every `models_every`.

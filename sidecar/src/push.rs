@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use kvroute_shared::wire::{AckOutcome, EvictionBatch, InternalAck, Load, PROTOCOL_VERSION, SyncSnapshot};
-use kvroute_shared::{BlockSize, WorkerId};
+use kvroute_shared::{BlockSize, ModelName, WorkerId};
 use rand::Rng;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -111,6 +111,11 @@ struct Link {
     repairing: bool,
     /// Failed messages since the last accepted one.
     failures: u32,
+    /// The model list the last sync named: routers take a worker's models
+    /// only from syncs, so a new one (a LoRA adapter loaded) is synced at
+    /// once rather than at the next full sync, minutes later, its requests
+    /// answered "model does not exist" meanwhile.
+    synced_models: Vec<ModelName>,
 }
 
 impl Link {
@@ -126,6 +131,7 @@ impl Link {
             repair_due: false,
             repairing: false,
             failures: 0,
+            synced_models: Vec::new(),
         }
     }
 
@@ -138,7 +144,10 @@ impl Pusher {
     async fn round(&self, link: &mut Link) -> Result<Round, (MessageKind, PushError)> {
         let load = self.engine.load_for(self.dp_rank);
         let every = if link.v2() { self.full_sync_interval } else { self.v1_sync_interval };
-        if link.last_sync.is_some_and(|t| t.elapsed() >= every) {
+        let models = self.engine.models();
+        if link.last_sync.is_some_and(|t| t.elapsed() >= every)
+            || (link.last_sync.is_some() && models != link.synced_models)
+        {
             self.state.require_sync(&link.target);
         }
         if self.state.needs_sync(&link.target) {
@@ -156,7 +165,7 @@ impl Pusher {
                 digest: v2.then_some(content.digest),
                 url: Some(self.advertise_url.clone()),
                 dp_rank: self.dp_rank,
-                models: self.engine.models(),
+                models,
                 block_size: Some(self.block_size),
                 hashes: content.keys,
                 load,
@@ -167,6 +176,7 @@ impl Pusher {
             link.last_load = load;
             link.last_sent = Some(tokio::time::Instant::now());
             link.last_sync = link.last_sent;
+            link.synced_models = body.models;
             return Ok(Round::Sent(MessageKind::Sync, ack));
         }
         let repair = std::mem::take(&mut link.repair_due) && link.v2();

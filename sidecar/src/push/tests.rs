@@ -179,6 +179,7 @@ impl RouterClient for FakeRouter {
 struct Setup {
     router: Arc<FakeRouter>,
     state: Arc<WorkerState>,
+    engine: Arc<EngineView>,
     cancel: CancellationToken,
 }
 
@@ -190,6 +191,7 @@ fn start_with(router: Arc<FakeRouter>, clock: WallClock) -> Setup {
     let metrics = Arc::new(Metrics::new());
     let translator = Translator::new(ModelName::new("m"), BlockSize::new(4).unwrap(), metrics.translate.clone());
     let state = Arc::new(WorkerState::with_clock(translator, metrics, 1 << 20, clock));
+    let engine = Arc::new(EngineView::new(vec![ModelName::new("m")], Vec::new()));
     let target = RouterTarget("http://r".into());
     state.set_routers(std::slice::from_ref(&target));
     let pusher = Arc::new(Pusher {
@@ -198,7 +200,7 @@ fn start_with(router: Arc<FakeRouter>, clock: WallClock) -> Setup {
         advertise_url: "http://w1:8000".into(),
         dp_rank: None,
         block_size: BlockSize::new(4).unwrap(),
-        engine: Arc::new(EngineView::new(vec![ModelName::new("m")], Vec::new())),
+        engine: engine.clone(),
         state: state.clone(),
         fast_interval: Duration::from_millis(100),
         full_sync_interval: Duration::from_secs(300),
@@ -207,7 +209,7 @@ fn start_with(router: Arc<FakeRouter>, clock: WallClock) -> Setup {
     });
     let cancel = CancellationToken::new();
     tokio::spawn(run_target(pusher, target, Arc::new(Notify::new()), cancel.clone()));
-    Setup { router, state, cancel }
+    Setup { router, state, engine, cancel }
 }
 
 fn store(hash: u64, tokens: [u32; 4]) -> EventBatch {
@@ -387,6 +389,26 @@ async fn a_router_back_from_a_restart_gets_one_sync() {
     advance(10_000).await;
     let syncs = s.router.sent().iter().filter(|m| matches!(m, Sent::Sync(_))).count();
     assert_eq!(syncs, 2, "the registration's and one after the outage: {:?}", s.router.sent());
+    s.cancel.cancel();
+}
+
+/// Routers take a worker's models from syncs alone: an adapter the engine
+/// loads is synced within a fast interval, not at the next full sync (5 min).
+#[tokio::test(start_paused = true)]
+async fn a_new_model_is_synced_at_once() {
+    let s = start();
+    advance(1).await;
+    assert_eq!(syncs(&s.router.sent()).len(), 1);
+    advance(1_000).await;
+    assert_eq!(syncs(&s.router.sent()).len(), 1, "nothing new, no sync");
+    s.engine.set_models(vec![ModelName::new("m"), ModelName::new("m-lora")]);
+    advance(200).await;
+    let sent = s.router.sent();
+    let synced = syncs(&sent);
+    assert_eq!(synced.len(), 2, "{sent:?}");
+    assert_eq!(synced[1].models, [ModelName::new("m"), ModelName::new("m-lora")]);
+    advance(1_000).await;
+    assert_eq!(syncs(&s.router.sent()).len(), 2, "once");
     s.cancel.cancel();
 }
 
