@@ -74,7 +74,7 @@ pub fn build_state(config: Config, shutdown: CancellationToken) -> Result<Arc<Ap
             tracing::warn!(
                 dir = %dir.display(),
                 "no chat template (tokenizer_config.json's chat_template, or chat_template.jinja): \
-                 /v1/chat/completions for {model} will be refused (400)"
+                 /v1/chat/completions for {model} are placed by their plain text, not by what the engines cache"
             );
         }
         Ok(Arc::new(tokenizer))

@@ -91,9 +91,20 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
     let max = state.config.raw.max_prompt_tokens;
     // A chat template can expand a small body hundreds of times: the text
     // is held to the same bound as a body before it is tokenized.
-    let tokens = tokenizer
-        .prompt_tokens_within(req, max.saturating_mul(MAX_BYTES_PER_TOKEN))
-        .map_err(|e| tokenize_error(req, e, max))?;
+    let cap = max.saturating_mul(MAX_BYTES_PER_TOKEN);
+    let tokens = match (tokenizer.prompt_tokens_within(req, cap), req) {
+        (Ok(tokens), _) => tokens,
+        // The template cannot render it here (a construct minijinja lacks, a
+        // template that refuses the conversation) or there is none (the
+        // engine may have `--chat-template`): the engine decides, not the
+        // router. Placed by its plain text, which no engine caches.
+        (Err(e @ (TokenizeError::Template { .. } | TokenizeError::NoChatTemplate)), PromptRequest::Chat(chat)) => {
+            state.metrics.event("chat_template_fallback", 1);
+            tracing::debug!(error = %e, "the chat template did not render: placed by the messages' plain text");
+            tokenizer.plain_chat_tokens(chat, cap).map_err(|e| tokenize_error(req, e, max))?
+        }
+        (Err(e), _) => return Err(tokenize_error(req, e, max)),
+    };
     // Without the model's tokenizer the "tokens" are bytes, about four to a
     // token: counting them against the limit refused prompts a quarter of
     // the engine's. The byte bound above still holds; the engine counts.

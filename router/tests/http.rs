@@ -946,6 +946,28 @@ async fn a_chat_carrying_an_image_is_bounded_by_the_body_limit_not_the_prompts()
     assert_eq!(status, 413);
 }
 
+/// A chat the model's template cannot render here (it refuses the
+/// conversation, or uses what minijinja lacks) is the engine's to judge:
+/// forwarded, placed by its plain text, and counted; before, the router
+/// answered it with its own 400.
+#[tokio::test]
+async fn a_chat_the_template_cannot_render_is_forwarded_for_the_engine_to_judge() {
+    let gpt2 = kvroute_shared::testdata::tokenizer_dir("gpt2").unwrap_or_else(|why| panic!("no gpt2 tokenizer: {why}"));
+    let dir = std::env::temp_dir().join(format!("kvroute-refusing-template-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(gpt2.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+    let template = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}{{ m.content }}{% endfor %}";
+    std::fs::write(dir.join("tokenizer_config.json"), json!({"chat_template": template}).to_string()).unwrap();
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let r = router(&[("w1", &w.url)], |raw| raw.tokenizer = Some(dir.clone())).await;
+    let chat = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]});
+    assert_eq!(r.chat(chat).await.status(), 200);
+    assert_eq!(w.hits.load(Ordering::SeqCst), 1, "the engine judged it");
+    let metrics = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("kind=\"chat_template_fallback\"} 1"), "{metrics}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// A chat template that indents JSON expands a small body of nested
 /// arrays hundreds of times; the rendered text is held to the body's bound
 /// (16 bytes a token) before it is tokenized: uncapped, a 100 kB request

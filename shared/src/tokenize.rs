@@ -158,6 +158,18 @@ impl PromptTokenizer {
         }
     }
 
+    /// A chat's tokens when its template cannot render it (or there is
+    /// none): its messages' plain text, encoded, held to `max_bytes`. Not the
+    /// engine's tokens: a request routed by them is placed by load, not by
+    /// what the engines cache.
+    pub fn plain_chat_tokens(&self, c: &ChatRequest, max_bytes: usize) -> Result<Vec<u32>, TokenizeError> {
+        let text = render_plain(&c.messages, c.add_generation_prompt.unwrap_or(true));
+        if text.len() > max_bytes {
+            return Err(TokenizeError::TooLong { max_bytes });
+        }
+        self.encode(&text, false)
+    }
+
     /// The chat prompt text, as `apply_chat_template(..., tokenize=False)`.
     pub fn render_chat(&self, c: &ChatRequest) -> Result<String, TokenizeError> {
         self.render_chat_within(c, None)
