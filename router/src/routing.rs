@@ -84,9 +84,23 @@ pub fn prompt_body_limit(state: &AppState) -> usize {
     state.config.raw.max_prompt_tokens.saturating_mul(MAX_BYTES_PER_TOKEN)
 }
 
+/// The model a request that names none is for: vLLM serves it its base
+/// model, the first its `/v1/models` lists, and keys its blocks by it. The
+/// first healthy worker's that has a list; `""` (any worker, keys of their
+/// own) when none has.
+fn served_model(state: &AppState) -> String {
+    let snapshot = state.workers.snapshot();
+    let listed =
+        |healthy: bool| snapshot.iter().filter(|w| w.live.is_healthy() || !healthy).find_map(|w| w.models.first());
+    listed(true).or_else(|| listed(false)).map(|m| m.as_str().to_owned()).unwrap_or_default()
+}
+
 /// Renders, tokenizes and keys `req` on the calling thread.
 pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, RouterError> {
-    let model = req.model().to_owned();
+    let model = match req.model() {
+        "" => served_model(state),
+        named => named.to_owned(),
+    };
     let tokenizer = state.tokenizers.for_model(&model);
     let max = state.config.raw.max_prompt_tokens;
     // A chat template can expand a small body hundreds of times: the text

@@ -399,6 +399,37 @@ async fn static_workers_learn_their_models_from_the_engine() {
     }
 }
 
+/// vLLM takes a request without `model` (or with a null one) as one for its
+/// served model: so does the router, keying it as that model's.
+#[tokio::test]
+async fn a_request_naming_no_model_is_for_the_served_one() {
+    let app = Router::new()
+        .route("/v1/models", get(|| async { axum::Json(json!({"data": [{"id": "alpha"}]})) }))
+        .route("/health", get(|| async { "ok" }))
+        .route("/v1/completions", post(|| async { axum::Json(json!({"choices": [{"text": "hi"}]})) }));
+    let engine = serve_engine(app).await;
+    let r = router(&[("a", &engine)], |raw| raw.health_check_interval = Duration::from_millis(50)).await;
+    support::eventually("the engine's model learned", || async {
+        let models: Value = r.http.get(format!("{}/v1/models", r.url)).send().await.unwrap().json().await.unwrap();
+        (models["data"][0]["id"] == "alpha").then_some(())
+    })
+    .await;
+    let explain = |body: Value| {
+        let sent = r.http.post(format!("{}/debug/route", r.url)).json(&body).send();
+        async move {
+            let resp = sent.await.unwrap();
+            assert_eq!(resp.status(), 200);
+            resp.json::<Value>().await.unwrap()
+        }
+    };
+    let named = explain(json!({"model": "alpha", "prompt": prompt(200)})).await;
+    for body in [json!({"prompt": prompt(200)}), json!({"model": null, "prompt": prompt(200)})] {
+        let unnamed = explain(body.clone()).await;
+        assert_eq!((&unnamed["model"], &unnamed["block_keys"]), (&named["model"], &named["block_keys"]), "{body}");
+        assert_eq!(r.complete(body).await.status(), 200);
+    }
+}
+
 /// A stream whose engine never sends its headers (a dead host, a blocked
 /// event loop) is given up at the first-token deadline as a wedged one is,
 /// not after `first_byte_timeout` (an hour).

@@ -24,6 +24,8 @@ pub enum Prompt {
 /// `POST /v1/completions`, as far as the prompt goes.
 #[derive(Clone, Debug, Deserialize)]
 pub struct CompletionRequest {
+    /// Absent or null: the engine's served (base) model, as vLLM takes it.
+    #[serde(default, deserialize_with = "null_is_empty")]
     pub model: String,
     pub prompt: Prompt,
     #[serde(default, deserialize_with = "lax::flag")]
@@ -44,6 +46,7 @@ pub struct CompletionRequest {
 /// `POST /v1/chat/completions`, as far as the prompt goes.
 #[derive(Clone, Debug, Deserialize)]
 pub struct ChatRequest {
+    #[serde(default, deserialize_with = "null_is_empty")]
     pub model: String,
     pub messages: Vec<Map<String, Value>>,
     #[serde(default, deserialize_with = "lax::flag")]
@@ -131,6 +134,12 @@ mod lax {
     }
 }
 
+/// vLLM declares `model` optional: absent or null, the request is for its
+/// served model (the router picks it: `""` here).
+fn null_is_empty<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    Ok(Option::<String>::deserialize(d)?.unwrap_or_default())
+}
+
 /// Either kind of request, told apart by the endpoint it came to.
 #[derive(Clone, Debug)]
 pub enum PromptRequest {
@@ -165,9 +174,6 @@ impl PromptRequest {
                 PromptRequest::Chat(chat)
             }
         };
-        if req.model().is_empty() {
-            return Err(DecodeError::new("model", "must not be empty"));
-        }
         Ok(req)
     }
 
@@ -306,8 +312,12 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e.field, "messages[0].content");
-        let e = PromptRequest::parse(Endpoint::ChatCompletions, br#"{"model":"","messages":[{"role":"user"}]}"#)
+        let e = PromptRequest::parse(Endpoint::ChatCompletions, br#"{"model":7,"messages":[{"role":"user"}]}"#)
             .unwrap_err();
         assert_eq!(e.field, "model");
+        // Absent, null or empty: the served model's (vLLM's `Optional[str]`).
+        for body in [&br#"{"prompt":"x"}"#[..], br#"{"model":null,"prompt":"x"}"#, br#"{"model":"","prompt":"x"}"#] {
+            assert_eq!(PromptRequest::parse(Endpoint::Completions, body).unwrap().model(), "");
+        }
     }
 }
