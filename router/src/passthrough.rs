@@ -6,12 +6,13 @@
 //! the router instead of an engine keeps the whole OpenAI surface vLLM
 //! serves; before, every such path was a bare 404.
 //!
-//! Only the client API is forwarded: paths under `/v1/` and `/v2/`, and
-//! vLLM's `/tokenize`, `/detokenize`, `/pooling`, `/classify`, `/score`,
-//! `/rerank`, `/invocations` and `/version`. Engine control (loading LoRA
-//! adapters, resetting the prefix cache, sleeping, profiling) is the
-//! operator's, per engine, and the router's own paths are its own: those
-//! get a 404. A request is retried on the next worker only when it could not
+//! Only the client API is forwarded, by an explicit list ([`is_client_api`]):
+//! `/v1/embeddings`, `/v1/responses…`, `/v1/audio/…`, `/v1/score`,
+//! `/v1/rerank`, `/v2/rerank`, `/v1/messages`, and vLLM's `/tokenize`,
+//! `/detokenize`, `/pooling`, `/classify`, `/score`, `/rerank`,
+//! `/invocations` and `/version`. Engine control (loading LoRA adapters,
+//! resetting the prefix cache, sleeping, profiling) is the operator's, per
+//! engine, and the router's own paths are its own: those get a 404. A request is retried on the next worker only when it could not
 //! connect (nothing was sent); it is answered within `first_byte_timeout`,
 //! and its body and answer are held to the API's limits (`max_body_bytes`,
 //! `body_read_timeout`, `idle_timeout`, the concurrency limit).
@@ -30,12 +31,37 @@ use crate::proxy::{FORWARDED, WORKER_HEADER, read_in_time};
 use crate::state::{AppState, now_ms};
 use crate::workers::Worker;
 
-/// Is `path` part of the engine's client API?
+/// Is `path` part of the engine's client API? An explicit list, checked on
+/// a path of plain segments only (letters, digits, `_`, `-`, `.` inside a
+/// name): the path is forwarded as it came, and the engine's server resolves
+/// `..` and decodes `%`, so `/v1/../sleep` or `/v1/load_lora%5Fadapter`
+/// would have passed a check of the raw text and reached engine control.
 fn is_client_api(path: &str) -> bool {
-    const EXACT: [&str; 8] =
-        ["/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/invocations", "/version"];
-    const CONTROL: [&str; 2] = ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"];
-    ((path.starts_with("/v1/") || path.starts_with("/v2/")) && !CONTROL.contains(&path)) || EXACT.contains(&path)
+    const EXACT: [&str; 13] = [
+        "/tokenize",
+        "/detokenize",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/rerank",
+        "/invocations",
+        "/version",
+        "/v1/embeddings",
+        "/v1/score",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/v1/messages",
+    ];
+    // Followed by more segments (a response's id, an audio task).
+    const PREFIXES: [&str; 2] = ["/v1/responses/", "/v1/audio/"];
+    let plain = path.strip_prefix('/').is_some_and(|rest| {
+        rest.split('/').all(|seg| {
+            !seg.is_empty()
+                && !seg.starts_with('.')
+                && seg.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+        })
+    });
+    plain && (EXACT.contains(&path) || path == "/v1/responses" || PREFIXES.iter().any(|p| path.starts_with(p)))
 }
 
 pub async fn forward(
@@ -63,7 +89,8 @@ async fn run(
         state.metrics.shed.inc();
         return Err(RouterError::Overloaded);
     };
-    let model = model_of(&body);
+    // Naming none, it is for the served model, as a completion is.
+    let model = model_of(&body).or_else(|| Some(crate::routing::served_model(state)).filter(|m| !m.is_empty()));
     let snapshot = state.workers.snapshot();
     let mut workers: Vec<&Arc<Worker>> =
         snapshot.iter().filter(|w| w.live.is_healthy() && model.as_deref().is_none_or(|m| w.serves(m))).collect();

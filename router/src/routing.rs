@@ -88,7 +88,7 @@ pub fn prompt_body_limit(state: &AppState) -> usize {
 /// model, the first its `/v1/models` lists, and keys its blocks by it. The
 /// first healthy worker's that has a list; `""` (any worker, keys of their
 /// own) when none has.
-fn served_model(state: &AppState) -> String {
+pub fn served_model(state: &AppState) -> String {
     let snapshot = state.workers.snapshot();
     let listed =
         |healthy: bool| snapshot.iter().filter(|w| w.live.is_healthy() || !healthy).find_map(|w| w.models.first());

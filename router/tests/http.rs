@@ -355,6 +355,20 @@ async fn the_engines_other_endpoints_are_forwarded_and_control_ones_are_not() {
         let resp = r.http.post(format!("{}{path}", r.url)).json(&json!({"lora_name": "x"})).send().await.unwrap();
         assert_eq!(resp.status(), 404, "{path}");
     }
+    // Paths the engine's server would resolve or decode into control ones,
+    // sent as they are (an HTTP client would normalise them first).
+    for path in
+        ["/v1/embeddings/../load_lora_adapter", "/v1/load_lora%5Fadapter", "/v1/%2e%2e/sleep", "/v1/embeddings//x"]
+    {
+        let mut raw = tokio::net::TcpStream::connect(r.url.trim_start_matches("http://")).await.unwrap();
+        let request = format!(
+            "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{{}}"
+        );
+        tokio::io::AsyncWriteExt::write_all(&mut raw, request.as_bytes()).await.unwrap();
+        let mut answer = String::new();
+        tokio::io::AsyncReadExt::read_to_string(&mut raw, &mut answer).await.unwrap();
+        assert!(answer.starts_with("HTTP/1.1 404"), "{path}: {answer}");
+    }
     assert_eq!(control.load(Ordering::SeqCst), 0, "engine control is not the router's to forward");
 }
 
