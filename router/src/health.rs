@@ -58,9 +58,14 @@ pub fn request_hold(k: u32) -> Duration {
 
 /// A health probe failed.
 fn probe_failed(state: &AppState, worker: &Worker) {
-    worker.live.held_until_ms.store(0, Ordering::Relaxed);
     let n = worker.live.probe_failures.fetch_add(1, Ordering::Relaxed) + 1;
-    if n >= state.config.raw.eject_after_failures && worker.live.healthy.swap(false, Ordering::Relaxed) {
+    if n < state.config.raw.eject_after_failures {
+        return;
+    }
+    // Judged gone (not one slow probe of a struggling engine): answering
+    // again, it is re-admitted at once.
+    worker.live.held_until_ms.store(0, Ordering::Relaxed);
+    if worker.live.healthy.swap(false, Ordering::Relaxed) {
         eject(state, worker, &format!("{n} health probes failed in a row"));
     }
 }
@@ -430,8 +435,13 @@ mod tests {
         assert!(!w.live.is_healthy());
         let again = w.live.held_until_ms.load(Ordering::Relaxed);
         assert!(again >= now_ms() + 9_000, "held 10 s the second time");
-        // The engine goes away and comes back: re-admitted at once.
+        // One slow probe does not end the hold; the engine gone (as many
+        // failed probes as ejection takes) and back is re-admitted at once.
         probe_failed(&state, &w);
+        assert!(!probe_answered(&w, now_ms()), "one failed probe is not the engine gone");
+        for _ in 0..n {
+            probe_failed(&state, &w);
+        }
         assert!(probe_answered(&w, now_ms()));
         assert_eq!(request_hold(1), Duration::from_secs(5));
         assert_eq!(request_hold(30), Duration::from_secs(300));

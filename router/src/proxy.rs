@@ -237,7 +237,8 @@ async fn dispatch(
         let prefilled_at = (!streaming).then(|| {
             let model = &state.config.raw.predicted_ttft;
             let us = model.model_us(&cand.load, plan.uncached_tokens(cand), state.mean_uncached_tokens());
-            wait.started + Duration::from_secs_f64(us * cand.load.pace.unwrap_or(1.0).max(1.0) / 1e6)
+            let after = Duration::try_from_secs_f64(us * cand.load.pace.unwrap_or(1.0).max(1.0) / 1e6);
+            wait.started + after.unwrap_or(Duration::MAX).min(state.config.raw.first_byte_timeout)
         });
         let sent = send(worker, state, endpoint, headers, body.clone());
         let mut request_may_be_at_fault = false;
@@ -320,7 +321,11 @@ async fn dispatch(
                 }
             }
             Wait::Done(Ok(upstream)) => {
-                note_success(worker);
+                // A 4xx is the request's: the engine's API server answered,
+                // which says nothing of its engine core producing tokens.
+                if upstream.status().is_success() {
+                    note_success(worker);
+                }
                 suspects.iter().for_each(|w| note_failure(state, w));
                 return Ok(respond(state, upstream, guard, streaming));
             }
@@ -575,16 +580,21 @@ pub fn note_success(worker: &Worker) {
 /// worker is ejected and held out ([`crate::health::request_hold`]).
 pub fn note_failure(state: &AppState, worker: &Worker) {
     let n = worker.live.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
-    if n >= state.config.raw.eject_after_failures && worker.live.healthy.swap(false, Ordering::Relaxed) {
-        let k = worker.live.request_ejections.fetch_add(1, Ordering::Relaxed) + 1;
-        let hold = crate::health::request_hold(k);
-        worker.live.held_until_ms.store(now_ms() + hold.as_millis() as u64, Ordering::Relaxed);
-        crate::health::eject(
-            state,
-            worker,
-            &format!("{n} requests failed in a row; held out for {hold:?} while /health answers"),
-        );
+    if n < state.config.raw.eject_after_failures || !worker.live.is_healthy() {
+        return;
     }
+    // The hold is in place before the worker is unhealthy: a probe between
+    // the two would see it ejected and not held, and re-admit it.
+    let k = worker.live.request_ejections.load(Ordering::Relaxed) + 1;
+    let hold = crate::health::request_hold(k);
+    let before = worker.live.held_until_ms.swap(now_ms() + hold.as_millis() as u64, Ordering::Relaxed);
+    if !worker.live.healthy.swap(false, Ordering::Relaxed) {
+        worker.live.held_until_ms.store(before, Ordering::Relaxed);
+        return;
+    }
+    worker.live.request_ejections.store(k, Ordering::Relaxed);
+    let why = format!("{n} requests failed in a row; held out for {hold:?} while /health answers");
+    crate::health::eject(state, worker, &why);
 }
 
 /// Counts a request against its worker from dispatch to end of answer; its

@@ -509,6 +509,56 @@ async fn a_stream_queued_behind_progress_keeps_its_place() {
     assert!(healthy(&r, "busy").await);
 }
 
+/// An engine whose API server answers bad requests (4xx) while its core is
+/// wedged is not making progress: a stream waiting there is still given up
+/// at its deadline.
+#[tokio::test]
+async fn answers_refused_by_a_wedged_engine_are_not_progress() {
+    let streams = Arc::new(AtomicUsize::new(0));
+    let counted = streams.clone();
+    let app = Router::new().route(
+        "/v1/completions",
+        post(move |axum::Json(body): axum::Json<Value>| async move {
+            if body["stream"] != true {
+                return (StatusCode::BAD_REQUEST, "bad request").into_response();
+            }
+            counted.fetch_add(1, Ordering::SeqCst);
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(Body::from_stream(futures::stream::pending::<Result<Bytes, std::io::Error>>()))
+                .unwrap()
+        }),
+    );
+    let wedged = serve_engine(app).await;
+    let good = fake_worker("good", Behaviour::Ok).await;
+    let r = router(&[("a-wedged", &wedged), ("b-good", &good.url)], |raw| {
+        raw.policy = "round_robin".into();
+        raw.first_token_timeout = Duration::from_millis(300);
+        raw.first_token_timeout_per_1k_tokens = Duration::ZERO;
+    })
+    .await;
+    // Round robin: one of two streams is sent to the wedged worker first.
+    for _ in 0..2 {
+        let stream = r.complete(json!({"model": "m", "prompt": "hello", "stream": true}));
+        let refused = async {
+            loop {
+                let _ = r.complete(json!({"model": "m", "prompt": "bad one"})).await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        let resp = tokio::time::timeout(Duration::from_secs(20), async {
+            tokio::select! {
+                resp = stream => resp,
+                () = refused => unreachable!(),
+            }
+        })
+        .await
+        .expect("given up at its deadline, not held by 4xx answers");
+        assert_eq!(resp.headers()["x-kvroute-worker"], "b-good");
+    }
+    assert!(streams.load(Ordering::SeqCst) >= 1, "a stream waited on the wedged worker");
+}
+
 /// A non-streamed answer comes whole, after its last token: its prompt
 /// counts as pending prefill only until the timing model says its first
 /// token came, not for its whole generation (batch traffic made a worker
