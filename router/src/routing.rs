@@ -119,10 +119,11 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
         }
         (Err(e), _) => return Err(tokenize_error(req, e, max)),
     };
-    // Without the model's tokenizer the "tokens" are bytes, about four to a
-    // token: counting them against the limit refused prompts a quarter of
-    // the engine's. The byte bound above still holds; the engine counts.
-    if tokenizer.is_exact() && tokens.len() > max {
+    // Without the model's tokenizer the "tokens" of text are bytes, about
+    // four to a token: counting them against the limit refused prompts a
+    // quarter of the engine's. The byte bound above still holds; the engine
+    // counts. Token ids are tokens whatever the tokenizer.
+    if (tokenizer.is_exact() || req.has_token_ids()) && tokens.len() > max {
         return Err(RouterError::PromptTooLong { tokens: Some(tokens.len()), max });
     }
     let root = KeyRoot::new(&model, req.cache_salt());

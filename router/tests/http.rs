@@ -1020,6 +1020,10 @@ async fn without_a_tokenizer_bytes_are_not_counted_as_tokens() {
     // Past 16 bytes a token it is refused still.
     let (status, _) = error_of(r.complete(json!({"model": "m", "prompt": prompt(5_000)})).await).await;
     assert_eq!(status, 413);
+    // Token ids are tokens: counted.
+    let ids: Vec<u32> = (0..150).collect();
+    let (status, body) = error_of(r.complete(json!({"model": "m", "prompt": ids})).await).await;
+    assert_eq!(status, 400, "{body}");
 }
 
 /// A chat body may carry media (base64 images) that are no prompt text:

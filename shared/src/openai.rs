@@ -205,6 +205,12 @@ impl PromptRequest {
         }
     }
 
+    /// Is the prompt given as token ids (counted as they are, whatever the
+    /// tokenizer)?
+    pub fn has_token_ids(&self) -> bool {
+        matches!(self, PromptRequest::Completion(c) if matches!(c.prompt, Prompt::Tokens(_) | Prompt::TokenBatch(_)))
+    }
+
     /// Tokens the engine will generate at most, when the request says.
     pub fn max_tokens(&self) -> Option<u32> {
         match self {
