@@ -194,6 +194,18 @@ def _conversations() -> list:
             {"role": "assistant", "tool_calls": [], "refusal": None, "content": "again"},
             {"role": "user", "content": "bye"},
         ]},
+        # The reasoning of a tool-calling turn after the last user message,
+        # which Qwen3's template renders, under either name.
+        {"messages": [
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": None, "reasoning_content": "I need the tool.", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 3}'},
+        ], "tools": TOOLS},
+        {"messages": [
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": "", "reasoning": "Calling it.", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 3}'},
+        ], "tools": TOOLS},
         {"messages": [
             {"role": "system", "content": "first"},
             {"role": "user", "content": "u"},

@@ -117,9 +117,12 @@ fn message(m: &Map<String, Json>, format: ContentFormat) -> Map<String, Json> {
         Some(other) => vec![Part::Text(other.clone())],
     };
     let content = match format {
-        ContentFormat::String => {
-            joined(parts.iter().filter_map(|p| if let Part::Text(t) = p { Some(t) } else { None }))
-        }
+        // vLLM keeps the parts that parse to something: an empty or null
+        // text joins nothing.
+        ContentFormat::String => joined(parts.iter().filter_map(|p| match p {
+            Part::Text(t) if !t.is_null() && t.as_str() != Some("") => Some(t),
+            _ => None,
+        })),
         ContentFormat::Parts => Json::Array(
             parts
                 .iter()
@@ -282,7 +285,15 @@ pub fn names_developer_role(source: &str) -> bool {
 /// whitespace squashed.
 fn statements(source: &str) -> Vec<String> {
     let mut out = Vec::new();
+    // Comments are no statements: `{# {% for p in message.content %} #}`.
+    let mut uncommented = String::with_capacity(source.len());
     let mut rest = source;
+    while let Some(start) = rest.find("{#") {
+        uncommented.push_str(&rest[..start]);
+        rest = rest[start + 2..].find("#}").map_or("", |end| &rest[start + 2 + end + 2..]);
+    }
+    uncommented.push_str(rest);
+    let mut rest = uncommented.as_str();
     while let Some(start) = rest.find("{%") {
         let body = &rest[start + 2..];
         let Some(end) = body.find("%}") else { break };
@@ -369,6 +380,8 @@ mod tests {
             ("{% for message in messages %}{{ message['content'] }}{% endfor %}", String),
             // A loop over something else's content.
             ("{% for doc in documents %}{% for p in doc.content %}{% endfor %}{% endfor %}", String),
+            // A loop in a comment.
+            ("{% for m in messages %}{# {% for p in m.content %} #}{{ m.content }}{% endfor %}", String),
         ] {
             assert_eq!(detect_format(source), want, "{source}");
         }
@@ -380,10 +393,12 @@ mod tests {
             {"role": "user", "content": [{"type": "text", "text": "a"}, "b", {"type": "image_url", "image_url": {"url": "x"}}]},
             {"role": "assistant", "content": null, "extra": 1},
             {"role": "assistant"},
-            {"role": "user", "content": [{"type": "text", "text": null}, {"type": "bogus"}]}
+            {"role": "user", "content": [{"type": "text", "text": null}, {"type": "bogus"}]},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": ""}, {"type": "thinking", "thinking": null}, "b"]}
         ]));
         let s = prepare(&m, ContentFormat::String, true);
         assert_eq!(s[0], json!({"role": "user", "content": "a\nb"}));
+        assert_eq!(s[4], json!({"role": "user", "content": "a\nb"}), "empty parts join nothing");
         assert_eq!(s[1], json!({"role": "assistant", "content": ""}), "unknown keys are not passed on");
         assert_eq!(s[2], json!({"role": "assistant", "content": ""}));
         assert_eq!(s[3], json!({"role": "user", "content": ""}));
