@@ -90,20 +90,47 @@ pub async fn admit(
 /// and refused (413) as soon as it is longer than `max_body_bytes`, or, for
 /// a completion (`endpoint`), than any acceptable prompt's could be. A chat
 /// body may carry images, audio or video (base64) that are no prompt text,
-/// so only `max_body_bytes` holds it: at 16 bytes a token, a 600 kB image
-/// was refused as a prompt too long for a 32k-token model. Where the
-/// endpoint is not yet known (`/v1/context`, `/debug/route`), likewise.
+/// so only `max_body_bytes` holds it as it arrives: at 16 bytes a token, a
+/// 600 kB image was refused as a prompt too long for a 32k-token model.
+/// Read whole, a body past the prompt's bound that carries no media part
+/// is refused before it is parsed (parsed, a body of small objects takes
+/// ~30 × its size). Where the endpoint is not yet known (`/v1/context`,
+/// `/debug/route`), likewise.
 pub async fn read_client_body(state: &AppState, body: Body, endpoint: Option<Endpoint>) -> Result<Bytes, RouterError> {
-    let prompt_limit = match endpoint {
-        Some(Endpoint::Completions) => routing::prompt_body_limit(state),
+    let prompt_limit = routing::prompt_body_limit(state);
+    let cap = match endpoint {
+        Some(Endpoint::Completions) => prompt_limit,
         Some(Endpoint::ChatCompletions) | None => usize::MAX,
     };
-    read_in_time(state, body, state.config.raw.max_body_bytes.min(prompt_limit)).await.map_err(|e| match e {
-        RouterError::PayloadTooLarge { limit } if limit == prompt_limit => {
-            RouterError::PromptTooLong { tokens: None, max: state.config.raw.max_prompt_tokens }
-        }
+    let too_long = || RouterError::PromptTooLong { tokens: None, max: state.config.raw.max_prompt_tokens };
+    let body = read_in_time(state, body, state.config.raw.max_body_bytes.min(cap)).await.map_err(|e| match e {
+        RouterError::PayloadTooLarge { limit } if limit == cap => too_long(),
         e => e,
-    })
+    })?;
+    if body.len() > prompt_limit && !carries_media(&body) {
+        return Err(too_long());
+    }
+    Ok(body)
+}
+
+/// Does a body name a media content part (vLLM's part types and keys)?
+fn carries_media(body: &[u8]) -> bool {
+    static MEDIA: std::sync::LazyLock<aho_corasick::AhoCorasick> = std::sync::LazyLock::new(|| {
+        aho_corasick::AhoCorasick::new([
+            "\"image_url\"",
+            "\"input_image\"",
+            "\"image_embeds\"",
+            "\"image_pil\"",
+            "\"audio_url\"",
+            "\"input_audio\"",
+            "\"audio_embeds\"",
+            "\"video_url\"",
+            "\"video_embeds\"",
+            "\"prompt_embeds\"",
+        ])
+        .expect("fixed patterns")
+    });
+    MEDIA.is_match(body)
 }
 
 /// Session id and TTL from the request headers, when valid.

@@ -1040,9 +1040,16 @@ async fn a_chat_carrying_an_image_is_bounded_by_the_body_limit_not_the_prompts()
     let resp = r.chat(chat).await;
     assert_eq!(resp.status(), 200);
     assert_eq!(w.hits.load(Ordering::SeqCst), 1);
-    // A completion of that size is text: refused as a prompt too long.
+    // A completion of that size is text: refused as a prompt too long; so is
+    // a chat of that size with no media part, before it is parsed.
     let (status, _) = error_of(r.complete(json!({"model": "m", "prompt": prompt(600_000)})).await).await;
     assert_eq!(status, 413);
+    // (Its bulk in a field no template renders, so only the body's bound can
+    // refuse it.)
+    let text = json!({"model": "m", "messages": [{"role": "user", "content": "hi", "pad": prompt(600_000)}]});
+    let (status, _) = error_of(r.chat(text).await).await;
+    assert_eq!(status, 413);
+    assert_eq!(w.hits.load(Ordering::SeqCst), 1);
 }
 
 /// A chat the model's template cannot render here (it refuses the
