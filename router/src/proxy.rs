@@ -549,14 +549,18 @@ fn relay(
             .is_some_and(|v| v.starts_with("text/event-stream"));
     let idle = state.config.raw.idle_timeout;
     let outcome = if status.is_success() { "ok" } else { "upstream_4xx" };
-    let stream =
-        futures::stream::unfold(Relay { chunks, guard, sse, done: false, outcome }, move |mut st| async move {
+    let stream = futures::stream::unfold(
+        Relay { chunks, guard, sse, at_event_end: true, done: false, outcome },
+        move |mut st| async move {
             if st.done {
                 return None;
             }
             match tokio::time::timeout(idle, st.chunks.next()).await {
                 Ok(Some(Ok(chunk))) => {
                     st.guard.first_byte(status_class(st.outcome));
+                    if !chunk.is_empty() {
+                        st.at_event_end = chunk.ends_with(b"\n\n") || chunk.ends_with(b"\r\n\r\n");
+                    }
                     Some((Ok(chunk), st))
                 }
                 Ok(None) => {
@@ -568,13 +572,18 @@ fn relay(
                     st.guard.finish("broken_stream");
                     note_failure(&st.guard.state, &st.guard.worker);
                     if st.sse {
-                        Some((Ok(sse_error(&st.guard.worker.id)), st))
+                        // An event cut short is ended first, so the error is
+                        // an event of its own, not glued to a partial line.
+                        let event = sse_error(&st.guard.worker.id);
+                        let event = if st.at_event_end { event } else { [&b"\n\n"[..], &event].concat().into() };
+                        Some((Ok(event), st))
                     } else {
                         Some((Err(std::io::Error::other("upstream stream broke")), st))
                     }
                 }
             }
-        });
+        },
+    );
     let mut resp = Response::new(Body::from_stream(stream));
     *resp.status_mut() = status;
     *resp.headers_mut() = headers;
@@ -585,6 +594,8 @@ struct Relay {
     chunks: ChunkStream,
     guard: InflightGuard,
     sse: bool,
+    /// The chunks so far end at an event's end (a blank line).
+    at_event_end: bool,
     done: bool,
     outcome: &'static str,
 }

@@ -270,6 +270,25 @@ async fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
     assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
 }
 
+/// An engine dying in the middle of an event: the error event still comes
+/// as an event of its own, after a blank line, not glued to the cut one.
+#[tokio::test]
+async fn an_event_cut_short_is_ended_before_the_error_event() {
+    let (tx, _c, slot) = stream_slot();
+    let w = fake_worker("w1", Behaviour::Stream(slot)).await;
+    let r = router(&[("w1", &w.url)], |_| {}).await;
+    tx.send(Some("data: {\"n\":1}\n\ndata: {\"n\"")).await.unwrap();
+    let resp = r.complete(json!({"model": "m", "prompt": "hello", "stream": true})).await;
+    let mut body = resp.bytes_stream();
+    body.next().await.unwrap().unwrap();
+    tx.send(None).await.unwrap();
+    let mut text = String::new();
+    while let Some(chunk) = body.next().await {
+        text.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+    }
+    assert!(text.starts_with("\n\ndata: {\"error\""), "{text:?}");
+}
+
 #[tokio::test]
 async fn failures_before_the_first_byte_are_retried_elsewhere() {
     let bad = fake_worker("bad", Behaviour::Status(500)).await;
