@@ -195,7 +195,8 @@ def _conversations() -> list:
             {"role": "user", "content": "bye"},
         ]},
         # The reasoning of a tool-calling turn after the last user message,
-        # which Qwen3's template renders, under either name.
+        # which Qwen3's template renders: vLLM takes it as `reasoning` and
+        # ignores a client's `reasoning_content`.
         {"messages": [
             {"role": "user", "content": "Weather in Oslo?"},
             {"role": "assistant", "content": None, "reasoning_content": "I need the tool.", "tool_calls": [call]},

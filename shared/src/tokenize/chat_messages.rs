@@ -142,11 +142,10 @@ fn message(m: &Map<String, Json>, format: ContentFormat) -> Map<String, Json> {
             if let Some(calls) = m.get("tool_calls").filter(|c| !c.is_null()).and_then(tool_calls) {
                 out.insert("tool_calls".into(), calls);
             }
-            // `reasoning_content` is the older name of `reasoning`; a
-            // template may read either.
-            let reasoning =
-                [m.get("reasoning"), m.get("reasoning_content")].into_iter().flatten().find(|r| !r.is_null());
-            if let Some(r) = reasoning {
+            // A template may read either name; vLLM sets both from
+            // `reasoning` and ignores a client's `reasoning_content` (checked
+            // against vLLM 0.32's /tokenize in tests/vllm).
+            if let Some(r) = m.get("reasoning").filter(|r| !r.is_null()) {
                 out.insert("reasoning".into(), r.clone());
                 out.insert("reasoning_content".into(), r.clone());
             }
@@ -413,7 +412,7 @@ mod tests {
     #[test]
     fn tool_turns_take_vllms_shape() {
         let m = msgs(json!([
-            {"role": "assistant", "content": null, "reasoning_content": "hmm", "tool_calls": [
+            {"role": "assistant", "content": null, "reasoning": "hmm", "tool_calls": [
                 {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{\"q\": 7}"}},
                 {"id": "2", "type": "function", "function": {"name": "g", "arguments": ""}},
                 {"id": "3", "type": "function", "function": {"name": "h", "arguments": "not json"}}
@@ -432,6 +431,8 @@ mod tests {
             "a tool's text parts are joined"
         );
         assert!(p[2].get("tool_calls").is_none(), "an empty list is no tool calls");
+        let old_name = msgs(json!([{"role": "assistant", "content": "x", "reasoning_content": "hmm"}]));
+        assert_eq!(prepare(&old_name, ContentFormat::String, true)[0], json!({"role": "assistant", "content": "x"}));
     }
 
     #[test]
