@@ -41,16 +41,18 @@ fn role(m: &Map<String, Json>) -> &str {
 }
 
 /// One part of a message's content, as vLLM parses it.
-enum Part {
-    Text(Json),
+enum Part<'a> {
+    Text(&'a Json),
     Media(&'static str),
-    ToolReference(Json),
+    ToolReference(&'a Json),
 }
+
+static NULL: Json = Json::Null;
 
 /// A content part: a string is text; an object's `type` says what it is
 /// (without a `type`, or with a `uuid`, the media key it carries does).
 /// `None`: skipped (a text part whose text is null) or refused by vLLM.
-fn part(p: &Json) -> Option<Part> {
+fn part(p: &Json) -> Option<Part<'_>> {
     const MEDIA_KEYS: [&str; 10] = [
         "image_url",
         "image_pil",
@@ -64,7 +66,7 @@ fn part(p: &Json) -> Option<Part> {
         "tool_reference",
     ];
     let o = match p {
-        Json::String(s) => return Some(Part::Text(Json::String(s.clone()))),
+        Json::String(_) => return Some(Part::Text(p)),
         Json::Object(o) => o,
         _ => return None,
     };
@@ -80,22 +82,31 @@ fn part(p: &Json) -> Option<Part> {
         _ => None,
     };
     if let Some(key) = text_key {
-        let text = o.get(key).cloned().unwrap_or(Json::Null);
+        let text = o.get(key).unwrap_or(&NULL);
         return (!(text.is_null() && matches!(kind, "text" | "refusal"))).then_some(Part::Text(text));
     }
     Some(match kind {
         "image_url" | "input_image" | "image_embeds" | "image_pil" => Part::Media("image"),
         "video_url" | "video_embeds" => Part::Media("video"),
         "audio_url" | "input_audio" | "audio_embeds" => Part::Media("audio"),
-        "tool_reference" => Part::ToolReference(o.get("name").cloned().unwrap_or(Json::Null)),
+        "tool_reference" => Part::ToolReference(o.get("name").unwrap_or(&NULL)),
         _ => return None,
     })
 }
 
 /// Text parts joined with newlines, as a string-content template gets them.
 fn joined<'a>(texts: impl Iterator<Item = &'a Json>) -> Json {
-    let texts: Vec<String> = texts.map(|t| t.as_str().map_or_else(|| python_str(t), str::to_owned)).collect::<Vec<_>>();
-    Json::String(texts.join("\n"))
+    let mut out = String::new();
+    for (i, t) in texts.enumerate() {
+        if i > 0 {
+            out.push('\n');
+        }
+        match t.as_str() {
+            Some(s) => out.push_str(s),
+            None => out.push_str(&python_str(t)),
+        }
+    }
+    Json::String(out)
 }
 
 /// Python's `str()` of a JSON value a client put where text belongs.
@@ -112,17 +123,20 @@ fn message(m: &Map<String, Json>, format: ContentFormat) -> Map<String, Json> {
     let role = role(m);
     let parts: Vec<Part> = match m.get("content") {
         None | Some(Json::Null) => Vec::new(),
-        Some(Json::String(s)) => vec![Part::Text(Json::String(s.clone()))],
         Some(Json::Array(ps)) => ps.iter().filter_map(part).collect(),
-        Some(other) => vec![Part::Text(other.clone())],
+        Some(other) => vec![Part::Text(other)],
     };
     let content = match format {
-        // vLLM keeps the parts that parse to something: an empty or null
-        // text joins nothing.
-        ContentFormat::String => joined(parts.iter().filter_map(|p| match p {
-            Part::Text(t) if !t.is_null() && t.as_str() != Some("") => Some(t),
-            _ => None,
-        })),
+        ContentFormat::String => match m.get("content") {
+            // The common case, as it came.
+            Some(text @ Json::String(_)) => text.clone(),
+            // vLLM keeps the parts that parse to something: an empty or null
+            // text joins nothing.
+            _ => joined(parts.iter().filter_map(|p| match p {
+                Part::Text(t) if !t.is_null() && t.as_str() != Some("") => Some(*t),
+                _ => None,
+            })),
+        },
         ContentFormat::Parts => Json::Array(
             parts
                 .iter()

@@ -70,8 +70,10 @@ impl ChatTemplate {
     /// Renders `messages` to the prompt text.
     pub fn render(&self, messages: &[Map<String, Json>], opts: &ChatOptions<'_>) -> Result<String, TokenizeError> {
         let messages = chat_messages::prepare(messages, self.format, self.developer_role);
+        // What `continue_final_message` continues (the rest is not copied).
+        let last = opts.continue_final_message.then(|| messages.last().cloned()).flatten();
         let mut ctx = self.special_tokens.clone();
-        ctx.insert("messages".into(), Json::Array(messages.clone()));
+        ctx.insert("messages".into(), Json::Array(messages));
         ctx.insert("tools".into(), opts.tools.map_or(Json::Null, |t| Json::Array(t.to_vec())));
         ctx.insert("documents".into(), opts.documents.map_or(Json::Null, |d| Json::Array(d.to_vec())));
         ctx.insert("add_generation_prompt".into(), Json::Bool(opts.add_generation_prompt));
@@ -95,7 +97,7 @@ impl ChatTemplate {
         let mut out =
             String::from_utf8(out.text).map_err(|e| TokenizeError::Template { line: None, message: e.to_string() })?;
         if opts.continue_final_message {
-            truncate_after_final_message(&mut out, messages.last())?;
+            truncate_after_final_message(&mut out, last.as_ref())?;
         }
         Ok(out)
     }
