@@ -250,6 +250,12 @@ pub async fn eviction(
     m.event("cleared", usize::from(batch.cleared));
     m.event("evicted", batch.evicted_hashes.len());
     m.event("stored", batch.stored_hashes.len());
+    if !batch.stored_hashes.is_empty() {
+        // The engine filled blocks: it is prefilling or decoding, whoever's
+        // requests they are (a batch of long non-streamed generations shows
+        // no other progress to this router until they end).
+        worker.live.last_progress_ms.store(now_ms(), Ordering::Relaxed);
+    }
     if acked.resync {
         m.event("digest_mismatch", 1);
         tracing::info!(worker.id = %worker.id, "digest mismatch: asking the sidecar for a full sync");

@@ -122,8 +122,9 @@ pub struct WorkerLive {
     pub last_sync_ms: AtomicU64,
     /// Unix ms of the last health probe the engine answered (0: none yet).
     pub last_probe_ok_ms: AtomicU64,
-    /// Unix ms of the last answer of this router's to begin there (a stream's
-    /// first token, a whole answer): the worker is producing.
+    /// Unix ms the worker was last seen producing: an answer of this
+    /// router's began there (a stream's first token, a whole answer), or its
+    /// sidecar reported blocks filled.
     pub last_progress_ms: AtomicU64,
     /// Unix ms its registration last moved (URL or rank), and of the last
     /// error logged for moving back and forth (`note_moved`).

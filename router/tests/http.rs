@@ -528,6 +528,47 @@ async fn a_stream_queued_behind_progress_keeps_its_place() {
     assert!(healthy(&r, "busy").await);
 }
 
+/// Blocks the engine's sidecar reports filled are progress too: a stream
+/// queued behind other routers' (or long non-streamed) work keeps its place.
+#[tokio::test]
+async fn a_stream_on_an_engine_filling_blocks_keeps_its_place() {
+    let app = Router::new().route(
+        "/v1/completions",
+        post(|| async {
+            let chunks = futures::stream::once(async {
+                tokio::time::sleep(Duration::from_millis(900)).await;
+                Ok::<_, std::io::Error>(Bytes::from_static(b"data: {\"choices\":[{\"text\":\"hi\"}]}\n\n"))
+            })
+            .chain(futures::stream::once(async { Ok(Bytes::from_static(b"data: [DONE]\n\n")) }));
+            Response::builder().header("content-type", "text/event-stream").body(Body::from_stream(chunks)).unwrap()
+        }),
+    );
+    let busy = serve_engine(app).await;
+    let r = router(&[("busy", &busy)], |raw| {
+        raw.retries = 0;
+        raw.first_token_timeout = Duration::from_millis(300);
+        raw.first_token_timeout_per_1k_tokens = Duration::ZERO;
+    })
+    .await;
+    let sync = json!({"worker_id": "busy", "url": busy, "hashes": []});
+    assert_eq!(r.internal("/internal/sync", sync).await.status(), 200);
+    let stream = r.complete(json!({"model": "m", "prompt": "slow one", "stream": true}));
+    let filling = async {
+        for n in 1u64.. {
+            let batch = json!({"worker_id": "busy", "evicted_hashes": [], "stored_hashes": [format!("{n:016x}")]});
+            let resp = r.internal("/internal/eviction", batch).await;
+            assert_eq!(resp.status(), 200, "{}", resp.text().await.unwrap());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let resp = tokio::select! {
+        resp = stream => resp,
+        () = filling => unreachable!(),
+    };
+    assert_eq!(resp.status(), 200, "the queued stream was cancelled");
+    assert!(resp.text().await.unwrap().contains("[DONE]"));
+}
+
 /// An engine whose API server answers bad requests (4xx) while its core is
 /// wedged is not making progress: a stream waiting there is still given up
 /// at its deadline.
