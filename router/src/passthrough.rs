@@ -27,7 +27,7 @@ use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 
 use crate::error::RouterError;
-use crate::proxy::{FORWARDED, WORKER_HEADER, read_in_time};
+use crate::proxy::{WORKER_HEADER, forwarded, read_in_time};
 use crate::state::{AppState, now_ms};
 use crate::workers::Worker;
 
@@ -106,10 +106,11 @@ async fn run(
     let mut last = None;
     for worker in workers.into_iter().take(1 + state.config.raw.retries as usize) {
         let mut rb = state.client.request(method.clone(), format!("{}{path}", worker.url)).body(body.clone());
-        for name in FORWARDED.iter().copied().chain([header::CONTENT_TYPE.as_str()]) {
-            if let Some(v) = headers.get(name) {
-                rb = rb.header(name, v);
-            }
+        for (name, v) in forwarded(headers) {
+            rb = rb.header(name, v);
+        }
+        if let Some(v) = headers.get(header::CONTENT_TYPE).filter(|v| v.len() <= 256) {
+            rb = rb.header(header::CONTENT_TYPE, v);
         }
         let inflight = Inflight::new(worker);
         match tokio::time::timeout(state.config.raw.first_byte_timeout, rb.send()).await {

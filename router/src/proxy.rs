@@ -32,8 +32,17 @@ pub const WORKER_HEADER: &str = "x-kvroute-worker";
 pub const SESSION_HEADER: &str = "x-session-id";
 pub const SESSION_TTL_HEADER: &str = "x-session-ttl";
 
-/// Request headers passed on to the engine.
-pub const FORWARDED: &[&str] = &["authorization", "x-request-id", "traceparent", "tracestate", "accept"];
+/// Request headers passed on to the engine, each up to a length: longer
+/// ones are not passed on. vLLM takes `x-request-id` as the request's id and
+/// repeats it in every streamed chunk, so a 390 kB id made gigabytes of JSON
+/// of one long answer in the engine's API server.
+const FORWARDED: [(&str, usize); 5] =
+    [("authorization", 8192), ("x-request-id", 256), ("traceparent", 128), ("tracestate", 512), ("accept", 1024)];
+
+/// The client's headers an engine gets (see [`FORWARDED`]).
+pub fn forwarded(headers: &HeaderMap) -> impl Iterator<Item = (&'static str, &HeaderValue)> {
+    FORWARDED.into_iter().filter_map(|(name, max)| headers.get(name).filter(|v| v.len() <= max).map(|v| (name, v)))
+}
 
 /// Reads a body up to `limit` bytes (413 beyond it) within
 /// `body_read_timeout` (408 beyond it): a client's, a sidecar's push or a
@@ -399,10 +408,8 @@ async fn send(
         .post(format!("{}{}", worker.url, endpoint.path()))
         .header(header::CONTENT_TYPE, "application/json")
         .body(body);
-    for name in FORWARDED {
-        if let Some(v) = headers.get(*name) {
-            rb = rb.header(*name, v);
-        }
+    for (name, v) in forwarded(headers) {
+        rb = rb.header(name, v);
     }
     // The router picked the rank; a client's own header is never forwarded
     // (it is not in FORWARDED), so it cannot send a request past the index.

@@ -463,6 +463,36 @@ async fn a_request_naming_no_model_is_for_the_served_one() {
     }
 }
 
+/// The client's request id and API key reach the engine; an id longer than
+/// any id (which vLLM repeats in every streamed chunk) does not.
+#[tokio::test]
+async fn the_clients_headers_reach_the_engine_within_their_bounds() {
+    let app = Router::new().route(
+        "/v1/completions",
+        post(|headers: axum::http::HeaderMap| async move {
+            let got = |name: &str| headers.get(name).map(|v| v.to_str().unwrap().to_owned());
+            axum::Json(
+                json!({"id": got("x-request-id"), "auth": got("authorization"), "host": got("x-forwarded-host")}),
+            )
+        }),
+    );
+    let engine = serve_engine(app).await;
+    let r = router(&[("w", &engine)], |_| {}).await;
+    let send = |id: String| {
+        r.http
+            .post(format!("{}/v1/completions", r.url))
+            .header("x-request-id", id)
+            .header("x-forwarded-host", "evil")
+            .bearer_auth("key")
+            .json(&json!({"model": "m", "prompt": "hi"}))
+            .send()
+    };
+    let seen: Value = send("req-1".into()).await.unwrap().json().await.unwrap();
+    assert_eq!(seen, json!({"id": "req-1", "auth": "Bearer key", "host": null}));
+    let seen: Value = send("x".repeat(300)).await.unwrap().json().await.unwrap();
+    assert_eq!(seen["id"], Value::Null, "a 300-byte id is not passed on");
+}
+
 /// A stream whose engine never sends its headers (a dead host, a blocked
 /// event loop) is given up at the first-token deadline as a wedged one is,
 /// not after `first_byte_timeout` (an hour).
