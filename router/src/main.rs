@@ -40,6 +40,13 @@ async fn main() -> anyhow::Result<()> {
         println!("metrics on http://{}/metrics", m.local_addr()?);
     }
     tracing::info!(%addr, policy = ?config.policy, workers = config.workers.len(), "kvroute-router started");
+    if config.raw.admin_token.is_none() && !addr.ip().is_loopback() {
+        tracing::warn!(
+            %addr,
+            "no admin_token: /admin/workers and /debug/* are open to every client (the workers' URLs, \
+             which prompts are cached where); set admin_token wherever clients reach the router"
+        );
+    }
     let listeners = kvroute_router::Listeners { api: listener, metrics };
     kvroute_router::run_with(listeners, config, shutdown_signal()).await?;
     Ok(())

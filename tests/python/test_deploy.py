@@ -590,9 +590,13 @@ def test_k8s_token_comes_from_the_secret(k8s_docs):
         assert ref["key"] in {**secret.get("data", {}), **secret.get("stringData", {})}
         assert not ref.get("optional"), "a missing token must stop the pod, not start it open"
         assert not flags(c.get("args", []), "--internal-token")
-    # The placeholder is too short for the router to accept (≥ 16 characters).
-    placeholder = find(k8s_docs, "Secret", "kvroute-internal-token")[0]["stringData"]["token"]
-    assert len(placeholder) < 16
+    # /admin and /debug, open without a token, are behind one too.
+    (entry,) = [e for e in router["env"] if e["name"] == "KVROUTE_ADMIN_TOKEN"]
+    assert entry["valueFrom"]["secretKeyRef"]["name"] == "kvroute-admin-token"
+    # The placeholders are too short for the router to accept (≥ 16 characters).
+    for name in ("kvroute-internal-token", "kvroute-admin-token"):
+        placeholder = find(k8s_docs, "Secret", name)[0]["stringData"]["token"]
+        assert len(placeholder) < 16
 
 
 def test_k8s_headless_service_reaches_every_router(k8s_docs):
