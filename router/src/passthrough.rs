@@ -9,12 +9,18 @@
 //! Only the client API is forwarded, by an explicit list ([`is_client_api`]):
 //! `/v1/embeddings`, `/v1/responses…`, `/v1/audio/…`, `/v1/score`,
 //! `/v1/rerank`, `/v2/rerank`, `/v1/messages`, and vLLM's `/tokenize`,
-//! `/detokenize`, `/pooling`, `/classify`, `/score`, `/rerank`,
-//! `/invocations` and `/version`. Engine control (loading LoRA adapters,
-//! resetting the prefix cache, sleeping, profiling) is the operator's, per
-//! engine, and the router's own paths are its own: those get a 404. A request is retried on the next worker only when it could not
-//! connect (nothing was sent); it is answered within `first_byte_timeout`,
-//! and its body and answer are held to the API's limits (`max_body_bytes`,
+//! `/detokenize`, `/pooling`, `/classify`, `/score`, `/rerank` and
+//! `/version`. Not `/invocations`, SageMaker's dispatcher, whose sessions
+//! and adapters are driven by headers not passed on. A stored response
+//! (`GET /v1/responses/{id}`, `previous_response_id`) lives on the engine
+//! that made it, which the router does not track: it may be a 404. Engine
+//! control (loading LoRA adapters, resetting the prefix cache, sleeping,
+//! profiling) is the operator's, per engine, and the router's own paths are
+//! its own: those get a 404.
+//!
+//! A request is retried on the next worker only when it could not connect
+//! (nothing was sent); it is answered within `first_byte_timeout`, and its
+//! body and answer are held to the API's limits (`max_body_bytes`,
 //! `body_read_timeout`, `idle_timeout`, the concurrency limit).
 
 use std::sync::Arc;
@@ -37,14 +43,13 @@ use crate::workers::Worker;
 /// `..` and decodes `%`, so `/v1/../sleep` or `/v1/load_lora%5Fadapter`
 /// would have passed a check of the raw text and reached engine control.
 fn is_client_api(path: &str) -> bool {
-    const EXACT: [&str; 13] = [
+    const EXACT: [&str; 12] = [
         "/tokenize",
         "/detokenize",
         "/pooling",
         "/classify",
         "/score",
         "/rerank",
-        "/invocations",
         "/version",
         "/v1/embeddings",
         "/v1/score",
