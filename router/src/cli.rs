@@ -176,6 +176,7 @@ const ENV_KEYS: &[&str] = &[
     "first_token_timeout",
     "first_token_timeout_per_1k_tokens",
     "max_body_bytes",
+    "max_body_bytes_in_flight",
     "max_messages",
     "max_prompt_tokens",
     "max_concurrent_requests",

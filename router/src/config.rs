@@ -137,6 +137,11 @@ pub struct RawConfig {
     #[serde(with = "humantime_serde")]
     pub body_read_timeout: Duration,
     pub max_body_bytes: usize,
+    /// Client bodies being read at once hold at most this many bytes in
+    /// all; past it a request is shed (503). Bodies are read before a
+    /// concurrency slot is taken, so only this bounds what clients sending
+    /// slowly (16 MiB each, then nothing) can make the router hold.
+    pub max_body_bytes_in_flight: usize,
     pub max_messages: usize,
     /// Longest prompt accepted, in tokens (set it to the engines'
     /// `--max-model-len`); longer ones get a 400, bodies too large to hold an
@@ -202,6 +207,7 @@ impl Default for RawConfig {
             first_token_timeout: Duration::from_secs(60),
             first_token_timeout_per_1k_tokens: Duration::from_secs(2),
             max_body_bytes: 16 << 20,
+            max_body_bytes_in_flight: 1 << 30,
             max_messages: 4096,
             max_prompt_tokens: 262_144,
             max_concurrent_requests: 4096,
@@ -439,6 +445,9 @@ impl RawConfig {
         }
         if self.max_body_bytes < 1024 {
             return Err(invalid("max_body_bytes", "must be at least 1024"));
+        }
+        if self.max_body_bytes_in_flight < self.max_body_bytes {
+            return Err(invalid("max_body_bytes_in_flight", "must be at least max_body_bytes"));
         }
         if self.eject_after_failures == 0 {
             return Err(invalid("eject_after_failures", "must be at least 1"));

@@ -33,7 +33,7 @@ use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 
 use crate::error::RouterError;
-use crate::proxy::{WORKER_HEADER, forwarded, read_in_time};
+use crate::proxy::{WORKER_HEADER, forwarded, read_client_in_time};
 use crate::state::{AppState, now_ms};
 use crate::workers::Worker;
 
@@ -89,7 +89,7 @@ async fn run(
     if !is_client_api(uri.path()) {
         return Err(RouterError::NotFound(format!("no route for {} {}", method, uri.path())));
     }
-    let body = read_in_time(state, body, state.config.raw.max_body_bytes).await?;
+    let body = read_client_in_time(state, body, state.config.raw.max_body_bytes).await?;
     let Ok(permit) = state.concurrency.clone().try_acquire_owned() else {
         state.metrics.shed.inc();
         return Err(RouterError::Overloaded);

@@ -17,7 +17,7 @@ use futures::StreamExt;
 use http_body_util::BodyExt;
 use kvroute_shared::openai::{Endpoint, PromptRequest};
 use kvroute_shared::wire::{DP_RANK_HEADER, ErrorBody};
-use tokio::sync::OwnedSemaphorePermit;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::RouterError;
 use crate::metrics::{NO_WORKER, WorkerStatus};
@@ -55,6 +55,18 @@ pub async fn read_in_time(state: &AppState, body: Body, limit: usize) -> Result<
         .map_err(|_| RouterError::BodyTimeout { after: timeout })?
 }
 
+/// A client's body: as [`read_in_time`], its bytes counted while it is read
+/// against `max_body_bytes_in_flight`, shed (503) past it.
+pub async fn read_client_in_time(state: &AppState, body: Body, limit: usize) -> Result<Bytes, RouterError> {
+    let timeout = state.config.raw.body_read_timeout;
+    let read = read_counted(body, limit, &state.body_bytes);
+    let out = tokio::time::timeout(timeout, read).await.map_err(|_| RouterError::BodyTimeout { after: timeout })?;
+    if matches!(out, Err(RouterError::Overloaded)) {
+        state.metrics.shed.inc();
+    }
+    out
+}
+
 /// Reads a body up to `limit` bytes (413 beyond it).
 async fn read_body_within(body: Body, limit: usize) -> Result<Bytes, RouterError> {
     match http_body_util::Limited::new(body, limit).collect().await {
@@ -62,6 +74,29 @@ async fn read_body_within(body: Body, limit: usize) -> Result<Bytes, RouterError
         Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(RouterError::PayloadTooLarge { limit }),
         Err(e) => Err(RouterError::bad_request("body", format!("could not read the request body: {e}"))),
     }
+}
+
+/// [`read_body_within`], each chunk's bytes taken from `budget` as it
+/// arrives and given back when the body is read (or refused).
+async fn read_counted(mut body: Body, limit: usize, budget: &Arc<Semaphore>) -> Result<Bytes, RouterError> {
+    let mut buf = bytes::BytesMut::new();
+    let mut held: Option<OwnedSemaphorePermit> = None;
+    while let Some(frame) = body.frame().await {
+        let frame =
+            frame.map_err(|e| RouterError::bad_request("body", format!("could not read the request body: {e}")))?;
+        let Ok(chunk) = frame.into_data() else { continue };
+        if buf.len() + chunk.len() > limit {
+            return Err(RouterError::PayloadTooLarge { limit });
+        }
+        let n = u32::try_from(chunk.len()).map_err(|_| RouterError::PayloadTooLarge { limit })?;
+        let taken = budget.clone().try_acquire_many_owned(n).map_err(|_| RouterError::Overloaded)?;
+        match &mut held {
+            Some(h) => h.merge(taken),
+            None => held = Some(taken),
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok(buf.freeze())
 }
 
 /// Parses and checks a body sent to `endpoint`.
@@ -112,10 +147,11 @@ pub async fn read_client_body(state: &AppState, body: Body, endpoint: Option<End
         Some(Endpoint::ChatCompletions) | None => usize::MAX,
     };
     let too_long = || RouterError::PromptTooLong { tokens: None, max: state.config.raw.max_prompt_tokens };
-    let body = read_in_time(state, body, state.config.raw.max_body_bytes.min(cap)).await.map_err(|e| match e {
-        RouterError::PayloadTooLarge { limit } if limit == cap => too_long(),
-        e => e,
-    })?;
+    let body =
+        read_client_in_time(state, body, state.config.raw.max_body_bytes.min(cap)).await.map_err(|e| match e {
+            RouterError::PayloadTooLarge { limit } if limit == cap => too_long(),
+            e => e,
+        })?;
     if body.len() > prompt_limit && !carries_media(&body) {
         return Err(too_long());
     }

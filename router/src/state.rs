@@ -217,6 +217,8 @@ pub struct AppState {
     /// Random per process start: sidecars resync at once when it changes.
     pub router_epoch: String,
     pub concurrency: Arc<Semaphore>,
+    /// Bytes of client bodies being read (`max_body_bytes_in_flight`).
+    pub body_bytes: Arc<Semaphore>,
     /// Rendering + tokenizing jobs on the blocking pool at once: one per core.
     pub tokenize_slots: Arc<Semaphore>,
     /// Mean prompt tokens (EWMA, f64 bits), turning request counts into tokens.
@@ -244,6 +246,7 @@ impl AppState {
         let policy = config.policy.build();
         let metrics = Metrics::for_policy(policy.name());
         let concurrency = Arc::new(Semaphore::new(config.raw.max_concurrent_requests));
+        let body_bytes = Arc::new(Semaphore::new(config.raw.max_body_bytes_in_flight.min(Semaphore::MAX_PERMITS)));
         let sessions = Sessions::new(config.raw.max_sessions);
         AppState {
             workers: Registry::default(),
@@ -257,6 +260,7 @@ impl AppState {
             client,
             router_epoch: format!("{:016x}", rand::random::<u64>()),
             concurrency,
+            body_bytes,
             tokenize_slots: Arc::new(Semaphore::new(std::thread::available_parallelism().map_or(2, |n| n.get()))),
             mean_prompt_tokens: AtomicU64::new(512f64.to_bits()),
             mean_uncached_tokens: AtomicU64::new(512f64.to_bits()),
