@@ -313,8 +313,34 @@ async fn dispatch(
             wait.started + after.unwrap_or(Duration::MAX).min(state.config.raw.first_byte_timeout)
         });
         let sent = send(worker, state, endpoint, headers, body.clone());
+        let began = match watch(worker, sent, &mut wait, Some((&mut guard, prefilled_at))).await {
+            Wait::Done(Ok(upstream)) if streaming && upstream.status().is_success() => {
+                // vLLM sends a stream's headers at once: only the first chunk
+                // says the engine is producing. Until it arrives nothing has
+                // reached the client, so a wedged, slow or ejected worker's
+                // request is cancelled (dropped) and tried elsewhere.
+                let status = upstream.status();
+                let head = upstream.headers().clone();
+                let mut chunks: ChunkStream = Box::pin(upstream.bytes_stream());
+                let first = loop {
+                    match watch(worker, chunks.next(), &mut wait, None).await {
+                        Wait::Done(Some(Ok(b))) if b.is_empty() => continue,
+                        other => break other,
+                    }
+                };
+                first.map(|first| match first {
+                    Some(Err(_)) => Began::Broken,
+                    first => {
+                        let first = first.and_then(Result::ok);
+                        let chunks: ChunkStream = Box::pin(futures::stream::iter(first.map(Ok)).chain(chunks));
+                        Began::Stream(status, head, chunks)
+                    }
+                })
+            }
+            other => other.map(Began::Headers),
+        };
         let mut request_may_be_at_fault = false;
-        match watch(worker, sent, &mut wait, Some((&mut guard, prefilled_at))).await {
+        match began {
             Wait::Ejected => {
                 guard.failed("ejected");
                 last_err = Some(RouterError::UpstreamFailed {
@@ -335,7 +361,20 @@ async fn dispatch(
                 state.metrics.event("first_token_timeout", 1);
                 last_err = Some(RouterError::UpstreamTimeout { worker: worker.id.clone() });
             }
-            Wait::Done(Ok(upstream)) if upstream.status().is_server_error() => {
+            Wait::Done(Began::Stream(status, head, chunks)) => {
+                note_success(worker);
+                suspects.iter().for_each(|w| note_failure(state, w));
+                return Ok(relay(state, status, &head, chunks, guard, true));
+            }
+            Wait::Done(Began::Broken) => {
+                guard.failed("broken_stream");
+                request_may_be_at_fault = true;
+                last_err = Some(RouterError::UpstreamFailed {
+                    worker: worker.id.clone(),
+                    message: "the stream broke before its first chunk".into(),
+                });
+            }
+            Wait::Done(Began::Headers(Ok(upstream))) if upstream.status().is_server_error() => {
                 guard.failed("upstream_5xx");
                 request_may_be_at_fault = true;
                 last_err = Some(RouterError::UpstreamFailed {
@@ -343,56 +382,7 @@ async fn dispatch(
                     message: format!("answered {}", upstream.status()),
                 });
             }
-            Wait::Done(Ok(upstream)) if streaming && upstream.status().is_success() => {
-                // vLLM sends a stream's headers at once: only the first chunk
-                // says the engine is producing. Until it arrives nothing has
-                // reached the client, so a wedged, slow or ejected worker's
-                // request is cancelled (dropped) and tried elsewhere.
-                let status = upstream.status();
-                let head = upstream.headers().clone();
-                let mut chunks: ChunkStream = Box::pin(upstream.bytes_stream());
-                let first = loop {
-                    match watch(worker, chunks.next(), &mut wait, None).await {
-                        Wait::Done(Some(Ok(b))) if b.is_empty() => continue,
-                        other => break other,
-                    }
-                };
-                match first {
-                    Wait::Done(Some(Ok(first))) => {
-                        note_success(worker);
-                        suspects.iter().for_each(|w| note_failure(state, w));
-                        let chunks: ChunkStream = Box::pin(futures::stream::once(async { Ok(first) }).chain(chunks));
-                        return Ok(relay(state, status, &head, chunks, guard, true));
-                    }
-                    Wait::Done(None) => {
-                        note_success(worker);
-                        suspects.iter().for_each(|w| note_failure(state, w));
-                        return Ok(relay(state, status, &head, chunks, guard, true));
-                    }
-                    Wait::TimedOut => {
-                        guard.failed("first_token_timeout");
-                        state.metrics.event("first_token_timeout", 1);
-                        last_err = Some(RouterError::UpstreamTimeout { worker: worker.id.clone() });
-                    }
-                    Wait::Done(Some(Err(_))) => {
-                        guard.failed("broken_stream");
-                        request_may_be_at_fault = true;
-                        last_err = Some(RouterError::UpstreamFailed {
-                            worker: worker.id.clone(),
-                            message: "the stream broke before its first chunk".into(),
-                        });
-                    }
-                    Wait::Ejected => {
-                        guard.failed("ejected");
-                        last_err = Some(RouterError::UpstreamFailed {
-                            worker: worker.id.clone(),
-                            message: "ejected before its first chunk".into(),
-                        });
-                        continue; // already ejected: not another failure
-                    }
-                }
-            }
-            Wait::Done(Ok(upstream)) => {
+            Wait::Done(Began::Headers(Ok(upstream))) => {
                 // A 4xx is the request's: the engine's API server answered,
                 // which says nothing of its engine core producing tokens.
                 if upstream.status().is_success() {
@@ -401,7 +391,7 @@ async fn dispatch(
                 suspects.iter().for_each(|w| note_failure(state, w));
                 return Ok(respond(state, upstream, guard, streaming));
             }
-            Wait::Done(Err(Failure { error, request_sent })) => {
+            Wait::Done(Began::Headers(Err(Failure { error, request_sent }))) => {
                 guard.failed(if request_sent { "closed" } else { "connect_error" });
                 request_may_be_at_fault = request_sent;
                 last_err = Some(error);
@@ -467,6 +457,18 @@ async fn send(
 
 type ChunkStream = std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<Bytes>> + Send>>;
 
+/// How an attempt's answer began.
+enum Began {
+    /// Its headers (or the failure to get them): a non-streamed answer
+    /// whole, or any answer but a stream's 2xx.
+    Headers(Result<reqwest::Response, Failure>),
+    /// A stream's first chunk came (or it ended without one): its status,
+    /// headers and chunks, the first included.
+    Stream(reqwest::StatusCode, reqwest::header::HeaderMap, ChunkStream),
+    /// A stream broke before its first chunk.
+    Broken,
+}
+
 /// How waiting for an attempt's answer (its headers, a stream's first
 /// chunk) ended.
 enum Wait<T> {
@@ -497,6 +499,16 @@ struct Deadline {
     window: Option<Duration>,
     /// When progress was last looked for (unix ms).
     checked_ms: u64,
+}
+
+impl<T> Wait<T> {
+    fn map<U>(self, f: impl FnOnce(T) -> U) -> Wait<U> {
+        match self {
+            Wait::Done(t) => Wait::Done(f(t)),
+            Wait::TimedOut => Wait::TimedOut,
+            Wait::Ejected => Wait::Ejected,
+        }
+    }
 }
 
 impl Deadline {

@@ -514,19 +514,17 @@ async fn a_stream_whose_headers_never_come_is_retried_at_the_first_token_deadlin
     assert!(hang.hits.load(Ordering::SeqCst) >= 1, "the hanging worker was tried");
 }
 
-/// An engine answering slowly but answering: a stream queued there past the
-/// first-token deadline keeps its place while the worker's other answers
-/// come, instead of being cancelled, sent to the back of another queue and
-/// charged to the worker's health.
-#[tokio::test]
-async fn a_stream_queued_behind_progress_keeps_its_place() {
+/// An engine ("busy") that answers a non-streamed request at once and sends
+/// a stream's headers at once (as vLLM does) and its first token 900 ms
+/// later; and a router in front of it alone, giving a stream 300 ms for its
+/// first token, retrying nothing.
+async fn busy_engine_and_router() -> (String, TestRouter) {
     let app = Router::new().route(
         "/v1/completions",
         post(|axum::Json(body): axum::Json<Value>| async move {
             if body["stream"] != true {
                 return axum::Json(json!({"choices": [{"text": "quick"}]})).into_response();
             }
-            // Headers at once, as vLLM sends them; the first token late.
             let chunks = futures::stream::once(async {
                 tokio::time::sleep(Duration::from_millis(900)).await;
                 Ok::<_, std::io::Error>(Bytes::from_static(b"data: {\"choices\":[{\"text\":\"hi\"}]}\n\n"))
@@ -542,6 +540,16 @@ async fn a_stream_queued_behind_progress_keeps_its_place() {
         raw.first_token_timeout_per_1k_tokens = Duration::ZERO;
     })
     .await;
+    (busy, r)
+}
+
+/// An engine answering slowly but answering: a stream queued there past the
+/// first-token deadline keeps its place while the worker's other answers
+/// come, instead of being cancelled, sent to the back of another queue and
+/// charged to the worker's health.
+#[tokio::test]
+async fn a_stream_queued_behind_progress_keeps_its_place() {
+    let (_, r) = busy_engine_and_router().await;
     let stream = r.complete(json!({"model": "m", "prompt": "slow one", "stream": true}));
     let progress = async {
         loop {
@@ -562,24 +570,7 @@ async fn a_stream_queued_behind_progress_keeps_its_place() {
 /// queued behind other routers' (or long non-streamed) work keeps its place.
 #[tokio::test]
 async fn a_stream_on_an_engine_filling_blocks_keeps_its_place() {
-    let app = Router::new().route(
-        "/v1/completions",
-        post(|| async {
-            let chunks = futures::stream::once(async {
-                tokio::time::sleep(Duration::from_millis(900)).await;
-                Ok::<_, std::io::Error>(Bytes::from_static(b"data: {\"choices\":[{\"text\":\"hi\"}]}\n\n"))
-            })
-            .chain(futures::stream::once(async { Ok(Bytes::from_static(b"data: [DONE]\n\n")) }));
-            Response::builder().header("content-type", "text/event-stream").body(Body::from_stream(chunks)).unwrap()
-        }),
-    );
-    let busy = serve_engine(app).await;
-    let r = router(&[("busy", &busy)], |raw| {
-        raw.retries = 0;
-        raw.first_token_timeout = Duration::from_millis(300);
-        raw.first_token_timeout_per_1k_tokens = Duration::ZERO;
-    })
-    .await;
+    let (busy, r) = busy_engine_and_router().await;
     let sync = json!({"worker_id": "busy", "url": busy, "hashes": []});
     assert_eq!(r.internal("/internal/sync", sync).await.status(), 200);
     let stream = r.complete(json!({"model": "m", "prompt": "slow one", "stream": true}));
@@ -1134,18 +1125,27 @@ async fn a_chat_carrying_an_image_is_bounded_by_the_body_limit_not_the_prompts()
     assert_eq!(w.hits.load(Ordering::SeqCst), 1);
 }
 
+/// A tokenizer directory (removed by the caller) holding GPT-2's tokenizer
+/// and the chat `template`.
+fn gpt2_with_template(name: &str, template: &str) -> std::path::PathBuf {
+    let gpt2 = kvroute_shared::testdata::tokenizer_dir("gpt2").unwrap_or_else(|why| panic!("no gpt2 tokenizer: {why}"));
+    let dir = std::env::temp_dir().join(format!("kvroute-{name}-template-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(gpt2.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), json!({"chat_template": template}).to_string()).unwrap();
+    dir
+}
+
 /// A chat the model's template cannot render here (it refuses the
 /// conversation, or uses what minijinja lacks) is the engine's to judge:
 /// forwarded, placed by its plain text, and counted; before, the router
 /// answered it with its own 400.
 #[tokio::test]
 async fn a_chat_the_template_cannot_render_is_forwarded_for_the_engine_to_judge() {
-    let gpt2 = kvroute_shared::testdata::tokenizer_dir("gpt2").unwrap_or_else(|why| panic!("no gpt2 tokenizer: {why}"));
-    let dir = std::env::temp_dir().join(format!("kvroute-refusing-template-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::copy(gpt2.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
-    let template = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}{{ m.content }}{% endfor %}";
-    std::fs::write(dir.join("tokenizer_config.json"), json!({"chat_template": template}).to_string()).unwrap();
+    let dir = gpt2_with_template(
+        "refusing",
+        "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}{{ m.content }}{% endfor %}",
+    );
     let w = fake_worker("w1", Behaviour::Ok).await;
     let r = router(&[("w1", &w.url)], |raw| raw.tokenizer = Some(dir.clone())).await;
     let chat = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]});
@@ -1191,12 +1191,10 @@ async fn bodies_being_read_share_one_byte_budget() {
 /// rendered and tokenized megabytes.
 #[tokio::test]
 async fn a_chat_template_cannot_expand_a_small_request_past_the_prompt_limit() {
-    let gpt2 = kvroute_shared::testdata::tokenizer_dir("gpt2").unwrap_or_else(|why| panic!("no gpt2 tokenizer: {why}"));
-    let dir = std::env::temp_dir().join(format!("kvroute-expanding-template-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::copy(gpt2.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
-    let template = "{{ tools | tojson(indent=4) }}{% for m in messages %}{{ m.content }}{% endfor %}";
-    std::fs::write(dir.join("tokenizer_config.json"), json!({"chat_template": template}).to_string()).unwrap();
+    let dir = gpt2_with_template(
+        "expanding",
+        "{{ tools | tojson(indent=4) }}{% for m in messages %}{{ m.content }}{% endfor %}",
+    );
     let w = fake_worker("w1", Behaviour::Ok).await;
     let r = router(&[("w1", &w.url)], |raw| {
         raw.tokenizer = Some(dir.clone());
