@@ -50,8 +50,9 @@ pub fn eject(state: &AppState, worker: &Worker, why: &str) {
 /// 5 s, doubling to 5 min. An engine that answers its probes and fails its
 /// requests (a wedged GPU, a broken model) was re-admitted by the next probe,
 /// 2 s later, and ejected again after costing its next requests their
-/// first-token deadline, for ever. A probe that fails ends the hold: the
-/// engine went away, and answering again it is re-admitted at once.
+/// first-token deadline, for ever. Probes failing as many times in a row as
+/// ejection takes end the hold: the engine went away, and answering again
+/// it is re-admitted at once.
 pub fn request_hold(k: u32) -> Duration {
     Duration::from_secs(5 << k.saturating_sub(1).min(6)).min(Duration::from_secs(300))
 }
@@ -410,7 +411,8 @@ mod tests {
 
     /// Request failures count though probes answer between them; a worker
     /// ejected for them is held out, not re-admitted by the next probe, for
-    /// 5 s, then 10 s the next time; a probe that fails ends the hold.
+    /// 5 s, then 10 s the next time; the engine judged gone by its probes
+    /// ends the hold.
     #[test]
     fn a_worker_whose_requests_fail_while_its_health_answers_is_held_out() {
         let state = state();
