@@ -254,7 +254,9 @@ pub async fn eviction(
         // The engine filled blocks: it is prefilling or decoding, whoever's
         // requests they are (a batch of long non-streamed generations shows
         // no other progress to this router until they end).
-        worker.live.last_progress_ms.store(now_ms(), Ordering::Relaxed);
+        let now = now_ms();
+        worker.live.last_progress_ms.store(now, Ordering::Relaxed);
+        worker.live.last_blocks_ms.store(now, Ordering::Relaxed);
     }
     if acked.resync {
         m.event("digest_mismatch", 1);

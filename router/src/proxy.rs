@@ -301,7 +301,7 @@ async fn dispatch(
             })
             .flatten();
         let mut guard = InflightGuard::new(state.clone(), worker.clone(), plan, cand, modelled, arrived);
-        let mut wait = Deadline::new(state, streaming, plan.uncached_tokens(cand));
+        let mut wait = Deadline::new(state, worker, streaming, plan.uncached_tokens(cand));
         // A non-streamed answer's headers come with its last token: nothing
         // marks its first, and its prompt would count as queued prefill for
         // its whole generation. It is taken as prefilled when the timing
@@ -356,7 +356,13 @@ async fn dispatch(
                 last_err = Some(RouterError::UpstreamTimeout { worker: worker.id.clone() });
                 break;
             }
-            Wait::TimedOut => {
+            Wait::Stalled if !streaming => {
+                // Its engine filled no block for a whole window: wedged.
+                guard.failed("stalled");
+                state.metrics.event("stalled", 1);
+                last_err = Some(RouterError::UpstreamTimeout { worker: worker.id.clone() });
+            }
+            Wait::TimedOut | Wait::Stalled => {
                 guard.failed("first_token_timeout");
                 state.metrics.event("first_token_timeout", 1);
                 last_err = Some(RouterError::UpstreamTimeout { worker: worker.id.clone() });
@@ -473,6 +479,9 @@ enum Began {
 /// chunk) ended.
 enum Wait<T> {
     Done(T),
+    /// Past its deadline with the worker not seen producing: wedged.
+    Stalled,
+    /// Past `first_byte_timeout`.
     TimedOut,
     /// The worker was ejected meanwhile: nothing reached the client, so the
     /// request is tried elsewhere.
@@ -481,16 +490,23 @@ enum Wait<T> {
 
 /// How long an attempt may wait for its answer to begin.
 ///
+/// A stream's first chunk is its first token: it must come within
+/// `first_token_timeout` (plus the per-1k-token share for the prompt's
+/// uncached tokens) of dispatch, headers included, unless the worker is seen
+/// producing (another of this router's answers there began, or its sidecar
+/// reported blocks filled, within the last window): then it is queued
+/// behind real work, not wedged, and keeps its place for another
+/// `first_token_timeout`, up to `first_byte_timeout` in all. Cancelled, it
+/// would start again at the back of another worker's queue, and the worker,
+/// charged with a failure, be ejected for being busy.
+///
 /// A non-streamed answer comes whole, after its last token: it may take up
-/// to `first_byte_timeout`. A stream's first chunk is its first token: it
-/// must come within `first_token_timeout` (plus the per-1k-token share for
-/// the prompt's uncached tokens) of dispatch, headers included, unless the
-/// worker is seen making progress (another of this router's requests there
-/// got its first token or its answer within the last window): then it is
-/// queued behind real work, not wedged, and keeps its place for another
-/// `first_token_timeout`, up to `first_byte_timeout` in all. Cancelled,
-/// it would start again at the back of another worker's queue, and the
-/// worker, charged with a failure, be ejected for being busy.
+/// to `first_byte_timeout`. On a worker whose sidecar reports the blocks its
+/// engine fills, it is watched as a stream is: a generation fills a block
+/// every few dozen tokens, so a window without any is a wedged engine (its
+/// `/health` may answer), whose requests would otherwise wait an hour each
+/// and never charge it. Without such reports nothing tells a long answer
+/// from a wedged engine.
 struct Deadline {
     started: tokio::time::Instant,
     until: tokio::time::Instant,
@@ -505,6 +521,7 @@ impl<T> Wait<T> {
     fn map<U>(self, f: impl FnOnce(T) -> U) -> Wait<U> {
         match self {
             Wait::Done(t) => Wait::Done(f(t)),
+            Wait::Stalled => Wait::Stalled,
             Wait::TimedOut => Wait::TimedOut,
             Wait::Ejected => Wait::Ejected,
         }
@@ -512,11 +529,13 @@ impl<T> Wait<T> {
 }
 
 impl Deadline {
-    fn new(state: &AppState, streaming: bool, uncached_tokens: u64) -> Self {
+    fn new(state: &AppState, worker: &Worker, streaming: bool, uncached_tokens: u64) -> Self {
         let raw = &state.config.raw;
         let started = tokio::time::Instant::now();
         let hard = started + raw.first_byte_timeout;
-        let (until, window) = if streaming {
+        let reports_blocks =
+            worker.live.has_sidecar.load(Ordering::Relaxed) && worker.live.last_blocks_ms.load(Ordering::Relaxed) > 0;
+        let (until, window) = if streaming || reports_blocks {
             let first_token = raw.first_token_timeout
                 + raw.first_token_timeout_per_1k_tokens.mul_f64(uncached_tokens as f64 / 1000.0);
             ((started + first_token).min(hard), Some(raw.first_token_timeout))
@@ -526,19 +545,21 @@ impl Deadline {
         Deadline { started, until, hard, window, checked_ms: now_ms() }
     }
 
-    /// At `until`: may the wait go on (the worker made progress since the
-    /// last look, and `first_byte_timeout` is not reached)?
-    fn extend(&mut self, worker: &Worker) -> bool {
+    /// At `until`: the wait goes on (`None`: the worker was seen producing
+    /// since the last look, and `first_byte_timeout` is not reached), or
+    /// why it ends.
+    fn extend<T>(&mut self, worker: &Worker) -> Option<Wait<T>> {
         let now = tokio::time::Instant::now();
-        let progressed = worker.live.last_progress_ms.load(Ordering::Relaxed) >= self.checked_ms;
-        match self.window {
-            Some(window) if progressed && now < self.hard => {
-                self.until = (now + window).min(self.hard);
-                self.checked_ms = now_ms();
-                true
-            }
-            _ => false,
+        if now >= self.hard {
+            return Some(Wait::TimedOut);
         }
+        let window = self.window?;
+        if worker.live.last_progress_ms.load(Ordering::Relaxed) < self.checked_ms {
+            return Some(Wait::Stalled);
+        }
+        self.until = (now + window).min(self.hard);
+        self.checked_ms = now_ms();
+        None
     }
 }
 
@@ -557,8 +578,8 @@ async fn watch<T>(
         let release_at = prefill.as_ref().and_then(|(g, at)| at.filter(|_| !g.prefill_released()));
         tokio::select! {
             out = &mut answer => return Wait::Done(out),
-            () = tokio::time::sleep_until(deadline.until) => if !deadline.extend(worker) {
-                return Wait::TimedOut;
+            () = tokio::time::sleep_until(deadline.until) => if let Some(end) = deadline.extend(worker) {
+                return end;
             },
             () = tokio::time::sleep_until(release_at.unwrap_or(deadline.hard)), if release_at.is_some() => {
                 if let Some((guard, _)) = prefill.as_mut() {

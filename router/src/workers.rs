@@ -126,6 +126,10 @@ pub struct WorkerLive {
     /// router's began there (a stream's first token, a whole answer), or its
     /// sidecar reported blocks filled.
     pub last_progress_ms: AtomicU64,
+    /// Unix ms its sidecar last reported blocks filled (0: never): its
+    /// engine reports what it produces ([`crate::proxy`] watches its
+    /// non-streamed answers by it).
+    pub last_blocks_ms: AtomicU64,
     /// Unix ms its registration last moved (URL or rank), and of the last
     /// error logged for moving back and forth (`note_moved`).
     moved_ms: AtomicU64,
@@ -164,6 +168,7 @@ impl Default for WorkerLive {
             last_sync_ms: AtomicU64::new(0),
             last_probe_ok_ms: AtomicU64::new(0),
             last_progress_ms: AtomicU64::new(0),
+            last_blocks_ms: AtomicU64::new(0),
             moved_ms: AtomicU64::new(0),
             conflict_logged_ms: AtomicU64::new(0),
             has_sidecar: AtomicBool::new(false),

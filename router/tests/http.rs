@@ -590,6 +590,77 @@ async fn a_stream_on_an_engine_filling_blocks_keeps_its_place() {
     assert!(resp.text().await.unwrap().contains("[DONE]"));
 }
 
+/// A non-streamed answer on a worker whose sidecar reports the blocks its
+/// engine fills is watched as a stream is: waited for while blocks are
+/// filled, and given up (retried elsewhere) when a whole window passes
+/// without any, a wedged engine, where it waited `first_byte_timeout` (an
+/// hour) before.
+#[tokio::test]
+async fn a_non_streamed_answer_is_waited_for_while_its_engine_fills_blocks() {
+    let app = Router::new()
+        .route(
+            "/v1/completions",
+            post(|axum::Json(body): axum::Json<Value>| async move {
+                if body["prompt"] == "wedged" {
+                    futures::future::pending::<()>().await;
+                }
+                tokio::time::sleep(Duration::from_millis(900)).await;
+                axum::Json(json!({"choices": [{"text": "done"}]}))
+            }),
+        )
+        .route("/health", get(|| async { "ok" }));
+    let engine = serve_engine(app).await;
+    let good = fake_worker("good", Behaviour::Ok).await;
+    let r = router(&[("a-engine", &engine), ("b-good", &good.url)], |raw| {
+        raw.first_token_timeout = Duration::from_millis(300);
+        raw.first_token_timeout_per_1k_tokens = Duration::ZERO;
+    })
+    .await;
+    let stored =
+        |n: u64| json!({"worker_id": "a-engine", "evicted_hashes": [], "stored_hashes": [format!("{n:016x}")]});
+    let sync = json!({"worker_id": "a-engine", "url": engine, "hashes": []});
+    assert_eq!(r.internal("/internal/sync", sync).await.status(), 200);
+    assert_eq!(r.internal("/internal/eviction", stored(1)).await.status(), 200);
+    // A session pinned to a-engine (a session pins on its first success):
+    // a-engine answers in 900 ms, three windows, and the blocks it fills
+    // meanwhile keep the request waiting.
+    let send = |session: &str, prompt: String| {
+        r.http
+            .post(format!("{}/v1/completions", r.url))
+            .header("x-session-id", session)
+            .json(&json!({"model": "m", "prompt": prompt}))
+            .send()
+    };
+    let pinned = async {
+        for n in 0..100 {
+            let id = format!("s{n}");
+            let resp = send(&id, format!("hello {n}")).await.unwrap();
+            assert_eq!(resp.status(), 200);
+            if resp.headers()["x-kvroute-worker"] == "a-engine" {
+                return id;
+            }
+        }
+        panic!("no session of 100 pinned to a-engine");
+    };
+    let filling = async {
+        for n in 2u64.. {
+            assert_eq!(r.internal("/internal/eviction", stored(n)).await.status(), 200);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let session = tokio::select! {
+        id = pinned => id,
+        () = filling => unreachable!(),
+    };
+    // Wedged, filling nothing: given up after a window, answered elsewhere.
+    let resp = tokio::time::timeout(Duration::from_secs(20), send(&session, "wedged".into()))
+        .await
+        .expect("given up, not held an hour");
+    assert_eq!(resp.unwrap().headers()["x-kvroute-worker"], "b-good");
+    let metrics = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("kind=\"stalled\"} 1"), "{metrics}");
+}
+
 /// An engine whose API server answers bad requests (4xx) while its core is
 /// wedged is not making progress: a stream waiting there is still given up
 /// at its deadline.
