@@ -511,8 +511,12 @@ struct Deadline {
     started: tokio::time::Instant,
     until: tokio::time::Instant,
     hard: tokio::time::Instant,
-    /// Streams: the window in which progress extends the wait.
+    /// The window in which progress extends the wait (streams, and answers
+    /// watched by the blocks their engine fills).
     window: Option<Duration>,
+    /// A non-streamed answer, watched by the blocks its engine fills: judged
+    /// only on windows in which the sidecar reported at all.
+    by_blocks: bool,
     /// When progress was last looked for (unix ms).
     checked_ms: u64,
 }
@@ -542,7 +546,7 @@ impl Deadline {
         } else {
             (hard, None)
         };
-        Deadline { started, until, hard, window, checked_ms: now_ms() }
+        Deadline { started, until, hard, window, by_blocks: !streaming && reports_blocks, checked_ms: now_ms() }
     }
 
     /// At `until`: the wait goes on (`None`: the worker was seen producing
@@ -554,7 +558,10 @@ impl Deadline {
             return Some(Wait::TimedOut);
         }
         let window = self.window?;
-        if worker.live.last_progress_ms.load(Ordering::Relaxed) < self.checked_ms {
+        let since = |at: &std::sync::atomic::AtomicU64| at.load(Ordering::Relaxed) >= self.checked_ms;
+        // A sidecar that fell silent too (it died) says nothing of its
+        // engine: its blocks are missing only from reports that arrive.
+        if !since(&worker.live.last_progress_ms) && (!self.by_blocks || since(&worker.live.last_report_ms)) {
             return Some(Wait::Stalled);
         }
         self.until = (now + window).min(self.hard);

@@ -652,10 +652,24 @@ async fn a_non_streamed_answer_is_waited_for_while_its_engine_fills_blocks() {
         id = pinned => id,
         () = filling => unreachable!(),
     };
-    // Wedged, filling nothing: given up after a window, answered elsewhere.
-    let resp = tokio::time::timeout(Duration::from_secs(20), send(&session, "wedged".into()))
-        .await
-        .expect("given up, not held an hour");
+    // Its sidecar silent (dead, say), nothing is known of the engine: the
+    // answer is waited for, not given up and charged.
+    let resp = send(&session, "its sidecar silent".into()).await.unwrap();
+    assert_eq!(resp.headers()["x-kvroute-worker"], "a-engine");
+    // Wedged, filling nothing while its sidecar reports on: given up after a
+    // window, answered elsewhere.
+    let heartbeats = async {
+        loop {
+            let beat = json!({"worker_id": "a-engine", "evicted_hashes": []});
+            assert_eq!(r.internal("/internal/eviction", beat).await.status(), 200);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let wedged = tokio::time::timeout(Duration::from_secs(20), send(&session, "wedged".into()));
+    let resp = tokio::select! {
+        resp = wedged => resp.expect("given up, not held an hour"),
+        () = heartbeats => unreachable!(),
+    };
     assert_eq!(resp.unwrap().headers()["x-kvroute-worker"], "b-good");
     let metrics = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains("kind=\"stalled\"} 1"), "{metrics}");
