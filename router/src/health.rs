@@ -119,6 +119,17 @@ async fn check(state: &AppState, worker: &Arc<Worker>) {
     }
 }
 
+/// The engine's page at `path`, read within the probe's timeout and up to
+/// `max` bytes; `None` if it does not answer it whole and with a success.
+async fn engine_page(state: &AppState, worker: &Worker, path: &str, max: usize) -> Option<Vec<u8>> {
+    let timeout = state.config.raw.health_check_timeout;
+    let r = state.client.get(format!("{}{path}", worker.url)).timeout(timeout).send().await.ok()?;
+    if !r.status().is_success() {
+        return None;
+    }
+    read_within(reqwest::Body::from(r), max).await.ok().flatten()
+}
+
 /// A static worker without a sidecar (whose syncs name its models) learns
 /// them from the engine's `/v1/models` at each probe, adapters loaded since
 /// included: without them `GET /v1/models` listed nothing, and a request for
@@ -128,14 +139,7 @@ async fn check(state: &AppState, worker: &Arc<Worker>) {
 /// nothing known, the worker takes any model.
 async fn learn_models(state: &AppState, worker: &Worker) {
     use kvroute_shared::wire::{MAX_MODELS_BYTES, parse_model_list};
-    let timeout = state.config.raw.health_check_timeout;
-    let body = match state.client.get(format!("{}/v1/models", worker.url)).timeout(timeout).send().await {
-        Ok(r) if r.status().is_success() => match read_within(reqwest::Body::from(r), MAX_MODELS_BYTES).await {
-            Ok(Some(body)) => body,
-            _ => return,
-        },
-        _ => return,
-    };
+    let Some(body) = engine_page(state, worker, "/v1/models", MAX_MODELS_BYTES).await else { return };
     match parse_model_list(&body) {
         Ok(models) if !models.is_empty() => {
             if let Err(e) = state.workers.upsert(&worker.id, None, Some(&models), Source::Static) {
@@ -157,14 +161,8 @@ async fn learn_models(state: &AppState, worker: &Worker) {
 /// if the engine does not say), and is read at every probe: a sidecar may
 /// have taken over.
 async fn learn_capacity(state: &AppState, worker: &Worker) {
-    let timeout = state.config.raw.health_check_timeout;
-    let text = match state.client.get(format!("{}/metrics", worker.url)).timeout(timeout).send().await {
-        Ok(r) if r.status().is_success() => match read_within(reqwest::Body::from(r), MAX_ENGINE_METRICS_BYTES).await {
-            Ok(Some(body)) => String::from_utf8_lossy(&body).into_owned(),
-            _ => return,
-        },
-        _ => return,
-    };
+    let Some(body) = engine_page(state, worker, "/metrics", MAX_ENGINE_METRICS_BYTES).await else { return };
+    let text = String::from_utf8_lossy(&body);
     let published = parse_num_gpu_blocks(&text, state.config.raw.max_sync_keys);
     worker.live.set_capacity_blocks(published.map(|b| b as u64));
     let blocks = published.unwrap_or(state.config.raw.approx_capacity_blocks);
