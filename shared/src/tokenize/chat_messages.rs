@@ -240,15 +240,13 @@ fn merge_system(messages: Vec<Map<String, Json>>) -> Vec<Map<String, Json>> {
             continue;
         }
         let text = match m.get("content") {
-            Some(Json::Array(parts)) => parts
-                .iter()
-                .filter_map(|p| p.get("text").map(|t| t.as_str().map_or_else(|| python_str(t), str::to_owned)))
-                .collect::<Vec<_>>()
-                .join("\n"),
-            Some(Json::String(s)) => s.clone(),
-            _ => String::new(),
+            Some(Json::Array(parts)) => joined(parts.iter().filter_map(|p| p.get("text"))),
+            Some(text @ Json::String(_)) => text.clone(),
+            _ => continue,
         };
-        if !text.is_empty() {
+        if let Json::String(text) = text
+            && !text.is_empty()
+        {
             texts.push(text);
         }
     }
