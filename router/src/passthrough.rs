@@ -28,12 +28,12 @@ use std::sync::atomic::Ordering;
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 
 use crate::error::RouterError;
-use crate::proxy::{WORKER_HEADER, forwarded, read_client_in_time};
+use crate::proxy::{Failure, answer_headers, forwarded, read_client_in_time, take_slot};
 use crate::state::{AppState, now_ms};
 use crate::workers::Worker;
 
@@ -90,26 +90,14 @@ async fn run(
         return Err(RouterError::NotFound(format!("no route for {} {}", method, uri.path())));
     }
     let body = read_client_in_time(state, body, state.config.raw.max_body_bytes).await?;
-    let Ok(permit) = state.concurrency.clone().try_acquire_owned() else {
-        state.metrics.shed.inc();
-        return Err(RouterError::Overloaded);
-    };
+    let permit = take_slot(state)?;
     // Naming none, it is for the served model, as a completion is.
-    let model = model_of(&body).or_else(|| Some(crate::routing::served_model(state)).filter(|m| !m.is_empty()));
-    let snapshot = state.workers.snapshot();
-    let mut workers: Vec<&Arc<Worker>> =
-        snapshot.iter().filter(|w| w.live.is_healthy() && model.as_deref().is_none_or(|m| w.serves(m))).collect();
-    if workers.is_empty() {
-        let model = model.unwrap_or_default();
-        if !model.is_empty() && !snapshot.is_empty() && !snapshot.iter().any(|w| w.serves(&model)) {
-            return Err(RouterError::ModelNotFound { model });
-        }
-        return Err(RouterError::NoHealthyWorker { model });
-    }
+    let model = model_of(&body).unwrap_or_else(|| crate::routing::served_model(state));
+    let mut workers = crate::routing::serving(&state.workers.snapshot(), &model)?;
     workers.sort_by_key(|w| w.live.inflight.load(Ordering::Relaxed) + w.live.replica_inflight.load(Ordering::Relaxed));
     let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
     let mut last = None;
-    for worker in workers.into_iter().take(1 + state.config.raw.retries as usize) {
+    for worker in workers.iter().take(1 + state.config.raw.retries as usize) {
         let mut rb = state.client.request(method.clone(), format!("{}{path}", worker.url)).body(body.clone());
         for (name, v) in forwarded(headers) {
             rb = rb.header(name, v);
@@ -120,19 +108,13 @@ async fn run(
         let inflight = Inflight::new(worker);
         match tokio::time::timeout(state.config.raw.first_byte_timeout, rb.send()).await {
             Err(_) => return Err(RouterError::UpstreamTimeout { worker: worker.id.clone() }),
-            Ok(Err(e)) if e.is_connect() => {
-                let chain = kvroute_shared::logging::error_chain(&e);
-                tracing::warn!(worker = %worker.id, error = %chain, path = uri.path(), "could not connect to the worker");
-                last = Some(RouterError::UpstreamFailed {
-                    worker: worker.id.clone(),
-                    message: "could not connect".into(),
-                });
-            }
             Ok(Err(e)) => {
-                let chain = kvroute_shared::logging::error_chain(&e);
-                tracing::warn!(worker = %worker.id, error = %chain, path = uri.path(), "request to the worker failed");
-                let message = "the connection closed without an answer".into();
-                return Err(RouterError::UpstreamFailed { worker: worker.id.clone(), message });
+                // Tried on the next worker only when nothing was sent.
+                let Failure { error, request_sent } = Failure::of(worker, &e);
+                if request_sent {
+                    return Err(error);
+                }
+                last = Some(error);
             }
             Ok(Ok(upstream)) => {
                 state.metrics.request(worker.id.as_str(), "passthrough");
@@ -140,7 +122,7 @@ async fn run(
             }
         }
     }
-    Err(last.unwrap_or_else(|| RouterError::NoHealthyWorker { model: model.unwrap_or_default() }))
+    Err(last.unwrap_or(RouterError::NoHealthyWorker { model }))
 }
 
 /// The body's `model`, when it is a JSON object naming one.
@@ -179,16 +161,7 @@ fn relay(
     held: (Inflight, tokio::sync::OwnedSemaphorePermit),
 ) -> Response {
     let status = StatusCode::from_u16(upstream.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
-    let mut headers = HeaderMap::new();
-    for name in [header::CONTENT_TYPE, header::CACHE_CONTROL, header::HeaderName::from_static("x-request-id")] {
-        if let Some(v) = upstream.headers().get(name.as_str()).and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok())
-        {
-            headers.insert(name, v);
-        }
-    }
-    if let Ok(v) = HeaderValue::from_str(worker.id.as_str()) {
-        headers.insert(WORKER_HEADER, v);
-    }
+    let headers = answer_headers(upstream.headers(), worker);
     let idle = state.config.raw.idle_timeout;
     let chunks = upstream.bytes_stream();
     let stream = futures::stream::unfold((Box::pin(chunks), Some(held)), move |(mut chunks, held)| async move {

@@ -50,7 +50,7 @@ pub fn forwarded(headers: &HeaderMap) -> impl Iterator<Item = (&'static str, &He
 /// one trickled in forever would hold it and its task.
 pub async fn read_in_time(state: &AppState, body: Body, limit: usize) -> Result<Bytes, RouterError> {
     let timeout = state.config.raw.body_read_timeout;
-    tokio::time::timeout(timeout, read_body_within(body, limit))
+    tokio::time::timeout(timeout, read_within(body, limit, None))
         .await
         .map_err(|_| RouterError::BodyTimeout { after: timeout })?
 }
@@ -59,7 +59,7 @@ pub async fn read_in_time(state: &AppState, body: Body, limit: usize) -> Result<
 /// against `max_body_bytes_in_flight`, shed (503) past it.
 pub async fn read_client_in_time(state: &AppState, body: Body, limit: usize) -> Result<Bytes, RouterError> {
     let timeout = state.config.raw.body_read_timeout;
-    let read = read_counted(body, limit, &state.body_bytes);
+    let read = read_within(body, limit, Some(&state.body_bytes));
     let out = tokio::time::timeout(timeout, read).await.map_err(|_| RouterError::BodyTimeout { after: timeout })?;
     if matches!(out, Err(RouterError::Overloaded)) {
         state.metrics.shed.inc();
@@ -67,18 +67,10 @@ pub async fn read_client_in_time(state: &AppState, body: Body, limit: usize) -> 
     out
 }
 
-/// Reads a body up to `limit` bytes (413 beyond it).
-async fn read_body_within(body: Body, limit: usize) -> Result<Bytes, RouterError> {
-    match http_body_util::Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(RouterError::PayloadTooLarge { limit }),
-        Err(e) => Err(RouterError::bad_request("body", format!("could not read the request body: {e}"))),
-    }
-}
-
-/// [`read_body_within`], each chunk's bytes taken from `budget` as it
-/// arrives and given back when the body is read (or refused).
-async fn read_counted(mut body: Body, limit: usize, budget: &Arc<Semaphore>) -> Result<Bytes, RouterError> {
+/// Reads a body up to `limit` bytes (413 beyond it); with a `budget`, each
+/// chunk's bytes are taken from it as they arrive (503 when it is spent) and
+/// given back when the body is read (or refused).
+async fn read_within(mut body: Body, limit: usize, budget: Option<&Arc<Semaphore>>) -> Result<Bytes, RouterError> {
     let mut buf = bytes::BytesMut::new();
     let mut held: Option<OwnedSemaphorePermit> = None;
     while let Some(frame) = body.frame().await {
@@ -88,11 +80,13 @@ async fn read_counted(mut body: Body, limit: usize, budget: &Arc<Semaphore>) -> 
         if buf.len() + chunk.len() > limit {
             return Err(RouterError::PayloadTooLarge { limit });
         }
-        let n = u32::try_from(chunk.len()).map_err(|_| RouterError::PayloadTooLarge { limit })?;
-        let taken = budget.clone().try_acquire_many_owned(n).map_err(|_| RouterError::Overloaded)?;
-        match &mut held {
-            Some(h) => h.merge(taken),
-            None => held = Some(taken),
+        if let Some(budget) = budget {
+            let n = u32::try_from(chunk.len()).map_err(|_| RouterError::PayloadTooLarge { limit })?;
+            let taken = budget.clone().try_acquire_many_owned(n).map_err(|_| RouterError::Overloaded)?;
+            match &mut held {
+                Some(h) => h.merge(taken),
+                None => held = Some(taken),
+            }
         }
         buf.extend_from_slice(&chunk);
     }
@@ -123,11 +117,15 @@ pub async fn admit(
     endpoint: Option<Endpoint>,
 ) -> Result<(Bytes, OwnedSemaphorePermit), RouterError> {
     let body = read_client_body(state, body, endpoint).await?;
-    let Ok(permit) = state.concurrency.clone().try_acquire_owned() else {
+    Ok((body, take_slot(state)?))
+}
+
+/// One of `max_concurrent_requests`, or the request is shed (503).
+pub fn take_slot(state: &AppState) -> Result<OwnedSemaphorePermit, RouterError> {
+    state.concurrency.clone().try_acquire_owned().map_err(|_| {
         state.metrics.shed.inc();
-        return Err(RouterError::Overloaded);
-    };
-    Ok((body, permit))
+        RouterError::Overloaded
+    })
 }
 
 /// A client's prompt-carrying body, read within `body_read_timeout` (408)
@@ -423,9 +421,10 @@ async fn dispatch(
 /// An attempt that got no response. `request_sent`: the connection was made
 /// and then closed or reset without an answer, which the request itself can
 /// cause (an engine that refuses it by dropping the connection).
-struct Failure {
-    error: RouterError,
-    request_sent: bool,
+#[derive(Debug)]
+pub struct Failure {
+    pub error: RouterError,
+    pub request_sent: bool,
 }
 
 async fn send(
@@ -448,17 +447,21 @@ async fn send(
     if let Some(rank) = worker.dp_rank {
         rb = rb.header(DP_RANK_HEADER, rank);
     }
-    rb.send().await.map_err(|e| {
-        // reqwest's message names the worker's URL: logged, never
-        // returned (error.rs).
-        let chain = kvroute_shared::logging::error_chain(&e);
+    rb.send().await.map_err(|e| Failure::of(worker, &e))
+}
+
+impl Failure {
+    /// A request to `worker` that got no response. reqwest's message names
+    /// the worker's URL: logged, never returned (error.rs).
+    pub fn of(worker: &Worker, e: &reqwest::Error) -> Self {
+        let chain = kvroute_shared::logging::error_chain(e);
         tracing::warn!(worker = %worker.id, error = %chain, "request to the worker failed");
         let message = if e.is_connect() { "could not connect" } else { "the connection closed without an answer" };
         Failure {
             request_sent: !e.is_connect(),
             error: RouterError::UpstreamFailed { worker: worker.id.clone(), message: message.into() },
         }
-    })
+    }
 }
 
 type ChunkStream = std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<Bytes>> + Send>>;
@@ -605,6 +608,21 @@ fn respond(state: &AppState, upstream: reqwest::Response, guard: InflightGuard, 
     relay(state, status, &head, Box::pin(upstream.bytes_stream()), guard, streaming)
 }
 
+/// The engine's answer headers a client gets (content type, caching, its
+/// request id), and `x-kvroute-worker`.
+pub fn answer_headers(head: &reqwest::header::HeaderMap, worker: &Worker) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    for name in [header::CONTENT_TYPE, header::CACHE_CONTROL, HeaderName::from_static("x-request-id")] {
+        if let Some(v) = head.get(name.as_str()).and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok()) {
+            headers.insert(name, v);
+        }
+    }
+    if let Ok(v) = HeaderValue::from_str(worker.id.as_str()) {
+        headers.insert(WORKER_HEADER, v);
+    }
+    headers
+}
+
 /// The client's response: the upstream's status and headers we pass on, and
 /// its chunks relayed one by one under the idle timeout.
 fn relay(
@@ -616,15 +634,7 @@ fn relay(
     streaming: bool,
 ) -> Response {
     let status = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
-    let mut headers = HeaderMap::new();
-    for name in [header::CONTENT_TYPE, header::CACHE_CONTROL, HeaderName::from_static("x-request-id")] {
-        if let Some(v) = head.get(name.as_str()).and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok()) {
-            headers.insert(name, v);
-        }
-    }
-    if let Ok(v) = HeaderValue::from_str(guard.worker.id.as_str()) {
-        headers.insert(WORKER_HEADER, v);
-    }
+    let headers = answer_headers(head, &guard.worker);
     let sse = streaming
         && head
             .get(header::CONTENT_TYPE.as_str())

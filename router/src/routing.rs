@@ -84,6 +84,21 @@ pub fn prompt_body_limit(state: &AppState) -> usize {
     state.config.raw.max_prompt_tokens.saturating_mul(MAX_BYTES_PER_TOKEN)
 }
 
+/// The healthy workers serving `model` (`""`: any). None: a 404 when workers
+/// exist and none serves it (a wrong name, not an outage), else a 503.
+pub fn serving(snapshot: &[Arc<Worker>], model: &str) -> Result<Vec<Arc<Worker>>, RouterError> {
+    let serves = |w: &Worker| model.is_empty() || w.serves(model);
+    let workers: Vec<Arc<Worker>> = snapshot.iter().filter(|w| w.live.is_healthy() && serves(w)).cloned().collect();
+    if !workers.is_empty() {
+        return Ok(workers);
+    }
+    let model = model.to_owned();
+    if !snapshot.is_empty() && !snapshot.iter().any(|w| serves(w)) {
+        return Err(RouterError::ModelNotFound { model });
+    }
+    Err(RouterError::NoHealthyWorker { model })
+}
+
 /// The model a request that names none is for: vLLM serves it its base
 /// model, the first its `/v1/models` lists, and keys its blocks by it. The
 /// first healthy worker's that has a list; `""` (any worker, keys of their
@@ -212,15 +227,7 @@ fn plan_against(
     let started = Instant::now();
     let Prepared { model, tokens, keys, head_hash, prefix_hint, exact_tokenizer } = prepared;
 
-    let workers: Vec<Arc<Worker>> =
-        snapshot.iter().filter(|w| w.live.is_healthy() && w.serves(&model)).cloned().collect();
-    if workers.is_empty() {
-        // Workers exist and none serves the model: a wrong name, not an outage.
-        if !snapshot.is_empty() && !snapshot.iter().any(|w| w.serves(&model)) {
-            return Err(RouterError::ModelNotFound { model });
-        }
-        return Err(RouterError::NoHealthyWorker { model });
-    }
+    let workers = serving(snapshot, &model)?;
     let block_size = state.config.block_size.get();
     let pinned_at = pinned.and_then(|id| workers.iter().position(|w| &w.id == id));
     let now = now_ms();
