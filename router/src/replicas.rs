@@ -224,9 +224,14 @@ pub const SENT_OUTCOMES: [&str; 3] = ["ok", "error", "self"];
 
 #[derive(Debug)]
 struct Latest {
+    /// The newest report's, full or news.
     seq: u64,
     at: Instant,
     workers: Vec<ReplicaLoad>,
+    /// The seq of the full report `sent` came from: news (a later seq) can
+    /// overtake a full report on the wire, and that report's `sent` is
+    /// still newer than the one kept.
+    sent_seq: u64,
     /// Shared, so a rebuild reads it after the lock is let go.
     sent: Arc<Vec<SentPrefix>>,
 }
@@ -310,15 +315,24 @@ impl Replicas {
             self.hints_stale.store(true, Ordering::Relaxed);
         }
         let full = heard.len() >= MAX_REPLICAS;
-        let latest = Latest { seq: report.seq, at: now, workers: report.workers, sent: Arc::new(report.sent) };
+        // News names no prefixes: a replica first heard by its news has none yet.
+        let sent_seq = if report.loads_only { 0 } else { report.seq };
+        let latest =
+            Latest { seq: report.seq, at: now, workers: report.workers, sent_seq, sent: Arc::new(report.sent) };
         match heard.get_mut(&report.router_epoch) {
-            Some(l) if latest.seq <= l.seq => Heard::Stale,
+            Some(l) if report.loads_only && latest.seq <= l.seq => Heard::Stale,
             Some(l) if report.loads_only => {
                 (l.seq, l.at, l.workers) = (latest.seq, latest.at, latest.workers);
                 Heard::Applied
             }
+            Some(l) if latest.seq <= l.sent_seq => Heard::Stale,
             Some(l) => {
-                *l = latest;
+                // Overtaken by news: its figures are older than those kept,
+                // its prefixes newer.
+                if latest.seq > l.seq {
+                    (l.seq, l.at, l.workers) = (latest.seq, latest.at, latest.workers);
+                }
+                (l.sent_seq, l.sent) = (latest.sent_seq, latest.sent);
                 self.hints_stale.store(true, Ordering::Relaxed);
                 Heard::Applied
             }
@@ -892,6 +906,29 @@ mod tests {
         replicas.publish(&w2, later);
         assert_eq!(figures(&w2[0]), (0, 0));
         assert!(replicas.hints().is_empty(), "a full report replaces the prefixes too");
+    }
+
+    /// A full report overtaken on the wire by the same replica's later news
+    /// (answers and news share one seq) still brings its prefixes, and keeps
+    /// the news' newer figures; a full report older than the prefixes kept
+    /// is stale. It was refused as older than the news, and its prefixes
+    /// lost while news kept the replica heard.
+    #[test]
+    fn a_full_report_overtaken_by_news_still_brings_its_prefixes() {
+        let replicas = Replicas::new(Duration::from_millis(100));
+        let keys: Vec<BlockKey> = (0..40).map(BlockKey).collect();
+        let (t0, w2) = (Instant::now(), [worker("w2")]);
+        let news = ReplicaReport { loads_only: true, ..report("p1", 6, &[("w2", 4_000, 3)]) };
+        assert_eq!(replicas.hear(news, "me", t0), Heard::Applied);
+        let mut full = report("p1", 5, &[("w2", 900, 1)]);
+        full.sent = vec![SentPrefix { worker: WorkerId::new("w2"), keys: prefixes::sample(&keys) }];
+        assert_eq!(replicas.hear(full.clone(), "me", t0), Heard::Applied);
+        replicas.publish(&w2, t0);
+        assert_eq!(figures(&w2[0]), (4_000, 3), "the news' figures, newer");
+        assert_eq!(replicas.hints().depths(&keys).len(), 1, "the full report's prefix");
+        assert_eq!(replicas.hear(full, "me", t0), Heard::Stale, "the same report twice");
+        let older = report("p1", 4, &[]);
+        assert_eq!(replicas.hear(older, "me", t0), Heard::Stale, "older than the prefixes kept");
     }
 
     /// News leaves the requests out (and a news report naming some is
