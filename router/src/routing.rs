@@ -182,14 +182,26 @@ pub async fn parse_and_prepare(
 }
 
 /// Runs `job` on tokio's blocking pool under a tokenizer slot (one per
-/// core), waiting for the slot asynchronously.
+/// core), waiting for the slot asynchronously. The slot goes with the job: a
+/// request dropped while its job runs (its client gone) does not give the
+/// slot back until the job ends, or every dropped request would let another
+/// job start, past one per core, each holding its body and parse.
 pub async fn on_tokenizer_pool<T: Send + 'static>(
     state: &AppState,
     job: impl FnOnce() -> Result<T, RouterError> + Send + 'static,
 ) -> Result<T, RouterError> {
-    let _slot =
-        state.tokenize_slots.acquire().await.map_err(|_| RouterError::Internal("tokenizer pool closed".into()))?;
-    tokio::task::spawn_blocking(job).await.map_err(|e| RouterError::Internal(format!("tokenizer task failed: {e}")))?
+    let slot = state
+        .tokenize_slots
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| RouterError::Internal("tokenizer pool closed".into()))?;
+    tokio::task::spawn_blocking(move || {
+        let _slot = slot;
+        job()
+    })
+    .await
+    .map_err(|e| RouterError::Internal(format!("tokenizer task failed: {e}")))?
 }
 
 /// Tokenizing a prompt of several MB allocates hundreds of MB of
@@ -411,5 +423,35 @@ mod tests {
         assert_eq!(state.map.read().index.counts(b.slot), Counts::default());
         record_dispatch(&state, &b, &keys);
         assert_eq!(state.map.read().index.counts(b.slot).speculative, keys.len());
+    }
+
+    /// A request dropped while its tokenizer job runs (its client gone)
+    /// keeps the slot until the job ends: the slot was given back at once,
+    /// and every dropped request let another job start past one per core.
+    #[tokio::test]
+    async fn a_dropped_request_keeps_its_tokenizer_slot_until_its_job_ends() {
+        let state = state();
+        let slots = state.tokenize_slots.available_permits();
+        let (started_tx, started) = std::sync::mpsc::channel::<()>();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let waiting = tokio::spawn({
+            let state = state.clone();
+            async move {
+                let job = move || {
+                    started_tx.send(()).unwrap();
+                    released.recv().unwrap();
+                    Ok(())
+                };
+                on_tokenizer_pool(&state, job).await
+            }
+        });
+        tokio::task::spawn_blocking(move || started.recv().unwrap()).await.unwrap();
+        waiting.abort();
+        let _ = waiting.await;
+        assert_eq!(state.tokenize_slots.available_permits(), slots - 1, "the job still runs");
+        release.send(()).unwrap();
+        while state.tokenize_slots.available_permits() < slots {
+            tokio::task::yield_now().await;
+        }
     }
 }
