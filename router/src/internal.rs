@@ -34,7 +34,7 @@ use kvroute_shared::{BlockKey, WorkerId};
 
 use crate::config::Secret;
 use crate::error::RouterError;
-use crate::index::{Covers, DeltaCursor, SyncOutcome, SyncPlan};
+use crate::index::{Covers, DeltaCursor, Index, Slot, SyncOutcome, SyncPlan};
 use crate::proxy::read_in_time;
 use crate::state::{AppState, Registered, now_ms};
 use crate::workers::{RegistryError, Source, Target, Upsert, Worker};
@@ -273,6 +273,13 @@ pub async fn eviction(
 /// that `worker` is still its member: a batch that was in flight while its
 /// worker expired (and its slot perhaps went to another) is refused.
 fn apply_eviction(state: &AppState, worker: &Worker, batch: &EvictionBatch) -> Push<Acked> {
+    // A worker holds at most max_sync_keys entries, however they arrive.
+    // Judged under the read lock: past the cheap bound it looks up every key
+    // of the batch (up to max_sync_keys), which under the write lock would
+    // stall routing for as long, and a pusher could repeat it at will. The
+    // figures can move before the write lock is taken: the cap is a bound on
+    // memory, not an exact count.
+    let too_large = over_cap(&state.map.read().index, worker.slot, batch, state.config.raw.max_sync_keys);
     let mut map = state.map.write();
     if !map.is_member(&state.workers, worker) {
         return Push::NotMember;
@@ -289,23 +296,7 @@ fn apply_eviction(state: &AppState, worker: &Worker, batch: &EvictionBatch) -> P
     // (under the lock, so an expiry deciding under it sees it): liveness
     // never waits for a key set to be accepted.
     worker.live.last_report_ms.store(now_ms(), Ordering::Relaxed);
-    // A worker holds at most max_sync_keys entries, however they arrive.
-    // Only evictions of keys it holds make room: keys made up to evict
-    // let a pusher reach twice the cap.
-    // The evictions are looked up only when the worker would be over the
-    // cap without them (not on every routine push, under the write lock).
-    let max = state.config.raw.max_sync_keys;
-    let held = map.index.counts(worker.slot);
-    let kept = if batch.cleared {
-        0
-    } else if held.confirmed + held.speculative + batch.stored_hashes.len() <= max {
-        held.confirmed + held.speculative
-    } else {
-        let evicted: HashSet<&BlockKey> =
-            batch.evicted_hashes.iter().filter(|k| map.index.holds(worker.slot, k)).collect();
-        (held.confirmed + held.speculative).saturating_sub(evicted.len())
-    };
-    if kept + batch.stored_hashes.len() > max {
+    if too_large {
         return Push::TooLarge;
     }
     if !map.seq(worker.slot).accept(batch.epoch.as_deref(), batch.seq) {
@@ -326,6 +317,28 @@ fn apply_eviction(state: &AppState, worker: &Worker, batch: &EvictionBatch) -> P
     }
     let resync = batch.digest.is_some_and(|theirs| theirs != map.index.digest(slot));
     Push::Applied(Acked { resync, clock: Some(map.index.clock()) })
+}
+
+/// Whether `batch` would leave `slot` holding more than `max` entries. Only
+/// evictions of keys it holds make room (keys made up to evict would let a
+/// pusher reach twice the cap), and only stored keys it does not hold take
+/// any: confirming its speculative entries, or a repair re-sending held keys,
+/// adds none. The keys are looked up only when the worker would be over the
+/// cap without them, not on every routine push.
+fn over_cap(index: &Index, slot: Slot, batch: &EvictionBatch, max: usize) -> bool {
+    let stored = batch.stored_hashes.len();
+    if batch.cleared {
+        return stored > max;
+    }
+    let held = index.counts(slot);
+    let held = held.confirmed + held.speculative;
+    if held + stored <= max {
+        return false;
+    }
+    let evicted: HashSet<&BlockKey> = batch.evicted_hashes.iter().filter(|k| index.holds(slot, k)).collect();
+    let added: HashSet<&BlockKey> =
+        batch.stored_hashes.iter().filter(|k| !index.holds(slot, k) || evicted.contains(k)).collect();
+    held - evicted.len() + added.len() > max
 }
 
 pub async fn sync(

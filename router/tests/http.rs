@@ -946,6 +946,10 @@ async fn stored_hashes_are_bounded_like_syncs() {
         200,
         "a cleared worker holds only what it stores"
     );
+    // At the cap, keys it already holds take no room (a repair re-sending
+    // them, or confirming its speculative entries): they were counted as new.
+    assert_eq!(push(keys(20, 4)).await.status(), 200, "re-stored held keys");
+    assert_eq!(push([keys(20, 4), keys(30, 1)].concat()).await.status(), 413, "one new key past the cap");
 }
 
 #[tokio::test]
