@@ -1,10 +1,11 @@
 //! The engine's other endpoints (`/v1/embeddings`, `/tokenize`,
 //! `/v1/responses`, `/pooling`, `/version`, …): forwarded as they are to a
-//! healthy worker serving the body's `model` (any healthy worker when the
-//! request names none), the one with the fewest requests in flight. No
-//! prefix routing: only completions and chats are keyed. A client pointed at
-//! the router instead of an engine keeps the whole OpenAI surface vLLM
-//! serves; before, every such path was a bare 404.
+//! healthy worker serving the body's `model` (a JSON body's, or a multipart
+//! form's field; the served model's workers when it names none), the one
+//! with the fewest requests in flight. No prefix routing: only completions
+//! and chats are keyed. A client pointed at the router instead of an engine
+//! keeps the whole OpenAI surface vLLM serves; before, every such path was a
+//! bare 404.
 //!
 //! Only the client API is forwarded, by an explicit list ([`is_client_api`]):
 //! `/v1/embeddings`, `/v1/responses…`, `/v1/audio/…`, `/v1/score`,
@@ -92,7 +93,7 @@ async fn run(
     let body = read_client_in_time(state, body, state.config.raw.max_body_bytes).await?;
     let permit = take_slot(state)?;
     // Naming none, it is for the served model, as a completion is.
-    let model = model_of(&body).unwrap_or_else(|| crate::routing::served_model(state));
+    let model = model_of(headers, &body).unwrap_or_else(|| crate::routing::served_model(state));
     let mut workers = crate::routing::serving(&state.workers.snapshot(), &model)?;
     workers.sort_by_key(|w| w.live.inflight.load(Ordering::Relaxed) + w.live.replica_inflight.load(Ordering::Relaxed));
     let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
@@ -126,12 +127,59 @@ async fn run(
 }
 
 /// The body's `model`, when it is a JSON object naming one.
-fn model_of(body: &Bytes) -> Option<String> {
+/// The model a body names: a JSON body's `model`, or a multipart form's
+/// `model` field (`/v1/audio/transcriptions` and `/translations` send the
+/// audio as a form). `None` for a body naming none, or of another kind (an
+/// urlencoded form is not read).
+fn model_of(headers: &HeaderMap, body: &Bytes) -> Option<String> {
     #[derive(serde::Deserialize)]
     struct Named {
         model: String,
     }
-    serde_json::from_slice::<Named>(body).ok().map(|n| n.model).filter(|m| !m.is_empty())
+    let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or_default();
+    let model = match form_boundary(content_type) {
+        Some(boundary) => form_field(body, boundary, "model")?,
+        None => serde_json::from_slice::<Named>(body).ok()?.model,
+    };
+    Some(model).filter(|m| !m.is_empty())
+}
+
+/// `multipart/form-data; boundary=B`'s `B`.
+fn form_boundary(content_type: &str) -> Option<&str> {
+    let mut params = content_type.split(';');
+    if !params.next()?.trim().eq_ignore_ascii_case("multipart/form-data") {
+        return None;
+    }
+    params.find_map(|p| {
+        let (k, v) = p.split_once('=')?;
+        k.trim().eq_ignore_ascii_case("boundary").then(|| v.trim().trim_matches('"')).filter(|b| !b.is_empty())
+    })
+}
+
+/// The text of the multipart form field `name` (RFC 7578), if the body has
+/// one: the part after a `--boundary` line whose `Content-Disposition` names
+/// it, up to the next delimiter. Only a short field is read: the model's
+/// name, not a file.
+fn form_field(body: &[u8], boundary: &str, name: &str) -> Option<String> {
+    const MAX_FIELD_BYTES: usize = 1_024;
+    let dashes = format!("--{boundary}");
+    let finder = aho_corasick::AhoCorasick::new([dashes.as_bytes()]).ok()?;
+    // Delimiters: `--boundary` opening the body or a line.
+    let delimiters: Vec<(usize, usize)> = finder
+        .find_iter(body)
+        .filter(|m| m.start() == 0 || body[..m.start()].ends_with(b"\r\n"))
+        .map(|m| (m.start(), m.end()))
+        .collect();
+    let wanted = format!("name=\"{name}\"");
+    delimiters.windows(2).find_map(|w| {
+        let part = body[w[0].1..w[1].0].strip_prefix(b"\r\n")?.strip_suffix(b"\r\n")?;
+        let split = part.windows(4).position(|x| x == b"\r\n\r\n")?;
+        let head = std::str::from_utf8(&part[..split]).ok()?;
+        let disposition = head.lines().find(|l| l.to_ascii_lowercase().starts_with("content-disposition:"))?;
+        let value = &part[split + 4..];
+        (disposition.split(';').any(|p| p.trim() == wanted) && value.len() <= MAX_FIELD_BYTES)
+            .then(|| String::from_utf8_lossy(value).trim().to_owned())
+    })
 }
 
 /// Counts a forwarded request as in flight on its worker until its answer
@@ -176,4 +224,30 @@ fn relay(
     *resp.status_mut() = status;
     *resp.headers_mut() = headers;
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn form(content_type: &str, body: &'static str) -> Option<String> {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_TYPE, content_type.parse().unwrap());
+        model_of(&headers, &Bytes::from_static(body.as_bytes()))
+    }
+
+    #[test]
+    fn a_forms_model_field_names_its_model() {
+        let ct = "multipart/form-data; boundary=\"b-1\"";
+        let body = "--b-1\r\nContent-Disposition: form-data; name=\"file\"; filename=\"x\"\r\n\
+                    Content-Type: audio/wav\r\n\r\nname=\"model\"\r\n\r\nRIFF\r\n--b-1\r\n\
+                    Content-Disposition: form-data; name=\"model\"\r\n\r\n whisper \r\n--b-1--\r\n";
+        assert_eq!(form(ct, body).as_deref(), Some("whisper"), "a file's bytes are not fields");
+        let unnamed = "--b-1\r\nContent-Disposition: form-data; name=\"language\"\r\n\r\nen\r\n--b-1--\r\n";
+        assert_eq!(form(ct, unnamed), None);
+        assert_eq!(form("multipart/form-data", body), None, "no boundary");
+        assert_eq!(form("application/json", r#"{"model": "m"}"#).as_deref(), Some("m"));
+        assert_eq!(form("application/json", r#"{"model": ""}"#), None);
+        assert_eq!(form("application/x-www-form-urlencoded", "model=m"), None);
+    }
 }

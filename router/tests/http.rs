@@ -409,7 +409,8 @@ async fn static_workers_learn_their_models_from_the_engine() {
                         (StatusCode::NOT_FOUND, "no such model").into_response()
                     }
                 }),
-            );
+            )
+            .route("/v1/audio/transcriptions", post(move || async move { model }));
         serve_engine(app).await
     }
     let (a, b) = (engine("alpha").await, engine("beta").await);
@@ -429,6 +430,22 @@ async fn static_workers_learn_their_models_from_the_engine() {
     for _ in 0..4 {
         let resp = r.complete(json!({"model": "beta", "prompt": "hello"})).await;
         assert_eq!((resp.status(), resp.headers()["x-kvroute-worker"].to_str().unwrap()), (StatusCode::OK, "b"));
+    }
+    // A form names its model in a field (audio is sent as one): it went to
+    // the served model's engine, the first listed, whatever it named.
+    let form = "--XyZ\r\ncontent-disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF\r\n\
+                --XyZ\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nbeta\r\n--XyZ--\r\n";
+    for _ in 0..2 {
+        let resp = r
+            .http
+            .post(format!("{}/v1/audio/transcriptions", r.url))
+            .header("content-type", "multipart/form-data; boundary=XyZ")
+            .body(form)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.headers()["x-kvroute-worker"], "b");
+        assert_eq!(resp.text().await.unwrap(), "beta");
     }
 }
 
