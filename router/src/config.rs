@@ -322,6 +322,10 @@ impl RawConfig {
             if id.is_empty() || workers.iter().any(|w| w.id.as_str() == id) {
                 return Err(invalid("workers", format!("{spec:?}: worker ids must be unique and non-empty")));
             }
+            // One engine under two ids splits its traffic and its cache.
+            if let Some(twin) = workers.iter().find(|w| w.url == url && w.dp_rank == dp_rank) {
+                return Err(invalid("workers", format!("{spec:?}: the same engine as worker {}", twin.id)));
+            }
             workers.push(StaticWorker { id: WorkerId::new(id), url, dp_rank });
         }
         let mut replicas: Vec<String> = Vec::new();
@@ -627,6 +631,14 @@ mod tests {
         for bad in ["c=http://h#rank=1", "c=http://h#dp-rank=x", "c=http://h#dp-rank=1024"] {
             let e = RawConfig { workers: vec![bad.into()], ..Default::default() }.validate().unwrap_err();
             assert!(e.to_string().contains("dp-rank=R"), "{bad}: {e}");
+        }
+        // One engine (or rank) under two ids is refused, its twin named.
+        for twins in
+            [["a=http://h:8000", "b=http://h:8000/"], ["a=http://h:8000#dp-rank=1", "b=http://h:8000/#dp-rank=1"]]
+        {
+            let workers = twins.iter().map(|w| (*w).to_owned()).collect();
+            let e = RawConfig { workers, ..Default::default() }.validate().unwrap_err();
+            assert!(e.to_string().contains("the same engine as worker a"), "{twins:?}: {e}");
         }
     }
 

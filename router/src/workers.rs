@@ -425,6 +425,15 @@ impl Registry {
             return Ok((updated, Upsert::Updated));
         }
         let (url, dp_rank) = target.ok_or_else(|| RegistryError::NoUrl(id.clone()))?;
+        if let Some(twin) = next.iter().find(|w| w.source == Source::Static && w.url == url && w.dp_rank == dp_rank) {
+            // Kept (the operator may be moving from static workers to
+            // sidecars), but the engine is now two workers, each with half
+            // its traffic and one of them routed without its cache.
+            tracing::error!(
+                worker.id = %id, static_worker = %twin.id, url = %url,
+                "a sidecar registered an engine that is also a static worker: remove the --worker entry"
+            );
+        }
         let slot = (0..MAX_WORKERS as u16)
             .map(Slot)
             .find(|s| !next.iter().any(|w| w.slot == *s))
