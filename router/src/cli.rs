@@ -195,6 +195,29 @@ const ENV_KEYS: &[&str] = &[
     "shutdown_grace",
 ];
 
+/// `KVROUTE_` variables of the project's other programs (the sidecar, the
+/// vLLM plugin, scripts and tests), which the router leaves alone.
+const OTHERS_ENV: &[&str] =
+    &["LOG", "LOG_FORMAT", "SIDECAR_", "HOOKS_", "SNAPSHOT_ENDPOINT", "IMAGE", "COMMIT", "PYTHON", "VLLM_", "TINY_"];
+
+/// The `KVROUTE_` variables in `env` that the router does not read and no
+/// other kvroute program does: most likely a misspelt key
+/// (`KVROUTE_BLOCKSIZE`), which would otherwise be dropped without a word
+/// (an unknown key in the file is an error).
+pub fn unknown_env(env: impl IntoIterator<Item = (String, String)>) -> Vec<String> {
+    let mut unknown: Vec<String> = env
+        .into_iter()
+        .filter_map(|(k, _)| {
+            let rest = k.strip_prefix("KVROUTE_")?;
+            let known = ENV_KEYS.contains(&rest.to_ascii_lowercase().as_str())
+                || OTHERS_ENV.iter().any(|o| if o.ends_with('_') { rest.starts_with(o) } else { rest == *o });
+            (!known).then_some(k)
+        })
+        .collect();
+    unknown.sort();
+    unknown
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
     #[error("config: {0}")]
@@ -435,6 +458,21 @@ mod tests {
         assert_eq!((raw.max_sessions, raw.max_sync_keys, raw.max_internal_body_bytes), (7, 1000, 65536));
         assert_eq!(raw.max_session_ttl, std::time::Duration::from_secs(7200));
         assert_eq!(raw.shutdown_grace, std::time::Duration::from_secs(3));
+    }
+
+    #[test]
+    fn misspelt_variables_are_named() {
+        let env = [
+            ("KVROUTE_BLOCK_SIZE", "32"),
+            ("KVROUTE_BLOCKSIZE", "32"),
+            ("KVROUTE_LOG", "debug"),
+            ("KVROUTE_SIDECAR_ROUTER", "http://r"),
+            ("KVROUTE_HOOKS_DISABLE", "1"),
+            ("KVROUTE_POLICY_", "x"),
+            ("PATH", "/bin"),
+        ];
+        let unknown = unknown_env(env.map(|(k, v)| (k.to_owned(), v.to_owned())));
+        assert_eq!(unknown, ["KVROUTE_BLOCKSIZE", "KVROUTE_POLICY_"]);
     }
 
     #[test]

@@ -21,6 +21,10 @@ async fn main() -> anyhow::Result<()> {
         cli.serve.log_format.as_deref(),
         kvroute_shared::logging::Output::Stdout,
     )?;
+    let unknown = kvroute_router::cli::unknown_env(std::env::vars());
+    if !unknown.is_empty() {
+        tracing::warn!(variables = ?unknown, "ignoring KVROUTE_ variables the router does not read (misspelt?)");
+    }
     let raw = cli.serve.load(std::env::vars()).context("loading configuration")?;
     let config = raw.validate()?;
     // Certificates are read before anything announces an https address.
