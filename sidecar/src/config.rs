@@ -143,6 +143,13 @@ impl RawConfig {
         if self.engine_api_key.as_deref().is_some_and(|k| k.is_empty() || k.chars().any(char::is_whitespace)) {
             return Err(ConfigError::new("engine_api_key", "must be non-empty, without whitespace"));
         }
+        // With none it would follow its engine, report healthy and tell no one.
+        if routers.is_empty() {
+            return Err(ConfigError::new(
+                "router",
+                "none given: list every router replica (--router URL, or KVROUTE_SIDECAR_ROUTER=URL,URL)",
+            ));
+        }
         Ok(Config {
             worker_id: WorkerId::new(worker_id),
             engine_url,
@@ -374,7 +381,11 @@ mod tests {
 
     #[test]
     fn defaults_and_rank_ports() {
-        let raw = RawConfig { events: Some("tcp://10.0.0.1:5557".into()), ..RawConfig::default() };
+        let raw = RawConfig {
+            events: Some("tcp://10.0.0.1:5557".into()),
+            router: vec!["http://r:8080".into()],
+            ..RawConfig::default()
+        };
         let c = raw.validate("host-1").unwrap();
         assert_eq!(c.worker_id.as_str(), "host-1");
         assert_eq!(c.engine_url, "http://127.0.0.1:8000");
@@ -393,6 +404,9 @@ mod tests {
         assert_eq!(raw.validate("h").unwrap_err().field, "router");
         let raw = RawConfig { events: Some("tcp://h:1".into()), block_size: Some(0), ..RawConfig::default() };
         assert_eq!(raw.validate("h").unwrap_err().field, "block_size");
+        let raw = RawConfig { events: Some("tcp://h:1".into()), ..RawConfig::default() };
+        let e = raw.validate("h").unwrap_err();
+        assert!(e.field == "router" && e.message.contains("KVROUTE_SIDECAR_ROUTER"), "{e}");
         let events = || Some("tcp://h:1".to_owned());
         let zero = Some(Duration::ZERO);
         for (field, raw) in [
@@ -428,6 +442,7 @@ mod tests {
                 events: Some(events.into()),
                 data_parallel_size: size,
                 data_parallel_rank: rank,
+                router: vec!["http://r:8080".into()],
                 ..RawConfig::default()
             }
             .validate("h")

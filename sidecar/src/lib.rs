@@ -61,6 +61,11 @@ pub enum RunError {
          set --block-size to the engine's (and the routers' block_size with it), or leave it unset"
     )]
     BlockSize { configured: BlockSize, engine: BlockSize },
+    #[error(
+        "--model is \"{configured}\" but the engine serves {served} (/v1/models): set --model to one of them \
+         (vLLM's --served-model-name), or leave it unset for the first"
+    )]
+    ModelNotServed { configured: ModelName, served: String },
 }
 
 /// The `/health` and `/metrics` server's connection limits: its clients are
@@ -171,12 +176,20 @@ async fn start(
     metrics: Arc<Metrics>,
     cancel: &CancellationToken,
 ) -> Result<Running, RunError> {
-    let (base_model, models) = match &config.model {
-        Some(m) => {
-            let models = engine.models().await.unwrap_or_else(|_| vec![m.clone()]);
-            (m.clone(), models)
+    // Waited for even when `--model` is given: the engine must be up for its
+    // block size to be checked, and a name it does not serve (a typo, the
+    // HF id instead of `--served-model-name`) roots every key where no
+    // request's key is.
+    let models = discover_models(&engine).await;
+    let base_model = match &config.model {
+        Some(m) if !models.contains(m) => {
+            return Err(RunError::ModelNotServed {
+                configured: m.clone(),
+                served: models.iter().map(ModelName::as_str).collect::<Vec<_>>().join(", "),
+            });
         }
-        None => discover_models(&engine).await,
+        Some(m) => m.clone(),
+        None => models[0].clone(),
     };
     let engine_block_size = engine.block_size().await;
     let block_size = match (config.block_size, engine_block_size) {
@@ -238,11 +251,12 @@ async fn start(
 }
 
 /// Waits for the engine to list its models (it may still be loading weights).
-async fn discover_models(engine: &EngineClient) -> (ModelName, Vec<ModelName>) {
+/// The engine's served models (never empty), once it lists them.
+async fn discover_models(engine: &EngineClient) -> Vec<ModelName> {
     let mut backoff = Duration::from_millis(200);
     loop {
         match engine.models().await {
-            Ok(models) => return (models[0].clone(), models),
+            Ok(models) => return models,
             Err(e) => {
                 warn!(error = %e, "waiting for the engine to list its models");
                 tokio::time::sleep(backoff).await;

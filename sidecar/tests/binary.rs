@@ -6,15 +6,33 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// An engine's HTTP side: `/v1/models` lists `models`, `/metrics` is
+/// `metrics`. Its base URL.
+async fn fake_engine(models: &'static [&'static str], metrics: &'static str) -> String {
+    use axum::routing::get;
+    let data: Vec<serde_json::Value> = models.iter().map(|m| serde_json::json!({"id": m})).collect();
+    let list = serde_json::json!({"object": "list", "data": data});
+    let app = axum::Router::new()
+        .route("/v1/models", get(move || async move { axum::Json(list) }))
+        .route("/metrics", get(move || async move { metrics }));
+    let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", engine.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(engine, app).await });
+    url
+}
+
 #[test]
 fn binary_prints_its_address_and_serves_health() {
+    // The engine is served by this runtime's own thread while the test waits.
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let engine_url = rt.block_on(fake_engine(&["m"], ""));
     let dir = std::env::temp_dir().join(format!("kvroute-sidecar-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("sidecar.toml");
     std::fs::write(&file, "worker_id = \"w-file\"\nsync_interval = \"2s\"\nblock_size = 32\n").unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-sidecar"))
         .args(["--config", file.to_str().unwrap(), "--listen", "127.0.0.1:0", "--model", "m"])
-        .args(["--events", "tcp://127.0.0.1:1", "--engine-url", "http://127.0.0.1:1"])
+        .args(["--events", "tcp://127.0.0.1:1", "--engine-url", &engine_url])
         .env("KVROUTE_SIDECAR_WORKER_ID", "w-env")
         // Numeric-looking strings stay strings; numbers parse from strings.
         .env("KVROUTE_SIDECAR_INTERNAL_TOKEN", "1e5678901234567890")
@@ -29,7 +47,6 @@ fn binary_prints_its_address_and_serves_health() {
     BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
     let addr = line.trim().strip_prefix("listening on http://").unwrap_or_else(|| panic!("got {line:?}")).to_owned();
 
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let health = rt.block_on(async {
         let http = reqwest::Client::builder().timeout(Duration::from_secs(2)).build().unwrap();
         let deadline = Instant::now() + Duration::from_secs(15);
@@ -75,40 +92,55 @@ fn binary_prints_its_address_and_serves_health() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// A `--block-size` other than the engine's is refused at start, naming
-/// both: keys chunked by another size never match a request, and a counter
-/// was all that said so.
+/// A `--block-size` other than the engine's, or a `--model` it does not
+/// serve, is refused at start, naming both: keys chunked by another size or
+/// rooted in another name never match a request, and a counter (or nothing)
+/// was all that said so. Both were checked only when `--model` was not
+/// given: with it the sidecar started without asking the engine.
 #[tokio::test]
-async fn a_block_size_other_than_the_engines_is_refused_at_start() {
-    use axum::routing::get;
+async fn a_block_size_or_model_other_than_the_engines_is_refused_at_start() {
     let metrics = "vllm:cache_config_info{block_size=\"32\",enable_prefix_caching=\"True\"} 1.0\n";
-    let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let engine_url = format!("http://{}", engine.local_addr().unwrap());
-    let app = axum::Router::new().route("/metrics", get(move || async move { metrics }));
-    tokio::spawn(async move { axum::serve(engine, app).await });
-    let raw = |block_size| kvroute_sidecar::config::RawConfig {
+    let engine_url = fake_engine(&["m", "sql-adapter"], metrics).await;
+    let raw = |model: &str, block_size| kvroute_sidecar::config::RawConfig {
         engine_url: Some(engine_url.clone()),
-        model: Some("m".into()),
+        model: Some(model.into()),
         events: Some("tcp://127.0.0.1:1".into()),
+        router: vec!["http://127.0.0.1:1".into()],
         block_size,
         ..Default::default()
     };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let config = raw(Some(16)).validate("w").unwrap();
-    let refused = kvroute_sidecar::run(listener, config, std::future::pending());
-    let e = tokio::time::timeout(std::time::Duration::from_secs(20), refused) // a deadline for a broken build
-        .await
-        .expect("the sidecar started with the wrong block size")
-        .unwrap_err();
-    let message = e.to_string();
+    let refused = |config| async move {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let refused = kvroute_sidecar::run(listener, config, std::future::pending());
+        let e = tokio::time::timeout(std::time::Duration::from_secs(20), refused) // a deadline for a broken build
+            .await
+            .expect("the sidecar started against its engine")
+            .unwrap_err();
+        e.to_string()
+    };
+    let message = refused(raw("m", Some(16)).validate("w").unwrap()).await;
     assert!(message.contains("--block-size is 16") && message.contains("engine reports 32"), "{message}");
-    // The engine's own size, given or read, starts.
+    let message = refused(raw("Qwen/Qwen3-0.6B", None).validate("w").unwrap()).await;
+    assert!(message.contains("\"Qwen/Qwen3-0.6B\"") && message.contains("serves m, sql-adapter"), "{message}");
+    // The engine's own size and a name it serves, given or read, start.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let config = raw(Some(32)).validate("w").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let config = raw("m", Some(32)).validate("w").unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(kvroute_sidecar::run(listener, config, async move {
         let _ = stopped.await;
     }));
+    // Healthy once it has learnt the engine's facts and started.
+    let deadline = Instant::now() + Duration::from_secs(20); // a deadline for a broken build
+    loop {
+        let r = reqwest::get(format!("http://{addr}/health")).await;
+        if r.is_ok_and(|r| r.status().is_success()) {
+            break;
+        }
+        assert!(!running.is_finished(), "the sidecar stopped: {:?}", running.await);
+        assert!(Instant::now() < deadline, "the sidecar never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     stop.send(()).unwrap();
-    running.await.unwrap().expect("a matching block size starts and stops cleanly");
+    running.await.unwrap().expect("a matching block size and model start and stop cleanly");
 }
