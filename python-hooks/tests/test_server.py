@@ -5,7 +5,7 @@ import pytest
 import zmq
 
 from kvroute_hooks import SnapshotServer, install, tracked_pools
-from kvroute_hooks.patch import endpoint_for_rank
+from kvroute_hooks.patch import disabled, endpoint_for_rank
 
 from fakes import grouped
 
@@ -205,3 +205,12 @@ def test_block_pool_hook_ignores_cpu_pools(monkeypatch):
     gpu = BlockPool()
     assert gpu in tracked_pools()
     assert cpu not in tracked_pools()
+
+
+def test_the_disable_switch_reads_words_as_people_write_them(caplog):
+    # `=false` switched the hook off: any value but "" and "0" did.
+    for on in (None, "", "0", "false", "No", " off "):
+        assert not disabled(on), on
+    for off in ("1", "true", "YES", "on"):
+        assert disabled(off), off
+    assert disabled("maybe") and "maybe" in caplog.text

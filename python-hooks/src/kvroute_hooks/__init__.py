@@ -15,7 +15,7 @@ Environment (read once, at plugin load, inside the engine):
 - ``KVROUTE_SNAPSHOT_ENDPOINT``: where to bind, default ``tcp://127.0.0.1:5560``;
   data-parallel rank ``r`` binds port + r, like vLLM's event publisher (the
   rank is the scheduler's ``parallel_config.data_parallel_index``).
-- ``KVROUTE_HOOKS_DISABLE=1``: do nothing.
+- ``KVROUTE_HOOKS_DISABLE=1`` (or ``true``, ``yes``, ``on``): do nothing.
 """
 
 from .hashes import collect_hashes, convert_key

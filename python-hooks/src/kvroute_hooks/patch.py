@@ -131,9 +131,22 @@ def install(block_pool_cls: Any, endpoint: Optional[str] = None) -> None:
     block_pool_cls._kvroute_patched = True
 
 
+def disabled(value: Optional[str]) -> bool:
+    """Whether ``KVROUTE_HOOKS_DISABLE`` switches the hook off: unset, empty,
+    ``0``, ``false``, ``no`` and ``off`` leave it on (``=false`` turned it off
+    before, as did any value but ``0``), ``1``, ``true``, ``yes`` and ``on``
+    switch it off, and any other value switches it off with a warning."""
+    v = (value or "").strip().lower()
+    if v in ("", "0", "false", "no", "off"):
+        return False
+    if v not in ("1", "true", "yes", "on"):
+        log.warning("KVROUTE_HOOKS_DISABLE=%r is not 1/true/yes/on or 0/false/no/off: the hook is off", value)
+    return True
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point."""
-    if os.environ.get("KVROUTE_HOOKS_DISABLE", "") not in ("", "0"):
+    if disabled(os.environ.get("KVROUTE_HOOKS_DISABLE")):
         return
     try:
         from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore
