@@ -282,6 +282,9 @@ async fn dispatch(
     // worker has answered it. A request every worker refuses is the request's
     // fault and must not eject them all one by one.
     let mut suspects: Vec<&Arc<Worker>> = Vec::new();
+    // Blocks after an image (audio, video, prompt embeddings) carry extra
+    // keys the sidecar does not translate: filling them reports nothing.
+    let keyed = !carries_media(&body);
     for (attempt, (worker, cand)) in plan.attempts().take(max_attempts).enumerate() {
         if attempt > 0 {
             state.metrics.retries.inc();
@@ -299,7 +302,7 @@ async fn dispatch(
             })
             .flatten();
         let mut guard = InflightGuard::new(state.clone(), worker.clone(), plan, cand, modelled, arrived);
-        let mut wait = Deadline::new(state, worker, streaming, plan.uncached_tokens(cand));
+        let mut wait = Deadline::new(state, worker, streaming, keyed, plan.uncached_tokens(cand));
         // A non-streamed answer's headers come with its last token: nothing
         // marks its first, and its prompt would count as queued prefill for
         // its whole generation. It is taken as prefilled when the timing
@@ -536,12 +539,17 @@ impl<T> Wait<T> {
 }
 
 impl Deadline {
-    fn new(state: &AppState, worker: &Worker, streaming: bool, uncached_tokens: u64) -> Self {
+    /// `keyed`: the blocks the request fills are ones its worker's sidecar
+    /// reports (no media part), so a non-streamed answer can be watched by
+    /// them. An engine serving only image requests fills none it reports:
+    /// such answers were judged stalled a window in, cancelled and charged.
+    fn new(state: &AppState, worker: &Worker, streaming: bool, keyed: bool, uncached_tokens: u64) -> Self {
         let raw = &state.config.raw;
         let started = tokio::time::Instant::now();
         let hard = started + raw.first_byte_timeout;
-        let reports_blocks =
-            worker.live.has_sidecar.load(Ordering::Relaxed) && worker.live.last_blocks_ms.load(Ordering::Relaxed) > 0;
+        let reports_blocks = keyed
+            && worker.live.has_sidecar.load(Ordering::Relaxed)
+            && worker.live.last_blocks_ms.load(Ordering::Relaxed) > 0;
         let (until, window) = if streaming || reports_blocks {
             let first_token = raw.first_token_timeout
                 + raw.first_token_timeout_per_1k_tokens.mul_f64(uncached_tokens as f64 / 1000.0);

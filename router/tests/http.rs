@@ -611,7 +611,8 @@ async fn a_stream_on_an_engine_filling_blocks_keeps_its_place() {
 /// engine fills is watched as a stream is: waited for while blocks are
 /// filled, and given up (retried elsewhere) when a whole window passes
 /// without any, a wedged engine, where it waited `first_byte_timeout` (an
-/// hour) before.
+/// hour) before. Not one about an image, whose blocks the sidecar does not
+/// report.
 #[tokio::test]
 async fn a_non_streamed_answer_is_waited_for_while_its_engine_fills_blocks() {
     let app = Router::new()
@@ -623,6 +624,13 @@ async fn a_non_streamed_answer_is_waited_for_while_its_engine_fills_blocks() {
                 }
                 tokio::time::sleep(Duration::from_millis(900)).await;
                 axum::Json(json!({"choices": [{"text": "done"}]}))
+            }),
+        )
+        .route(
+            "/v1/chat/completions",
+            post(|| async {
+                tokio::time::sleep(Duration::from_millis(900)).await;
+                axum::Json(json!({"choices": [{"message": {"role": "assistant", "content": "a cat"}}]}))
             }),
         )
         .route("/health", get(|| async { "ok" }));
@@ -673,19 +681,36 @@ async fn a_non_streamed_answer_is_waited_for_while_its_engine_fills_blocks() {
     // answer is waited for, not given up and charged.
     let resp = send(&session, "its sidecar silent".into()).await.unwrap();
     assert_eq!(resp.headers()["x-kvroute-worker"], "a-engine");
-    // Wedged, filling nothing while its sidecar reports on: given up after a
-    // window, answered elsewhere.
-    let heartbeats = async {
+    let heartbeats = || async {
         loop {
             let beat = json!({"worker_id": "a-engine", "evicted_hashes": []});
             assert_eq!(r.internal("/internal/eviction", beat).await.status(), 200);
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     };
+    // An image's blocks carry extra keys the sidecar does not report: an
+    // answer about one is not judged by blocks (it was given up as stalled).
+    let image = json!({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+    ]}]});
+    let about_image = r
+        .http
+        .post(format!("{}/v1/chat/completions", r.url))
+        .header("x-session-id", session.as_str())
+        .json(&image)
+        .send();
+    let resp = tokio::select! {
+        resp = about_image => resp.unwrap(),
+        () = heartbeats() => unreachable!(),
+    };
+    assert_eq!(resp.headers()["x-kvroute-worker"], "a-engine");
+    // Wedged, filling nothing while its sidecar reports on: given up after a
+    // window, answered elsewhere.
     let wedged = tokio::time::timeout(Duration::from_secs(20), send(&session, "wedged".into()));
     let resp = tokio::select! {
         resp = wedged => resp.expect("given up, not held an hour"),
-        () = heartbeats => unreachable!(),
+        () = heartbeats() => unreachable!(),
     };
     assert_eq!(resp.unwrap().headers()["x-kvroute-worker"], "b-good");
     let metrics = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
