@@ -285,7 +285,10 @@ async fn dispatch(
     // Blocks after an image (audio, video, prompt embeddings) carry extra
     // keys the sidecar does not translate: filling them reports nothing.
     let keyed = !carries_media(&body);
-    for (attempt, (worker, cand)) in plan.attempts().take(max_attempts).enumerate() {
+    // A worker ejected since the plan was made is not tried: its attempt
+    // would be given up at once, and count against the retries.
+    let healthy = plan.attempts().filter(|(w, _)| w.live.is_healthy());
+    for (attempt, (worker, cand)) in healthy.take(max_attempts).enumerate() {
         if attempt > 0 {
             state.metrics.retries.inc();
             routing::record_dispatch(state, worker, &plan.keys);

@@ -359,8 +359,12 @@ pub fn record_dispatch(state: &AppState, worker: &Worker, keys: &[BlockKey]) {
 /// `worker` comes from a snapshot taken before the lock: since then it may
 /// have been removed and another worker registered in its slot, which must
 /// not get entries for blocks sent elsewhere.
+///
+/// Nor an ejected worker (a retry's, ejected while an earlier attempt
+/// waited): its index was cleared, and entries recorded now would pull the
+/// prompt's next turn to it once re-admitted, where nothing is cached.
 fn record_routed(state: &AppState, map: &mut MapState, worker: &Worker, keys: &[BlockKey]) {
-    if !keys.is_empty() && map.is_member(&state.workers, worker) {
+    if !keys.is_empty() && worker.live.is_healthy() && map.is_member(&state.workers, worker) {
         map.index.record_routed(worker.slot, keys, now_ms());
     }
 }
@@ -423,6 +427,17 @@ mod tests {
         assert_eq!(state.map.read().index.counts(b.slot), Counts::default());
         record_dispatch(&state, &b, &keys);
         assert_eq!(state.map.read().index.counts(b.slot).speculative, keys.len());
+    }
+
+    #[test]
+    fn a_retry_on_an_ejected_worker_records_nothing() {
+        let state = state();
+        let a = register(&state, "a");
+        let keys = prepared(&state).keys;
+        a.live.healthy.store(false, std::sync::atomic::Ordering::Relaxed);
+        crate::health::eject(&state, &a, "test");
+        record_dispatch(&state, &a, &keys);
+        assert_eq!(state.map.read().index.counts(a.slot), Counts::default());
     }
 
     /// A request dropped while its tokenizer job runs (its client gone)
