@@ -59,6 +59,10 @@ const RECONNECT_MAX: Duration = HEARTBEAT;
 /// its `max_sync_keys` is raised, and each attempt makes it read (up to its
 /// internal body limit, 128 MiB) and decode the whole set first.
 const TOO_LARGE_PAUSE: Duration = Duration::from_secs(30);
+/// The pause after a router refused a push for what it is or who sent it
+/// ([`PushError::refused`]): each retry is a full sync it reads and decodes
+/// before refusing it again, from every sidecar, about once a second.
+const REFUSED_PAUSE: Duration = Duration::from_secs(30);
 
 /// Everything the per-router tasks share.
 #[derive(Debug)]
@@ -320,6 +324,10 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
                     pusher.state.metrics().push_failures.get_or_create(&Pusher::labels(&link.target, kind)).inc();
                     link.failures += 1;
                     link.repairing = false;
+                    // The router may be restarting: its new clock starts
+                    // again, and the old one named in the next sync's
+                    // `covers` would drop its every speculative entry here.
+                    link.router_clock = None;
                     if link.v2() && kind == MessageKind::Eviction && link.failures == 1 {
                         // One lost delta: the next push repairs it (its keys
                         // are among the recent ones); the digest checks that.
@@ -337,6 +345,9 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
                         let (_, keys) = pusher.state.counts();
                         error!(router = %link.target.0, keys, pause_secs = TOO_LARGE_PAUSE.as_secs(), "the router refuses this worker's key set as too large: raise its max_sync_keys (and max_internal_body_bytes) above the engine's KV blocks; retrying after a pause");
                         pause = TOO_LARGE_PAUSE;
+                    } else if e.refused() {
+                        error!(router = %link.target.0, error = %kvroute_shared::logging::error_chain(&e), pause_secs = REFUSED_PAUSE.as_secs(), "the router refuses this sidecar's pushes: its configuration or token must change (the error says what); retrying after a pause");
+                        pause = REFUSED_PAUSE;
                     }
                     tokio::select! {
                         _ = cancel.cancelled() => return,

@@ -74,6 +74,14 @@ impl PushError {
         matches!(self, PushError::Status { status: 413, .. })
     }
 
+    /// The router refuses the push for what it is or who sent it (a 4xx:
+    /// a block size other than its own, a token it does not take, a field an
+    /// older router does not know), which it will until an operator fixes
+    /// it; not a timeout (408), rate limit (429) or size (413).
+    pub fn refused(&self) -> bool {
+        matches!(self, PushError::Status { status, .. } if (400..500).contains(status) && !matches!(status, 408 | 413 | 429))
+    }
+
     /// The router refused the protocol version the push named (an older
     /// router: the link falls back to version 1).
     pub fn protocol_refused(&self) -> bool {

@@ -38,6 +38,8 @@ struct FakeRouter {
     unknown_left: Mutex<usize>,
     /// Syncs refused 413, as larger than the router's `max_sync_keys`.
     too_large_syncs_left: Mutex<usize>,
+    /// Every push refused with this status (a 4xx only an operator fixes).
+    refuse_with: Mutex<Option<u16>>,
     epoch: Mutex<String>,
     /// A router of the release before v2: it refuses a version-2 header.
     v1_only: Mutex<bool>,
@@ -63,6 +65,7 @@ impl FakeRouter {
             stale_left: Mutex::new(0),
             unknown_left: Mutex::new(0),
             too_large_syncs_left: Mutex::new(0),
+            refuse_with: Mutex::new(None),
             epoch: Mutex::new("r1".into()),
             v1_only: Mutex::new(false),
             lose_left: Mutex::new(0),
@@ -96,6 +99,9 @@ impl FakeRouter {
             return Err(PushError::Status { url: "fake".into(), status: 413, detail: String::new(), param: None });
         }
         drop(too_large);
+        if let Some(status) = *self.refuse_with.lock() {
+            return Err(PushError::Status { url: "fake".into(), status, detail: String::new(), param: None });
+        }
         let mut left = self.failures_left.lock();
         if *left > 0 {
             *left -= 1;
@@ -319,6 +325,27 @@ async fn a_sync_refused_as_too_large_is_retried_after_a_pause() {
     s.cancel.cancel();
 }
 
+/// A router that refuses every push for what it is or who sent it (a block
+/// size, a token: a 4xx only an operator fixes) is retried after a pause, not
+/// sent a full sync about once a second; a rate limit is retried sooner.
+#[tokio::test(start_paused = true)]
+async fn a_push_refused_for_its_configuration_is_retried_after_a_pause() {
+    for (status, paused) in [(400, true), (401, true), (403, true), (429, false)] {
+        let router = FakeRouter::new();
+        *router.refuse_with.lock() = Some(status);
+        let s = start_with(router, WallClock::system());
+        advance(95_000).await;
+        let attempts = s.router.attempts.lock().len();
+        let expected = if paused { (3..=5).contains(&attempts) } else { attempts > 20 };
+        assert!(expected, "{status}: {attempts} attempts in 95 s");
+        // Fixed: the next attempt is taken.
+        *s.router.refuse_with.lock() = None;
+        advance(31_000).await;
+        assert!(matches!(s.router.sent().first(), Some(Sent::Sync(_))), "{status}: {:?}", s.router.sent());
+        s.cancel.cancel();
+    }
+}
+
 /// A router that calls a push stale holds a newer epoch/seq for this worker
 /// (a forged push, say): the sidecar continues under a new, later epoch with
 /// a full sync at once, and its seq never goes back.
@@ -387,8 +414,12 @@ async fn a_router_back_from_a_restart_gets_one_sync() {
     *s.router.epoch.lock() = "r2".into();
     s.state.apply(Rank(0), &store(1, [1, 1, 1, 1]));
     advance(10_000).await;
-    let syncs = s.router.sent().iter().filter(|m| matches!(m, Sent::Sync(_))).count();
-    assert_eq!(syncs, 2, "the registration's and one after the outage: {:?}", s.router.sent());
+    let sent = s.router.sent();
+    let synced = syncs(&sent);
+    assert_eq!(synced.len(), 2, "the registration's and one after the outage: {sent:?}");
+    // Its clock started again: the old one would cover (drop) every
+    // speculative entry the new router made.
+    assert_eq!(synced[1].covers, None, "the old router's clock: {sent:?}");
     s.cancel.cancel();
 }
 
