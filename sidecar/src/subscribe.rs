@@ -100,7 +100,9 @@ pub async fn run(source: RankSource, state: Arc<WorkerState>, cancel: Cancellati
             Next::Batch(seq, batch, _) => stream.on_batch(seq, batch).await,
             // Back after a loss: rebuild from the engine's replay buffer now,
             // not when (if ever) the next live batch shows a gap.
-            Next::Reconnected => stream.recover(Seq(0), None).await,
+            Next::Reconnected if stream.source.replay.is_some() => stream.recover(Seq(0), None).await,
+            // Nothing to replay from: the loss already cleared the rank.
+            Next::Reconnected => {}
         }
     }
 }
@@ -291,27 +293,39 @@ impl Stream {
     async fn recover(&mut self, from: Seq, live: Option<(Seq, EventBatch)>) {
         let rank = self.source.rank;
         let mut buffered: Vec<(Seq, EventBatch)> = live.into_iter().collect();
+        let Some(endpoint) = self.source.replay.clone() else {
+            // No replay endpoint: what was missed is gone, and no replay was
+            // tried (none is counted). A rank that held something is cleared;
+            // one the loss of the stream cleared already is not again (each
+            // reset is a full sync to every router).
+            if self.expected.is_some() {
+                warn!(rank = rank.0, from = from.0, "events missed and no --replay endpoint: clearing and resyncing");
+                self.state.reset(rank);
+            }
+            for (s, b) in &buffered {
+                self.state.apply(rank, b);
+                self.expected = Some(Seq(s.0.wrapping_add(1)));
+            }
+            return;
+        };
         let mut buffered_bytes = 0;
         let mut reconnected = false;
-        let replayed = match self.source.replay.clone() {
-            None => None,
-            Some(endpoint) => {
-                let fetch = replay::fetch(&endpoint, from, REPLAY_TIMEOUT);
-                tokio::pin!(fetch);
-                loop {
-                    tokio::select! {
-                        r = &mut fetch => break Some(r),
-                        live = self.next() => match live {
-                            Next::Batch(s, b, n)
-                                if buffered.len() < MAX_BUFFERED && buffered_bytes + n <= MAX_BUFFERED_BYTES =>
-                            {
-                                buffered.push((s, b));
-                                buffered_bytes += n;
-                            }
-                            Next::Batch(..) => break None,
-                            Next::Reconnected => reconnected = true,
-                        },
-                    }
+        let replayed = {
+            let fetch = replay::fetch(&endpoint, from, REPLAY_TIMEOUT);
+            tokio::pin!(fetch);
+            loop {
+                tokio::select! {
+                    r = &mut fetch => break Some(r),
+                    live = self.next() => match live {
+                        Next::Batch(s, b, n)
+                            if buffered.len() < MAX_BUFFERED && buffered_bytes + n <= MAX_BUFFERED_BYTES =>
+                        {
+                            buffered.push((s, b));
+                            buffered_bytes += n;
+                        }
+                        Next::Batch(..) => break None,
+                        Next::Reconnected => reconnected = true,
+                    },
                 }
             }
         };
@@ -331,43 +345,51 @@ impl Stream {
             // Still lost: the next `Reconnected` replays from the beginning.
             return;
         }
-        let outcome = match replayed {
-            // A fresh engine with nothing published yet: nothing was lost.
-            Some(Ok(replayed)) if replayed.is_empty() && buffered.is_empty() => ReplayOutcome::Recovered,
-            Some(Ok(replayed)) if replayed.first().is_some_and(|(s, _)| *s == from) => {
-                let mut merged: Vec<&(Seq, EventBatch)> = replayed.iter().chain(buffered.iter()).collect();
-                merged.sort_by_key(|(s, _)| *s);
-                // Batches both replayed and received live appear twice.
-                merged.dedup_by_key(|(s, _)| *s);
-                if merged.windows(2).all(|w| w[1].0.0 == w[0].0.0.wrapping_add(1)) {
-                    for (s, b) in merged {
-                        self.state.apply(rank, b);
-                        self.expected = Some(Seq(s.0.wrapping_add(1)));
-                        self.replayed_through = Some(*s);
-                    }
-                    ReplayOutcome::Recovered
-                } else {
-                    ReplayOutcome::Lost
-                }
-            }
-            Some(Ok(_)) => ReplayOutcome::Lost,
+        let (replayed, failed) = match replayed {
+            Some(Ok(replayed)) => (replayed, false),
             Some(Err(e)) => {
                 warn!(rank = rank.0, error = %e, "replay failed");
-                ReplayOutcome::Failed
+                (Vec::new(), true)
             }
-            None => ReplayOutcome::Failed,
+            // More live batches than can wait for the replay.
+            None => (Vec::new(), true),
         };
-        self.state.metrics().replays.get_or_create(&ReplayLabels { outcome: outcome.as_str() }).inc();
-        if outcome == ReplayOutcome::Recovered {
+        // A fresh engine with nothing published yet: nothing was lost.
+        if !failed && replayed.is_empty() && buffered.is_empty() {
+            self.state
+                .metrics()
+                .replays
+                .get_or_create(&ReplayLabels { outcome: ReplayOutcome::Recovered.as_str() })
+                .inc();
             return;
         }
-        warn!(rank = rank.0, from = from.0, "events lost beyond replay: clearing and resyncing");
-        self.state.reset(rank);
-        // Apply what the live stream brought: stores of new prefixes key fine,
-        // stores chained to forgotten blocks are counted as unanchored.
-        for (s, b) in &buffered {
+        let reaches_back = replayed.first().is_some_and(|(s, _)| *s == from);
+        let mut merged: Vec<&(Seq, EventBatch)> = replayed.iter().chain(buffered.iter()).collect();
+        merged.sort_by_key(|(s, _)| *s);
+        // Batches both replayed and received live appear twice.
+        merged.dedup_by_key(|(s, _)| *s);
+        let contiguous = merged.windows(2).all(|w| w[1].0.0 == w[0].0.0.wrapping_add(1));
+        let outcome = match (failed, reaches_back && contiguous) {
+            (true, _) => ReplayOutcome::Failed,
+            (false, true) => ReplayOutcome::Recovered,
+            (false, false) => ReplayOutcome::Lost,
+        };
+        self.state.metrics().replays.get_or_create(&ReplayLabels { outcome: outcome.as_str() }).inc();
+        if outcome != ReplayOutcome::Recovered {
+            warn!(rank = rank.0, from = from.0, "events lost beyond replay: clearing and resyncing");
+            self.state.reset(rank);
+        }
+        // What the engine still holds from where its buffer begins (it no
+        // longer reached back to `from`: a sidecar started after the engine
+        // published more than its buffer keeps), or what the live stream
+        // brought: stores of new prefixes key fine, stores chained to
+        // forgotten blocks are counted as unanchored. Thrown away, the next
+        // live batch was taken for another gap: a second replay and reset.
+        let applied = if contiguous { merged } else { buffered.iter().collect() };
+        for (s, b) in applied {
             self.state.apply(rank, b);
             self.expected = Some(Seq(s.0.wrapping_add(1)));
+            self.replayed_through = Some(*s);
         }
     }
 }
@@ -494,6 +516,90 @@ mod tests {
         cancel.cancel();
         subscriber.await.unwrap();
         replay_side.abort();
+    }
+
+    /// A sidecar started after its engine published more than the replay
+    /// buffer keeps: the replay no longer reaches back to the first batch,
+    /// but what it holds is applied, and the next live batch continues it.
+    /// Before, the replay was thrown away, and that batch was taken for a
+    /// gap: a second replay, a second reset (a full sync to every router).
+    #[tokio::test]
+    async fn a_replay_that_no_longer_reaches_back_is_applied() {
+        let events = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let replays = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let source = RankSource {
+            rank: Rank(0),
+            events: format!("tcp://{}", events.local_addr().unwrap()),
+            replay: Some(format!("tcp://{}", replays.local_addr().unwrap())),
+            topic: "kv".into(),
+        };
+        // The engine's buffer: batches 100–105 (one block each) of 106.
+        let replay_side = tokio::spawn(async move {
+            loop {
+                let (mut s, _) = replays.accept().await.unwrap();
+                peer::handshake(&mut s, "ROUTER").await;
+                let _ready = peer::read_frame(&mut s).await;
+                let (_, _delimiter) = peer::read_frame(&mut s).await;
+                let (_, start) = peer::read_frame(&mut s).await;
+                let start = u64::from_be_bytes(start.try_into().unwrap());
+                for seq in (100..106u64).filter(|seq| *seq >= start) {
+                    s.write_all(&peer::message(&[b"", b"kv", &seq.to_be_bytes(), &payload(seq)])).await.unwrap();
+                }
+                s.write_all(&peer::message(&[b"", b"", &u64::MAX.to_be_bytes(), b""])).await.unwrap();
+            }
+        });
+        let (state, metrics) = state();
+        let cancel = CancellationToken::new();
+        let subscriber = tokio::spawn(run(source, state.clone(), cancel.clone()));
+        let (mut engine, _) = events.accept().await.unwrap();
+        peer::handshake(&mut engine, "PUB").await;
+        let _subscription = peer::read_frame(&mut engine).await;
+        wait_until("the replayed batches", || state.counts().0 == 6).await;
+        let epoch = state.epoch();
+        engine.write_all(&stored(106, 106)).await.unwrap();
+        wait_until("the live batch", || state.counts().0 == 7).await;
+        let replays =
+            |outcome: ReplayOutcome| metrics.replays.get_or_create(&ReplayLabels { outcome: outcome.as_str() }).get();
+        assert_eq!((replays(ReplayOutcome::Lost), metrics.gaps.get()), (1, 0), "one replay, no gap after it");
+        assert_eq!(state.epoch(), epoch, "no second reset");
+        cancel.cancel();
+        subscriber.await.unwrap();
+        replay_side.abort();
+    }
+
+    /// Without a replay endpoint, a stream lost and back counts no failed
+    /// replay (none was tried) and clears the rank once, at the loss; the
+    /// reconnect cleared it again, each reset a full sync to every router.
+    #[tokio::test]
+    async fn a_reconnect_without_a_replay_endpoint_clears_once_and_replays_nothing() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let events = format!("tcp://{}", listener.local_addr().unwrap());
+        let (state, metrics) = state();
+        let source = RankSource { rank: Rank(0), events, replay: None, topic: "kv".into() };
+        let cancel = CancellationToken::new();
+        let subscriber = tokio::spawn(run(source, state.clone(), cancel.clone()));
+        let (mut first, _) = listener.accept().await.unwrap();
+        peer::handshake(&mut first, "PUB").await;
+        let _subscription = peer::read_frame(&mut first).await;
+        first.write_all(&stored(0, 1)).await.unwrap();
+        wait_until("the first block", || state.counts().0 == 1).await;
+        let before = state.epoch();
+        drop(first);
+        wait_until("the loss", || metrics.disconnects.get() == 1).await;
+        let cleared = state.epoch();
+        assert_ne!(cleared, before, "the loss clears the rank");
+        let (mut second, _) = listener.accept().await.unwrap();
+        peer::handshake(&mut second, "PUB").await;
+        let _subscription = peer::read_frame(&mut second).await;
+        second.write_all(&stored(7, 8)).await.unwrap();
+        wait_until("the block after the loss", || state.counts().0 == 1 && state.keys() != Vec::new()).await;
+        wait_until("the next batch", || metrics.event_batches.get() >= 2).await;
+        let replays =
+            |outcome: ReplayOutcome| metrics.replays.get_or_create(&ReplayLabels { outcome: outcome.as_str() }).get();
+        assert_eq!(replays(ReplayOutcome::Failed), 0, "no replay was tried");
+        assert_eq!(state.epoch(), cleared, "cleared once");
+        cancel.cancel();
+        subscriber.await.unwrap();
     }
 
     /// An engine back on its port that takes longer to answer than the idle
