@@ -599,6 +599,26 @@ def test_k8s_token_comes_from_the_secret(k8s_docs):
         assert len(placeholder) < 16
 
 
+def test_k8s_steps_create_every_secret_the_pods_read(k8s_docs):
+    # The operator guide's steps replace secret.yaml: every Secret a pod reads
+    # must be created there, or its pods never start (the admin token's was
+    # missing: CreateContainerConfigError).
+    guide = (ROOT / "deploy" / "OPERATIONS.md").read_text()
+    steps = guide[guide.index("## 4. Kubernetes"):]
+    steps = steps[: steps.index("```", steps.index("```sh") + 5)]
+    created = set(re.findall(r"create secret generic ([\w-]+)", steps))
+    pods = [d["spec"]["template"]["spec"] for d in k8s_docs if d.get("kind") == "Deployment"]
+    refs = [
+        e["valueFrom"]["secretKeyRef"]
+        for pod in pods
+        for c in pod["containers"] + pod.get("initContainers", [])
+        for e in c.get("env", [])
+        if "secretKeyRef" in e.get("valueFrom", {})
+    ]
+    read = {r["name"] for r in refs if not r.get("optional")}
+    assert read and read <= created, f"the guide creates {created}, the pods read {read}"
+
+
 def test_k8s_headless_service_reaches_every_router(k8s_docs):
     dep, router = router_deployment(k8s_docs)
     assert dep["spec"]["replicas"] == 2
