@@ -49,6 +49,10 @@ pub struct SyncPlan {
     /// The sync's keys, each once, in arrival order.
     distinct: Vec<BlockKey>,
     held_cursor: usize,
+    /// The generation of the worker's vector `held_cursor` indexes: a
+    /// compaction swaps the vector between two slices, and the cursor would
+    /// then point past (or into the middle of) another order of keys.
+    held_generation: Option<u64>,
     fresh_cursor: usize,
     /// Held keys the sync lacks (speculative ones are re-checked on apply).
     remove: Vec<BlockKey>,
@@ -74,6 +78,7 @@ impl SyncPlan {
             fresh,
             distinct,
             held_cursor: 0,
+            held_generation: None,
             fresh_cursor: 0,
             remove: Vec::new(),
             add: Vec::new(),
@@ -86,6 +91,12 @@ impl SyncPlan {
     /// lacks; `true` while there is more to scan.
     pub fn scan_held(&mut self, ix: &Index, budget: usize) -> bool {
         let Some(w) = ix.workers.get(&self.slot) else { return false };
+        // Replaced since the last slice (compacted): scanned again from its
+        // start; a key found twice is removed once.
+        if self.held_generation.is_some_and(|g| g != w.generation) {
+            self.held_cursor = 0;
+        }
+        self.held_generation = Some(w.generation);
         let end = self.held_cursor.saturating_add(budget).min(w.keys.len());
         for k in &w.keys[self.held_cursor.min(end)..end] {
             if !self.fresh.contains_key(k) && ix.forward.holds(self.slot, k) {

@@ -395,6 +395,29 @@ fn a_large_reverse_vector_is_compacted_in_steps() {
     assert!(!stale.install(&mut ix));
 }
 
+/// A full sync whose scan of the held keys spans a compaction (which swaps
+/// the vector for a shorter one in another order) still finds every key
+/// the sync lacks: its cursor pointed past the new vector's end, and the
+/// keys the engine dropped stayed confirmed until the next sync.
+#[test]
+fn a_sync_scanning_across_a_compaction_misses_no_key() {
+    let mut ix = Index::new();
+    let all: Vec<_> = (0..40_000).map(k).collect();
+    ix.apply_events(Slot(0), false, &[], &all);
+    ix.apply_events(Slot(0), false, &all[..30_000], &[]);
+    let mut plan = SyncPlan::new(Slot(0), &[], Covers(0));
+    assert!(plan.scan_held(&ix, 16_384));
+    let mut c = Compaction::new(&ix, Slot(0)).unwrap();
+    while c.scan(&ix, 4_096).unwrap() {}
+    assert!(c.install(&mut ix));
+    while plan.scan_held(&ix, 16_384) {}
+    while plan.scan_fresh(&ix, 16_384) {}
+    while plan.apply_some(&mut ix, 4_096) {}
+    plan.finish(&mut ix);
+    assert_eq!(ix.counts(Slot(0)).confirmed, 0, "the sync holds nothing");
+    ix.check_consistency().unwrap();
+}
+
 /// A compaction planned for a worker that then leaves is abandoned, not
 /// applied to the slot's next occupant (whose vector is another).
 #[test]
