@@ -35,11 +35,13 @@ use crate::workers::{Source, Worker};
 /// (it may come back restarted and empty).
 pub fn eject(state: &AppState, worker: &Worker, why: &str) {
     let purged = {
-        let mut map = state.map.write();
+        let map = state.map.write();
         if !map.is_member(&state.workers, worker) {
             return;
         }
-        map.index.clear_worker(worker.slot)
+        let held = map.index.counts(worker.slot);
+        let _ = state.clear_in_chunks(map, worker.slot, |m| m.is_member(&state.workers, worker));
+        held.confirmed + held.speculative
     };
     state.metrics.ejections.get_or_create(&WorkerLabel { worker: worker.id.to_string() }).inc();
     tracing::warn!(worker.id = %worker.id, purged, why, "worker ejected");
@@ -204,8 +206,15 @@ pub async fn run_housekeeping(state: Arc<AppState>) {
 pub fn housekeeping(state: &AppState) {
     let now = now_ms();
     let ttl = state.config.raw.speculative_ttl.as_millis() as u64;
-    let expired = state.map.write().index.expire_speculative(now, ttl);
-    state.metrics.speculative_expired.inc_by(expired as u64);
+    // A chunk per write lock: routing goes on between them.
+    loop {
+        let (expired, more) =
+            state.map.write().index.expire_speculative_some(now, ttl, crate::internal::SYNC_WRITE_CHUNK);
+        state.metrics.speculative_expired.inc_by(expired as u64);
+        if !more {
+            break;
+        }
+    }
     state.sessions.sweep(Instant::now());
 
     for w in state.workers.snapshot().iter() {
@@ -267,22 +276,24 @@ fn engine_answers(w: &Worker) -> bool {
 /// silent: a push may have arrived, or the worker been replaced in its slot,
 /// since.
 fn expire(state: &AppState, w: &Worker, now: u64) {
-    let mut map = state.map.write();
+    let map = state.map.write();
     if !map.is_member(&state.workers, w) || !is_silent(state, w, now) {
         return;
     }
     let sidecar = w.live.has_sidecar.load(Ordering::Relaxed);
     if w.source == Source::Static || (sidecar && engine_answers(w)) {
+        // From here its sidecar's pushes are refused (not a member's).
         w.live.has_sidecar.store(false, Ordering::Relaxed);
         w.live.forget_reported();
-        let dropped = map.index.clear_worker(w.slot);
-        map.index.set_approximate(w.slot, Some(state.config.raw.approx_capacity_blocks));
-        drop(map);
+        let held = map.index.counts(w.slot);
+        if let Some(mut map) = state.clear_in_chunks(map, w.slot, |m| m.is_member(&state.workers, w)) {
+            map.index.set_approximate(w.slot, Some(state.config.raw.approx_capacity_blocks));
+        }
+        let dropped = held.confirmed + held.speculative;
         tracing::warn!(worker.id = %w.id, dropped, "sidecar stopped reporting: back to the approximate index");
         return;
     }
-    map.remove(&state.workers, w);
-    drop(map);
+    state.remove_in_chunks(map, w);
     if sidecar {
         tracing::warn!(worker.id = %w.id, "sidecar stopped reporting and the engine does not answer: worker removed");
     } else {
@@ -394,6 +405,34 @@ mod tests {
         expire(&state, &old, now);
         assert!(state.workers.is_current(&again));
         assert_eq!(state.map.read().index.counts(again.slot).confirmed, 1);
+    }
+
+    /// Ejecting, or expiring, a worker of more keys than one write-lock
+    /// chunk clears all of them (a chunk at a time), and leaves its slot as
+    /// one clear did: an expired sidecar's worker approximate, a removed one
+    /// gone with its seqs.
+    #[test]
+    fn workers_of_many_keys_are_cleared_whole_a_chunk_at_a_time() {
+        let state = state();
+        let now = now_ms();
+        let many: Vec<BlockKey> = (0..10_000).map(BlockKey).collect();
+        let a = registered(&state, "a", now, &many);
+        eject(&state, &a, "test");
+        assert_eq!(state.map.read().index.counts(a.slot), Default::default());
+        let b = registered(&state, "b", now - 60_000, &many);
+        b.live.last_probe_ok_ms.store(now, Ordering::Relaxed);
+        expire(&state, &b, now);
+        let map = state.map.read();
+        assert_eq!(map.index.counts(b.slot), Default::default());
+        assert!(map.index.is_approximate(b.slot), "its engine answers: back to the approximate index");
+        drop(map);
+        let c = registered(&state, "c", now - 60_000, &many);
+        c.live.healthy.store(false, Ordering::Relaxed);
+        expire(&state, &c, now);
+        assert!(!state.workers.snapshot().iter().any(|w| w.id == c.id), "removed");
+        let map = state.map.read();
+        assert_eq!(map.index.counts(c.slot), Default::default());
+        map.index.check_consistency().unwrap();
     }
 
     #[test]

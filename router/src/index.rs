@@ -573,26 +573,49 @@ impl Index {
 
     /// Drops speculative entries older than `ttl_ms` that nothing confirmed.
     pub fn expire_speculative(&mut self, now_ms: u64, ttl_ms: u64) -> usize {
+        let mut expired = 0;
+        loop {
+            let (n, more) = self.expire_speculative_some(now_ms, ttl_ms, usize::MAX);
+            expired += n;
+            if !more {
+                return expired;
+            }
+        }
+    }
+
+    /// [`Self::expire_speculative`] a piece at a time: looks at up to
+    /// `budget` old records and says whether more may remain (call again,
+    /// under a fresh lock). Every worker's at once could be millions (a
+    /// client sending prompts the engine refuses leaves each one's keys
+    /// speculative, up to `MAX_SPECULATIVE` per worker), all dropped under
+    /// one write lock every routing decision waits on.
+    pub fn expire_speculative_some(&mut self, now_ms: u64, ttl_ms: u64, budget: usize) -> (usize, bool) {
         let mut expired = Vec::new();
-        for (&slot, w) in &mut self.workers {
+        let mut looked = 0;
+        'workers: for (&slot, w) in &mut self.workers {
             while let Some(&(at, tick, key)) = w.speculative.front() {
                 if at.saturating_add(ttl_ms) > now_ms {
                     break;
                 }
+                if looked == budget {
+                    break 'workers;
+                }
+                looked += 1;
                 w.speculative.pop_front();
                 if w.marks.get(&key).is_some_and(|e| e.kind() == Kind::Speculative && e.stamp() == tick) {
                     expired.push((slot, key));
                 }
             }
         }
+        let mut touched: Vec<Slot> = expired.iter().map(|&(slot, _)| slot).collect();
+        touched.dedup();
         for &(slot, key) in &expired {
             self.remove_uncompacted(slot, key);
         }
-        let slots: Vec<Slot> = self.workers.keys().copied().collect();
-        for slot in slots {
+        for slot in touched {
             self.compact(slot);
         }
-        expired.len()
+        (expired.len(), looked == budget)
     }
 
     /// How many leading blocks of `keys` each worker holds: `(slot, depth)` for

@@ -173,13 +173,61 @@ impl MapState {
     }
 
     /// Removes this registration of `worker` with its index entries and seq
-    /// state; false (nothing changed) if it is not a member any more.
+    /// state, at once (a reclaimed slot is given to its next worker under the
+    /// same lock); false (nothing changed) if it is not a member any more.
+    /// [`AppState::remove_in_chunks`] drops the entries a chunk per lock.
     pub fn remove(&mut self, registry: &Registry, worker: &Worker) -> bool {
         if !registry.remove(worker) {
             return false;
         }
         self.index.remove_worker(worker.slot);
         self.seqs.remove(&worker.slot);
+        true
+    }
+}
+
+impl AppState {
+    /// Drops `slot`'s index entries [`SYNC_WRITE_CHUNK`] at a time, taking
+    /// the write lock again between chunks while `still(map)` holds; the
+    /// guard once none are left (`None` if `still` failed first). Clearing a
+    /// worker of a million keys under one hold stopped every routing
+    /// decision for a few hundred milliseconds, and it happens when a worker
+    /// is ejected or its sidecar goes quiet: when the cluster is already
+    /// degraded. Between chunks the worker holds part of its keys, each still
+    /// one its engine held.
+    ///
+    /// [`SYNC_WRITE_CHUNK`]: crate::internal::SYNC_WRITE_CHUNK
+    pub fn clear_in_chunks<'a>(
+        &'a self,
+        mut map: parking_lot::RwLockWriteGuard<'a, MapState>,
+        slot: Slot,
+        still: impl Fn(&MapState) -> bool,
+    ) -> Option<parking_lot::RwLockWriteGuard<'a, MapState>> {
+        while map.index.clear_some(slot, crate::internal::SYNC_WRITE_CHUNK) {
+            drop(map);
+            map = self.map.write();
+            if !still(&map) {
+                return None;
+            }
+        }
+        Some(map)
+    }
+
+    /// [`MapState::remove`], its index entries dropped a chunk per lock
+    /// ([`Self::clear_in_chunks`]) once `worker` is out of the registry (no
+    /// longer routed to), unless its slot is taken again meanwhile (the new
+    /// worker's registration clears what is left); false if it is not a
+    /// member any more.
+    pub fn remove_in_chunks(&self, map: parking_lot::RwLockWriteGuard<'_, MapState>, worker: &Worker) -> bool {
+        if !self.workers.remove(worker) {
+            return false;
+        }
+        let slot = worker.slot;
+        let free = |_: &MapState| !self.workers.snapshot().iter().any(|w| w.slot == slot);
+        if let Some(mut map) = self.clear_in_chunks(map, slot, free) {
+            map.index.remove_worker(slot);
+            map.seqs.remove(&slot);
+        }
         true
     }
 }

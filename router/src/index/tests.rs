@@ -91,6 +91,31 @@ fn a_prefix_sent_again_before_its_confirmation_is_a_burst() {
     ix.check_consistency().unwrap();
 }
 
+/// Expiry a bounded number of records per call (a write-lock hold each),
+/// across workers, to the same end as all at once.
+#[test]
+fn speculative_entries_expire_a_chunk_at_a_time() {
+    let mut ix = Index::new();
+    let keys: Vec<_> = (0..5_000).map(k).collect();
+    ix.record_routed(Slot(0), &keys, 1_000);
+    ix.record_routed(Slot(1), &keys, 1_000);
+    ix.apply_events(Slot(1), false, &[], &keys[..1_000]); // confirmed: not expired
+    assert_eq!(ix.expire_speculative_some(11_000, 10_000, 2_048), (2_048, true));
+    let mut rounds = 1;
+    let mut expired = 2_048;
+    loop {
+        let (n, more) = ix.expire_speculative_some(11_000, 10_000, 2_048);
+        assert!(n <= 2_048);
+        (expired, rounds) = (expired + n, rounds + 1);
+        if !more {
+            break;
+        }
+    }
+    assert_eq!((expired, rounds), (9_000, 5));
+    assert_eq!((ix.counts(Slot(0)).speculative, ix.counts(Slot(1)).confirmed), (0, 1_000));
+    ix.check_consistency().unwrap();
+}
+
 #[test]
 fn speculative_entries_expire_unless_confirmed() {
     let mut ix = Index::new();
