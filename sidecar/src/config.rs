@@ -109,6 +109,29 @@ impl RawConfig {
                 ));
             }
         }
+        // vLLM binds rank r's sockets at base + r: with the defaults (events
+        // 5557, replay 5558) rank 1's events are rank 0's replay, and one of
+        // the two binds fails (an engine that will not start, or a socket
+        // that answers another protocol).
+        let mut bound: Vec<(String, &'static str, u32)> = Vec::new();
+        for (field, ep) in
+            [("events", Some(&events)), ("replay", replay.as_ref()), ("engine_snapshot", engine_snapshot.as_ref())]
+        {
+            let Some(ep) = ep else { continue };
+            for rank in targets.iter().map(|t| t.rank) {
+                let at = ep.for_rank(rank);
+                if let Some((_, other, other_rank)) = bound.iter().find(|(a, ..)| *a == at) {
+                    return Err(ConfigError::new(
+                        field,
+                        format!(
+                            "rank {rank}'s {field} endpoint {at} is also rank {other_rank}'s {other} (vLLM binds \
+                             rank r at base port + r): move one base clear of the other's ranks"
+                        ),
+                    ));
+                }
+                bound.push((at, field, rank));
+            }
+        }
         let routers = self.router.into_iter().map(|r| http_url("router", r)).collect::<Result<Vec<_>, _>>()?;
         let fast_interval = self.fast_interval.unwrap_or(Duration::from_millis(100));
         let sync_interval = self.sync_interval.unwrap_or(Duration::from_secs(5));
@@ -464,6 +487,28 @@ mod tests {
         let listed = cfg(Some(2), None, "tcp://a:9, tcp://b:7").unwrap();
         assert_eq!((listed.events.for_rank(0), listed.events.for_rank(1)), ("tcp://a:9".into(), "tcp://b:7".into()));
         assert_eq!(cfg(Some(3), None, "tcp://a:9,tcp://b:7").unwrap_err().field, "events");
+        // Ranks whose sockets would be bound on one port are refused, naming both.
+        let ports = |size, rank, replay: &str, snapshot: Option<&str>| {
+            RawConfig {
+                events: Some("tcp://h:5557".into()),
+                replay: Some(replay.into()),
+                engine_snapshot: snapshot.map(Into::into),
+                data_parallel_size: Some(size),
+                data_parallel_rank: rank,
+                router: vec!["http://r:8080".into()],
+                ..RawConfig::default()
+            }
+            .validate("h")
+        };
+        let e = ports(2, None, "tcp://h:5558", None).unwrap_err();
+        assert!(e.field == "replay" && e.message.contains("rank 1's events"), "{e}");
+        let e = ports(4, None, "tcp://h:6557", Some("tcp://h:5560")).unwrap_err();
+        assert!(e.field == "engine_snapshot" && e.message.contains("rank 3's events"), "{e}");
+        assert!(ports(4, None, "tcp://h:6557", Some("tcp://h:7557")).is_ok());
+        // One rank of several (external load balancing): only its own
+        // sockets, the others' engines being elsewhere or their own concern.
+        assert!(ports(2, Some(1), "tcp://h:5558", None).is_ok());
+        assert!(ports(2, Some(1), "tcp://h:5557", None).unwrap_err().message.contains("rank 1's events"));
     }
 
     #[test]
