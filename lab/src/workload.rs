@@ -12,10 +12,11 @@
 //! | `eviction` | Zipf popularity over a working set 3–5 × the cluster's KV capacity |
 //! | `burst` | bursts of requests sharing a fresh prefix, over light background traffic |
 //! | `mixed` | held out: a quarter each of `chat`, `rag`, `agent` and `eviction` on one cluster |
+//! | `unique` | held out: no two prompts share a token; long-tailed prompts and answers |
 //!
 //! The first seven are [`WorkloadKind::ALL`], on which the routing defaults
 //! were tuned (every `kvroute-lab matrix` runs them unless told otherwise);
-//! `mixed` came after them and is kept out of that set
+//! `mixed` and `unique` came after them and are kept out of that set
 //! ([`WorkloadKind::HELD_OUT`]), a check on what the tuning did not see.
 //!
 //! Each generator documents its parameters in its own file.
@@ -44,6 +45,7 @@ mod long_conv;
 mod mixed;
 mod rag;
 mod trace;
+mod unique;
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -100,6 +102,7 @@ pub enum WorkloadKind {
     Eviction,
     Burst,
     Mixed,
+    Unique,
 }
 
 impl WorkloadKind {
@@ -114,7 +117,7 @@ impl WorkloadKind {
     ];
 
     /// Workloads no default was tuned on (see the module docs).
-    pub const HELD_OUT: [WorkloadKind; 1] = [WorkloadKind::Mixed];
+    pub const HELD_OUT: [WorkloadKind; 2] = [WorkloadKind::Mixed, WorkloadKind::Unique];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -126,6 +129,7 @@ impl WorkloadKind {
             WorkloadKind::Eviction => "eviction",
             WorkloadKind::Burst => "burst",
             WorkloadKind::Mixed => "mixed",
+            WorkloadKind::Unique => "unique",
         }
     }
 }
@@ -184,6 +188,7 @@ impl Workload {
             WorkloadKind::Eviction => eviction::generate(shape),
             WorkloadKind::Burst => burst::generate(shape),
             WorkloadKind::Mixed => mixed::generate(shape),
+            WorkloadKind::Unique => unique::generate(shape),
         };
         requests.sort_by_key(|r| r.at);
         let closed = shape.closed_loop && requests.iter().any(|r| r.turn.is_some());
@@ -313,6 +318,16 @@ mod tests {
             let c = Workload::generate(kind, &Shape { seed: 4, ..shape(300) }).unwrap();
             assert_ne!(a.requests, c.requests, "{kind:?}: the seed matters");
         }
+    }
+
+    #[test]
+    fn unique_prompts_share_nothing() {
+        let w = Workload::generate(WorkloadKind::Unique, &shape(2_000)).unwrap();
+        let firsts: HashSet<Segment> = w.requests.iter().map(|r| r.prompt.0[0]).collect();
+        assert_eq!(firsts.len(), w.requests.len(), "every prompt its own");
+        assert!(w.requests.iter().all(|r| r.prompt.0.len() == 1));
+        let long = w.requests.iter().filter(|r| r.prompt.len() >= 4_000).count();
+        assert!((40..=180).contains(&long), "a long tail of prompts: {long} of 2,000 past 4k tokens");
     }
 
     #[test]
