@@ -45,7 +45,9 @@ vllm_pid=$!
 docker_pid=$!
 
 phase "Rust tests: compiling"
-cargo test --workspace --no-run
+if ! cargo test --workspace --no-run; then
+  broken+=(--broken "cargo test --no-run (the test binaries did not build)")
+fi
 
 phase "Python test environment (real vLLM): waiting for it"
 wait "$vllm_pid"
@@ -67,6 +69,10 @@ fi
 
 phase "Rust tests"
 cargo test --workspace --no-fail-fast 2>&1 | tee "$out/cargo.txt"
+# A test binary that crashed (a signal, an abort, the OOM killer) or did not
+# link prints no `test result:` line: the summary counts such binaries, and
+# cargo's own status, as failures.
+cargo_status=${PIPESTATUS[0]}
 
 phase "Python tests"
 junit=()
@@ -78,4 +84,4 @@ if [ -n "${KVROUTE_PYTHON:-}" ]; then
 fi
 
 phase "summary"
-python3 scripts/test_summary.py --cargo "$out/cargo.txt" "${junit[@]}" "${broken[@]}"
+python3 scripts/test_summary.py --cargo "$out/cargo.txt" --cargo-status "$cargo_status" "${junit[@]}" "${broken[@]}"

@@ -14,21 +14,36 @@ import sys
 import xml.etree.ElementTree as ET
 
 RESULT = re.compile(r"test result: \w+\. (\d+) passed; (\d+) failed; (\d+) ignored")
+# Each test binary cargo runs (and each crate's doctests) announces itself,
+# then ends with one `test result:` line, unless it crashed.
+STARTED = re.compile(r"^\s+(Running|Doc-tests) ", re.M)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cargo", action="append", default=[], help="cargo test output")
     ap.add_argument("--junit", action="append", default=[], help="pytest --junitxml file")
+    ap.add_argument("--cargo-status", type=int, default=0, help="cargo test's exit status")
     ap.add_argument("--broken", action="append", default=[], help="a step that could not run")
     args = ap.parse_args()
 
     passed = failed = skipped = 0
+    cargo_failed = 0
     for path in args.cargo:
-        for m in RESULT.finditer(open(path, errors="replace").read()):
-            passed += int(m[1])
-            failed += int(m[2])
-            skipped += int(m[3])
+        text = open(path, errors="replace").read()
+        results = RESULT.findall(text)
+        for m in results:
+            passed += int(m[0])
+            cargo_failed += int(m[1])
+            skipped += int(m[2])
+        crashed = len(STARTED.findall(text)) - len(results)
+        if crashed > 0:
+            print(f"{path}: {crashed} test binaries ended without a result (crashed or killed)", file=sys.stderr)
+            cargo_failed += crashed
+    if args.cargo_status != 0 and cargo_failed == 0:
+        print(f"cargo test exited {args.cargo_status} with no failed test counted", file=sys.stderr)
+        cargo_failed = 1
+    failed += cargo_failed
     for path in args.junit:
         try:
             root = ET.parse(path).getroot()
