@@ -528,18 +528,23 @@ impl Cluster {
     }
 }
 
+/// A count of at least one (`--workers`, `--routers`).
+fn at_least_one() -> impl clap::builder::TypedValueParser<Value = usize> {
+    clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(1..), usize::from)
+}
+
 /// `kvroute-sim cluster`: flags.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ClusterArgs {
     /// Simulated engines (each with its own sidecar).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = at_least_one())]
     pub workers: usize,
     /// Port of the (first) router; 0 picks a free one.
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
     /// Router replicas fed by the same sidecars; they exchange what they
     /// have in flight per worker (`--replica`).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = at_least_one())]
     pub routers: usize,
     #[arg(long, default_value = "predicted_ttft")]
     pub policy: String,
@@ -694,4 +699,28 @@ pub fn policy_args(policy: &str) -> Vec<String> {
         args.extend(["--set".to_owned(), format!("{name}.{param}")]);
     }
     args
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::ClusterArgs;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: ClusterArgs,
+    }
+
+    /// A cluster of no router (its sidecars refuse to start without one) or
+    /// no worker is refused as the flags are read, not at start-up.
+    #[test]
+    fn a_cluster_has_at_least_one_router_and_one_worker() {
+        for bad in [["x", "--routers", "0"], ["x", "--workers", "0"]] {
+            assert!(Cli::try_parse_from(bad).is_err(), "{bad:?}");
+        }
+        let ok = Cli::try_parse_from(["x", "--routers", "2", "--workers", "4"]).unwrap();
+        assert_eq!((ok.args.routers, ok.args.workers), (2, 4));
+    }
 }
