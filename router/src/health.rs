@@ -40,7 +40,7 @@ pub fn eject(state: &AppState, worker: &Worker, why: &str) {
             return;
         }
         let held = map.index.counts(worker.slot);
-        let _ = state.clear_in_chunks(map, worker.slot, |m| m.is_member(&state.workers, worker));
+        drop(state.clear_in_chunks(map, worker.slot, |m| m.is_member(&state.workers, worker)));
         held.confirmed + held.speculative
     };
     state.metrics.ejections.get_or_create(&WorkerLabel { worker: worker.id.to_string() }).inc();
