@@ -207,6 +207,12 @@ def _conversations() -> list:
             {"role": "assistant", "content": "", "reasoning": "Calling it.", "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 3}'},
         ], "tools": TOOLS},
+        # Tools as clients write them: vLLM renders its own dump of each
+        # (type first, a missing description as null, added keys after).
+        {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [
+            {"function": {"parameters": {"type": "object"}, "name": "get_weather"}},
+            {"function": {"name": "clock", "strict": True}, "type": "function", "cache_control": {"type": "ephemeral"}},
+        ]},
         {"messages": [
             {"role": "system", "content": "first"},
             {"role": "user", "content": "u"},

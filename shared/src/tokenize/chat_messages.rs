@@ -36,6 +36,35 @@ pub fn prepare(messages: &[Map<String, Json>], format: ContentFormat, developer_
     out.into_iter().map(Json::Object).collect()
 }
 
+/// A request's tool as vLLM hands it to the template: `tool.model_dump()`
+/// of its `ChatCompletionToolsParam` (`serving_chat.py`), so `type`
+/// (`"function"` when absent) then `function`, and the function's `name`,
+/// `description` and `parameters` (null when absent) in that order; keys the
+/// client added follow each (pydantic's `extra="allow"`), in its order. The
+/// client's own object rendered differently from the first tool on: on
+/// Qwen3, which prints the tools in the system turn, a function without a
+/// description (vLLM: `"description": null`) missed every block after the
+/// system text. Anything else is passed as it is (vLLM refuses it).
+pub fn tool(t: &Json) -> Json {
+    let Some((obj, f)) = t.as_object().and_then(|o| Some((o, o.get("function")?.as_object()?))) else {
+        return t.clone();
+    };
+    let mut function = Map::new();
+    for k in ["name", "description", "parameters"] {
+        function.insert(k.to_owned(), f.get(k).cloned().unwrap_or(Json::Null));
+    }
+    for (k, v) in f {
+        function.entry(k.clone()).or_insert_with(|| v.clone());
+    }
+    let mut out = Map::new();
+    out.insert("type".to_owned(), obj.get("type").cloned().unwrap_or_else(|| Json::from("function")));
+    out.insert("function".to_owned(), Json::Object(function));
+    for (k, v) in obj {
+        out.entry(k.clone()).or_insert_with(|| v.clone());
+    }
+    Json::Object(out)
+}
+
 fn role(m: &Map<String, Json>) -> &str {
     m.get("role").and_then(Json::as_str).unwrap_or("")
 }
@@ -359,6 +388,15 @@ fn is_elems_of(expr: &str, var: &str, key: Option<&str>) -> bool {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn tools_are_passed_as_vllm_dumps_them() {
+        let sent = json!({"function": {"parameters": {"type": "object"}, "x": 1, "name": "f"}, "cache_control": {}});
+        let want = json!({"type": "function", "function": {"name": "f", "description": null, "parameters": {"type": "object"}, "x": 1}, "cache_control": {}});
+        let got = tool(&sent);
+        assert_eq!(serde_json::to_string(&got).unwrap(), serde_json::to_string(&want).unwrap(), "values and key order");
+        assert_eq!(tool(&json!("not a tool")), json!("not a tool"));
+    }
+
     use super::*;
 
     fn msgs(v: Json) -> Vec<Map<String, Json>> {

@@ -74,7 +74,8 @@ impl ChatTemplate {
         let last = opts.continue_final_message.then(|| messages.last().cloned()).flatten();
         let mut ctx = self.special_tokens.clone();
         ctx.insert("messages".into(), Json::Array(messages));
-        ctx.insert("tools".into(), opts.tools.map_or(Json::Null, |t| Json::Array(t.to_vec())));
+        let tools = opts.tools.map(|t| Json::Array(t.iter().map(chat_messages::tool).collect()));
+        ctx.insert("tools".into(), tools.unwrap_or(Json::Null));
         ctx.insert("documents".into(), opts.documents.map_or(Json::Null, |d| Json::Array(d.to_vec())));
         ctx.insert("add_generation_prompt".into(), Json::Bool(opts.add_generation_prompt));
         if let Some(kw) = opts.kwargs {
