@@ -67,6 +67,9 @@ pub enum PromptTokenizer {
 pub struct HfTokenizer {
     tokenizer: tokenizers::Tokenizer,
     chat: Option<ChatTemplate>,
+    /// The model's `tool_use` template, taken for a request that names
+    /// tools, as HF's `get_chat_template` does (Hermes, Command-R).
+    chat_tools: Option<ChatTemplate>,
     /// Present when segment-wise encoding is exact for this tokenizer.
     segments: Option<SegmentCache>,
     dir: PathBuf,
@@ -101,12 +104,12 @@ impl PromptTokenizer {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Map::new(),
             Err(source) => return Err(TokenizeError::Read { path: cfg_path, source }),
         };
-        let chat = match chat_template_source(dir, &config)? {
-            Some(src) => Some(ChatTemplate::new(src, special_tokens(&config))?),
-            None => None,
-        };
+        let sources = chat_template_sources(dir, &config)?;
+        let template = |src: Option<String>| src.map(|s| ChatTemplate::new(s, special_tokens(&config))).transpose();
+        let chat = template(sources.default)?;
+        let chat_tools = template(sources.tool_use)?;
         let segments = SegmentCache::new(&tokenizer);
-        Ok(PromptTokenizer::Hf(Box::new(HfTokenizer { tokenizer, chat, segments, dir: dir.to_owned() })))
+        Ok(PromptTokenizer::Hf(Box::new(HfTokenizer { tokenizer, chat, chat_tools, segments, dir: dir.to_owned() })))
     }
 
     /// False for a tokenizer directory with no chat template: its model's
@@ -186,7 +189,8 @@ impl PromptTokenizer {
         };
         match self {
             PromptTokenizer::Hf(hf) => {
-                hf.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?.render(&c.messages, &opts)
+                let tool_use = hf.chat_tools.as_ref().filter(|_| c.tools.is_some());
+                tool_use.or(hf.chat.as_ref()).ok_or(TokenizeError::NoChatTemplate)?.render(&c.messages, &opts)
             }
             PromptTokenizer::Bytes => {
                 let text = render_plain(&c.messages, opts.add_generation_prompt);
@@ -245,28 +249,42 @@ impl PromptTokenizer {
     }
 }
 
-/// `chat_template` from the config (a string, or HF's list of named templates:
-/// "default" is taken), else a `chat_template.jinja` file beside it.
-fn chat_template_source(dir: &Path, config: &Map<String, Json>) -> Result<Option<String>, TokenizeError> {
-    match config.get("chat_template") {
-        Some(Json::String(s)) => return Ok(Some(s.clone())),
-        Some(Json::Array(named)) => {
-            let pick = named
-                .iter()
-                .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
-                .or_else(|| named.first());
-            if let Some(src) = pick.and_then(|t| t.get("template")).and_then(Json::as_str) {
-                return Ok(Some(src.to_owned()));
-            }
-        }
-        _ => {}
-    }
-    let path = dir.join("chat_template.jinja");
-    match std::fs::read_to_string(&path) {
+/// A model's chat templates: the default, and the one for requests that
+/// name tools when the model has one of its own.
+struct TemplateSources {
+    default: Option<String>,
+    tool_use: Option<String>,
+}
+
+/// Where HF's tokenizer (hence vLLM) finds them: a `chat_template.jinja`
+/// file beside the config wins over the config's `chat_template` (a string,
+/// or a list of named templates: "default", else the first), and
+/// `additional_chat_templates/tool_use.jinja` over a "tool_use" entry. The
+/// config was read first: a directory holding both rendered the other one.
+fn chat_template_sources(dir: &Path, config: &Map<String, Json>) -> Result<TemplateSources, TokenizeError> {
+    let file = |path: PathBuf| match std::fs::read_to_string(&path) {
         Ok(s) => Ok(Some(s)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(source) => Err(TokenizeError::Read { path, source }),
+    };
+    let (mut default, mut tool_use) = (None, None);
+    match config.get("chat_template") {
+        Some(Json::String(s)) => default = Some(s.clone()),
+        Some(Json::Array(named)) => {
+            let source = |name: &str| {
+                let t = named.iter().find(|t| t.get("name").and_then(Json::as_str) == Some(name));
+                t.and_then(|t| t.get("template")).and_then(Json::as_str).map(str::to_owned)
+            };
+            default = source("default")
+                .or_else(|| named.first().and_then(|t| t.get("template")).and_then(Json::as_str).map(str::to_owned));
+            tool_use = source("tool_use");
+        }
+        _ => {}
     }
+    Ok(TemplateSources {
+        default: file(dir.join("chat_template.jinja"))?.or(default),
+        tool_use: file(dir.join("additional_chat_templates").join("tool_use.jinja"))?.or(tool_use),
+    })
 }
 
 /// HF passes its special-tokens map to the template: `bos_token`, `eos_token`,
@@ -344,6 +362,36 @@ mod tests {
             let dir = crate::testdata::tokenizer_dir(name).unwrap_or_else(|why| panic!("no {name} tokenizer: {why}"));
             assert_eq!(PromptTokenizer::load(&dir).unwrap().has_chat_template(), has, "{name}");
         }
+    }
+
+    /// The template HF's tokenizer (hence vLLM) renders: `chat_template.jinja`
+    /// over the config's, and a model's `tool_use` template for a request
+    /// naming tools. The config's default was always taken.
+    #[test]
+    fn templates_are_chosen_as_hf_chooses_them() {
+        let gpt2 = crate::testdata::tokenizer_dir("gpt2").unwrap_or_else(|why| panic!("no gpt2 tokenizer: {why}"));
+        let dir = std::env::temp_dir().join(format!("kvroute-templates-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("additional_chat_templates")).unwrap();
+        std::fs::copy(gpt2.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+        let named = serde_json::json!({"chat_template": [
+            {"name": "default", "template": "D{{ messages | length }}"},
+            {"name": "tool_use", "template": "T{{ tools | length }}"},
+        ]});
+        std::fs::write(dir.join("tokenizer_config.json"), named.to_string()).unwrap();
+        let render = |body: &str| {
+            let PromptRequest::Chat(chat) = PromptRequest::parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap()
+            else {
+                unreachable!()
+            };
+            PromptTokenizer::load(&dir).unwrap().render_chat(&chat).unwrap()
+        };
+        let plain = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+        let tools = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#;
+        assert_eq!((render(plain), render(tools)), ("D1".to_owned(), "T1".to_owned()));
+        std::fs::write(dir.join("chat_template.jinja"), "J").unwrap();
+        std::fs::write(dir.join("additional_chat_templates").join("tool_use.jinja"), "U").unwrap();
+        assert_eq!((render(plain), render(tools)), ("J".to_owned(), "U".to_owned()), "the files win");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
