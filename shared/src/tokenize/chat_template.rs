@@ -219,9 +219,40 @@ fn python_dumps(v: &Json, indent: Option<usize>, sort: bool, depth: usize, out: 
             newline(out, depth);
             out.push('}');
         }
-        // Scalars, `[]` and `{}` print as serde_json prints them, which for
-        // strings (escapes), integers and finite floats matches Python.
+        Json::Number(n) if n.is_f64() => out.push_str(&python_float(n.as_f64().unwrap_or_default())),
+        // Other scalars, `[]` and `{}` print as serde_json prints them, which
+        // for strings (escapes) and integers matches Python.
         other => out.push_str(&other.to_string()),
+    }
+}
+
+/// Python's `repr` of a float, as `json.dumps` prints it: the shortest digits
+/// that read back the same, fixed between 1e-4 and 1e16 (`0.0001`,
+/// `123.0`), in exponent form outside (`1e-05`, `1.5e+16`). serde_json
+/// printed `0.00001` and `1e16`: a tool schema's `"minimum": 1e-5` or a tool
+/// call's arguments rendered differently from the engine's from there on.
+fn python_float(f: f64) -> String {
+    // Rust's `{:e}` is the shortest round-trip form: `-1.5e-7`, `1e16`.
+    let sci = format!("{f:e}");
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    let (sign, mantissa) = mantissa.strip_prefix('-').map_or(("", mantissa), |m| ("-", m));
+    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+    if (-4..16).contains(&exp) {
+        let point = exp + 1; // digits before the decimal point
+        if point <= 0 {
+            format!("{sign}0.{}{digits}", "0".repeat((-point) as usize))
+        } else if digits.len() <= point as usize {
+            format!("{sign}{digits}{}.0", "0".repeat(point as usize - digits.len()))
+        } else {
+            let (int, frac) = digits.split_at(point as usize);
+            format!("{sign}{int}.{frac}")
+        }
+    } else {
+        let (first, rest) = digits.split_at(1);
+        let frac = if rest.is_empty() { String::new() } else { format!(".{rest}") };
+        let esign = if exp < 0 { '-' } else { '+' };
+        format!("{sign}{first}{frac}e{esign}{:02}", exp.abs())
     }
 }
 
@@ -286,6 +317,34 @@ mod tests {
             out,
             "{\"b\": [1, 2.5, \"é<\"], \"a\": {}}|{\n  \"b\": [\n    1,\n    2.5,\n    \"é<\"\n  ],\n  \"a\": {}\n}"
         );
+    }
+
+    /// Floats as Python's `repr` (hence `json.dumps`) prints them; the
+    /// expected strings are Python 3's.
+    #[test]
+    fn floats_print_as_python_prints_them() {
+        let cases = [
+            (0.00001, "1e-05"),
+            (0.0001, "0.0001"),
+            (1e16, "1e+16"),
+            (1e15, "1000000000000000.0"),
+            (123.0, "123.0"),
+            (2.5, "2.5"),
+            (-1.5e-7, "-1.5e-07"),
+            (1.7976931348623157e308, "1.7976931348623157e+308"),
+            (0.1, "0.1"),
+            (-0.0, "-0.0"),
+            (123456.789, "123456.789"),
+        ];
+        for (f, want) in cases {
+            assert_eq!(python_float(f), want, "{f:e}");
+        }
+        let out = render(
+            "{{ messages[0].tool_calls[0].function.arguments | tojson }}",
+            serde_json::json!([{"role": "assistant", "tool_calls": [{"function": {"arguments": {"lr": 1e-6, "n": 3}}}]}]),
+        )
+        .unwrap();
+        assert_eq!(out, "{\"lr\": 1e-06, \"n\": 3}");
     }
 
     /// `chat_template_kwargs` set the template's other variables, never the
