@@ -1210,6 +1210,10 @@ async fn prompts_beyond_max_prompt_tokens_are_refused_before_or_after_tokenizing
     }
     assert_eq!(r.complete(json!({"model": "m", "prompt": prompt(50)})).await.status(), 200);
     assert_eq!(w.hits.load(Ordering::SeqCst), 1, "refused prompts never reached the engine");
+    // Truncated by the engine (`truncate_prompt_tokens`), it is within the
+    // limit: counted as the engine keeps it. It was a 400.
+    let truncated = json!({"model": "m", "prompt": words, "truncate_prompt_tokens": 64});
+    assert_eq!(r.complete(truncated).await.status(), 200);
 }
 
 /// Without the model's tokenizer the router's "tokens" are bytes, about

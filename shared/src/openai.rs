@@ -38,6 +38,12 @@ pub struct CompletionRequest {
     pub add_special_tokens: Option<bool>,
     #[serde(default, deserialize_with = "lax::opt_u32")]
     pub max_tokens: Option<u32>,
+    /// vLLM's: only the last (or, `truncation_side: "right"`, the first)
+    /// this many prompt tokens reach the engine, and are what it caches.
+    #[serde(default, deserialize_with = "lax::opt_truncation")]
+    pub truncate_prompt_tokens: Option<i64>,
+    #[serde(default)]
+    pub truncation_side: Option<String>,
     /// The paper's hint: how many leading tokens form the shared prefix.
     #[serde(default, deserialize_with = "lax::opt_u32")]
     pub prefix_len: Option<u32>,
@@ -70,6 +76,12 @@ pub struct ChatRequest {
     pub max_tokens: Option<u32>,
     #[serde(default, deserialize_with = "lax::opt_u32")]
     pub max_completion_tokens: Option<u32>,
+    /// vLLM's: only the last (or, `truncation_side: "right"`, the first)
+    /// this many prompt tokens reach the engine, and are what it caches.
+    #[serde(default, deserialize_with = "lax::opt_truncation")]
+    pub truncate_prompt_tokens: Option<i64>,
+    #[serde(default)]
+    pub truncation_side: Option<String>,
     #[serde(default, deserialize_with = "lax::opt_u32")]
     pub prefix_len: Option<u32>,
 }
@@ -123,6 +135,19 @@ mod lax {
         match Value::deserialize(d)? {
             Value::Null => Ok(None),
             v => to_bool(&v).map(Some).ok_or_else(|| D::Error::custom(format!("expected a boolean, got {v}"))),
+        }
+    }
+
+    /// vLLM's `truncate_prompt_tokens` (`ge=-1`): -1 is the engine's own
+    /// input limit, which the router does not know.
+    pub fn opt_truncation<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
+        match Value::deserialize(d)? {
+            Value::Null => Ok(None),
+            Value::Number(n) if n.as_i64() == Some(-1) => Ok(Some(-1)),
+            Value::String(s) if s.trim() == "-1" => Ok(Some(-1)),
+            v => to_u32(&v)
+                .map(|n| Some(i64::from(n)))
+                .ok_or_else(|| D::Error::custom(format!("expected a whole number of at least -1, got {v}"))),
         }
     }
 
@@ -205,6 +230,26 @@ impl PromptRequest {
         }
     }
 
+    /// `tokens` as the engine keeps them under `truncate_prompt_tokens`
+    /// (vLLM's `_token_truncation`): the last N by default (vLLM loads its
+    /// tokenizers with `truncation_side="left"`), the first N with
+    /// `truncation_side: "right"`; -1 (the engine's input limit, unknown
+    /// here) and none keep them all. Keyed whole, a truncated prompt's keys
+    /// were of blocks no engine ever held.
+    pub fn truncate(&self, mut tokens: Vec<u32>) -> Vec<u32> {
+        let (n, side) = match self {
+            PromptRequest::Completion(r) => (r.truncate_prompt_tokens, r.truncation_side.as_deref()),
+            PromptRequest::Chat(r) => (r.truncate_prompt_tokens, r.truncation_side.as_deref()),
+        };
+        let Some(n) = n.and_then(|n| usize::try_from(n).ok()).filter(|n| *n < tokens.len()) else { return tokens };
+        if side == Some("right") {
+            tokens.truncate(n);
+        } else {
+            tokens.drain(..tokens.len() - n);
+        }
+        tokens
+    }
+
     /// Is the prompt given as token ids (counted as they are, whatever the
     /// tokenizer)?
     pub fn has_token_ids(&self) -> bool {
@@ -269,6 +314,31 @@ mod tests {
                 PromptRequest::Chat(_) => panic!("completion expected"),
             }
         }
+    }
+
+    /// `truncate_prompt_tokens` keeps what vLLM keeps: the last N tokens,
+    /// the first N with `truncation_side: "right"`, all with -1 or none.
+    #[test]
+    fn truncation_keeps_what_the_engine_keeps() {
+        let tokens: Vec<u32> = (1..=40).collect();
+        let kept =
+            |body: &str| PromptRequest::parse(Endpoint::Completions, body.as_bytes()).unwrap().truncate(tokens.clone());
+        assert_eq!(kept(r#"{"prompt":"x","truncate_prompt_tokens":8}"#), (33..=40).collect::<Vec<_>>());
+        let right = r#"{"prompt":"x","truncate_prompt_tokens":"8","truncation_side":"right"}"#;
+        assert_eq!(kept(right), (1..=8).collect::<Vec<_>>());
+        for all in [
+            r#"{"prompt":"x","truncate_prompt_tokens":-1}"#,
+            r#"{"prompt":"x","truncate_prompt_tokens":99}"#,
+            r#"{"prompt":"x"}"#,
+        ] {
+            assert_eq!(kept(all), tokens, "{all}");
+        }
+        assert!(PromptRequest::parse(Endpoint::Completions, br#"{"prompt":"x","truncate_prompt_tokens":-2}"#).is_err());
+        let chat = br#"{"messages":[{"role":"user","content":"x"}],"truncate_prompt_tokens":3}"#;
+        assert_eq!(
+            PromptRequest::parse(Endpoint::ChatCompletions, chat).unwrap().truncate(tokens.clone()),
+            [38, 39, 40]
+        );
     }
 
     /// vLLM takes `"stream": null` as not streamed; so does the router.

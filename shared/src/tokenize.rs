@@ -138,13 +138,14 @@ impl PromptTokenizer {
     /// longer than `max_bytes`, before encoding it (a template can expand
     /// a small request hundreds of times).
     pub fn prompt_tokens_within(&self, req: &PromptRequest, max_bytes: usize) -> Result<Vec<u32>, TokenizeError> {
-        match req {
-            PromptRequest::Completion(c) => self.completion_tokens(c, max_bytes),
+        let tokens = match req {
+            PromptRequest::Completion(c) => self.completion_tokens(c, max_bytes)?,
             PromptRequest::Chat(c) => {
                 let text = self.render_chat_within(c, Some(max_bytes))?;
-                self.encode(&text, c.add_special_tokens.unwrap_or(false))
+                self.encode(&text, c.add_special_tokens.unwrap_or(false))?
             }
-        }
+        };
+        Ok(req.truncate(tokens))
     }
 
     fn completion_tokens(&self, c: &CompletionRequest, max_bytes: usize) -> Result<Vec<u32>, TokenizeError> {
