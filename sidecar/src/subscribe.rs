@@ -434,6 +434,38 @@ mod tests {
         (Arc::new(WorkerState::new(translator, metrics.clone(), 1_000)), metrics)
     }
 
+    /// The rank-0 source of an engine whose events (and replay) listen here.
+    fn source(events: &TcpListener, replays: Option<&TcpListener>) -> RankSource {
+        let endpoint = |l: &TcpListener| format!("tcp://{}", l.local_addr().unwrap());
+        RankSource { rank: Rank(0), events: endpoint(events), replay: replays.map(endpoint), topic: "kv".into() }
+    }
+
+    /// The engine's PUB side: a subscriber's connection, greeted and subscribed.
+    async fn accept_subscriber(events: &TcpListener) -> tokio::net::TcpStream {
+        let (mut s, _) = events.accept().await.unwrap();
+        peer::handshake(&mut s, "PUB").await;
+        let _subscription = peer::read_frame(&mut s).await;
+        s
+    }
+
+    /// The engine's replay side: a request's connection, and the seq it asks from.
+    async fn accept_replay(replays: &TcpListener) -> (tokio::net::TcpStream, u64) {
+        let (mut s, _) = replays.accept().await.unwrap();
+        peer::handshake(&mut s, "ROUTER").await;
+        let _ready = peer::read_frame(&mut s).await;
+        let (_, _delimiter) = peer::read_frame(&mut s).await;
+        let (_, start) = peer::read_frame(&mut s).await;
+        (s, u64::from_be_bytes(start.try_into().unwrap()))
+    }
+
+    /// Answers a replay with `(seq, block)` batches, then the end marker.
+    async fn send_replay(s: &mut tokio::net::TcpStream, batches: impl IntoIterator<Item = (u64, u64)>) {
+        for (seq, hash) in batches {
+            s.write_all(&peer::message(&[b"", b"kv", &seq.to_be_bytes(), &payload(hash)])).await.unwrap();
+        }
+        s.write_all(&peer::message(&[b"", b"", &u64::MAX.to_be_bytes(), b""])).await.unwrap();
+    }
+
     /// Polls `done` every 10 ms; panics after 10 s.
     async fn wait_until(what: &str, done: impl Fn() -> bool) {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -452,12 +484,7 @@ mod tests {
     async fn a_stream_lost_during_a_replay_starts_again_from_the_first_batch() {
         let events = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let replays = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let source = RankSource {
-            rank: Rank(0),
-            events: format!("tcp://{}", events.local_addr().unwrap()),
-            replay: Some(format!("tcp://{}", replays.local_addr().unwrap())),
-            topic: "kv".into(),
-        };
+        let source = source(&events, Some(&replays));
         let (gap_asked, mut gap_asked_rx) = tokio::sync::mpsc::channel::<()>(1);
         let restarted = Arc::new(tokio::sync::Notify::new());
         let restarted_flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -468,12 +495,7 @@ mod tests {
             tokio::spawn(async move {
                 let mut first = true;
                 loop {
-                    let (mut s, _) = replays.accept().await.unwrap();
-                    peer::handshake(&mut s, "ROUTER").await;
-                    let _ready = peer::read_frame(&mut s).await;
-                    let (_, _delimiter) = peer::read_frame(&mut s).await;
-                    let (_, start) = peer::read_frame(&mut s).await;
-                    let start = u64::from_be_bytes(start.try_into().unwrap());
+                    let (mut s, start) = accept_replay(&replays).await;
                     let batches: Vec<(u64, u64)> = if restarted_flag.load(std::sync::atomic::Ordering::SeqCst) {
                         vec![(0, 100)]
                     } else if first {
@@ -485,26 +507,19 @@ mod tests {
                         (2..6).map(|seq| (seq, seq + 1)).collect()
                     };
                     first = false;
-                    for (seq, hash) in batches.into_iter().filter(|&(seq, _)| seq >= start) {
-                        s.write_all(&peer::message(&[b"", b"kv", &seq.to_be_bytes(), &payload(hash)])).await.unwrap();
-                    }
-                    s.write_all(&peer::message(&[b"", b"", &u64::MAX.to_be_bytes(), b""])).await.unwrap();
+                    send_replay(&mut s, batches.into_iter().filter(|&(seq, _)| seq >= start)).await;
                 }
             })
         };
         let (state, _metrics) = state();
         let cancel = CancellationToken::new();
         let subscriber = tokio::spawn(run(source, state.clone(), cancel.clone()));
-        let (mut old, _) = events.accept().await.unwrap();
-        peer::handshake(&mut old, "PUB").await;
-        let _subscription = peer::read_frame(&mut old).await;
+        let mut old = accept_subscriber(&events).await;
         wait_until("the initial replay", || state.counts().0 == 2).await;
         old.write_all(&stored(5, 6)).await.unwrap(); // batches 2–4 went by unseen
         gap_asked_rx.recv().await.unwrap();
         drop(old); // the engine restarts while the gap is being replayed
-        let (mut new, _) = events.accept().await.unwrap();
-        peer::handshake(&mut new, "PUB").await;
-        let _subscription = peer::read_frame(&mut new).await;
+        let _new = accept_subscriber(&events).await;
         restarted_flag.store(true, std::sync::atomic::Ordering::SeqCst);
         restarted.notify_one();
         let want = kvroute_shared::block_keys(
@@ -527,33 +542,18 @@ mod tests {
     async fn a_replay_that_no_longer_reaches_back_is_applied() {
         let events = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let replays = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let source = RankSource {
-            rank: Rank(0),
-            events: format!("tcp://{}", events.local_addr().unwrap()),
-            replay: Some(format!("tcp://{}", replays.local_addr().unwrap())),
-            topic: "kv".into(),
-        };
+        let source = source(&events, Some(&replays));
         // The engine's buffer: batches 100–105 (one block each) of 106.
         let replay_side = tokio::spawn(async move {
             loop {
-                let (mut s, _) = replays.accept().await.unwrap();
-                peer::handshake(&mut s, "ROUTER").await;
-                let _ready = peer::read_frame(&mut s).await;
-                let (_, _delimiter) = peer::read_frame(&mut s).await;
-                let (_, start) = peer::read_frame(&mut s).await;
-                let start = u64::from_be_bytes(start.try_into().unwrap());
-                for seq in (100..106u64).filter(|seq| *seq >= start) {
-                    s.write_all(&peer::message(&[b"", b"kv", &seq.to_be_bytes(), &payload(seq)])).await.unwrap();
-                }
-                s.write_all(&peer::message(&[b"", b"", &u64::MAX.to_be_bytes(), b""])).await.unwrap();
+                let (mut s, start) = accept_replay(&replays).await;
+                send_replay(&mut s, (100..106u64).filter(|seq| *seq >= start).map(|seq| (seq, seq))).await;
             }
         });
         let (state, metrics) = state();
         let cancel = CancellationToken::new();
         let subscriber = tokio::spawn(run(source, state.clone(), cancel.clone()));
-        let (mut engine, _) = events.accept().await.unwrap();
-        peer::handshake(&mut engine, "PUB").await;
-        let _subscription = peer::read_frame(&mut engine).await;
+        let mut engine = accept_subscriber(&events).await;
         wait_until("the replayed batches", || state.counts().0 == 6).await;
         let epoch = state.epoch();
         engine.write_all(&stored(106, 106)).await.unwrap();
@@ -573,14 +573,11 @@ mod tests {
     #[tokio::test]
     async fn a_reconnect_without_a_replay_endpoint_clears_once_and_replays_nothing() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let events = format!("tcp://{}", listener.local_addr().unwrap());
         let (state, metrics) = state();
-        let source = RankSource { rank: Rank(0), events, replay: None, topic: "kv".into() };
+        let source = source(&listener, None);
         let cancel = CancellationToken::new();
         let subscriber = tokio::spawn(run(source, state.clone(), cancel.clone()));
-        let (mut first, _) = listener.accept().await.unwrap();
-        peer::handshake(&mut first, "PUB").await;
-        let _subscription = peer::read_frame(&mut first).await;
+        let mut first = accept_subscriber(&listener).await;
         first.write_all(&stored(0, 1)).await.unwrap();
         wait_until("the first block", || state.counts().0 == 1).await;
         let before = state.epoch();
@@ -588,9 +585,7 @@ mod tests {
         wait_until("the loss", || metrics.disconnects.get() == 1).await;
         let cleared = state.epoch();
         assert_ne!(cleared, before, "the loss clears the rank");
-        let (mut second, _) = listener.accept().await.unwrap();
-        peer::handshake(&mut second, "PUB").await;
-        let _subscription = peer::read_frame(&mut second).await;
+        let mut second = accept_subscriber(&listener).await;
         second.write_all(&stored(7, 8)).await.unwrap();
         wait_until("the block after the loss", || state.counts().0 == 1 && state.keys() != Vec::new()).await;
         wait_until("the next batch", || metrics.event_batches.get() >= 2).await;
