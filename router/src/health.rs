@@ -28,7 +28,7 @@ use kvroute_shared::body::{MAX_ENGINE_METRICS_BYTES, read_within};
 
 use crate::index::Compaction;
 use crate::metrics::{ENGINE_KINDS, INDEX_KINDS, WorkerKind, WorkerLabel};
-use crate::state::{AppState, now_ms};
+use crate::state::{AppState, MapState, now_ms};
 use crate::workers::{Source, Worker};
 
 /// Takes an unhealthy worker out of the index: its cache state is unknown
@@ -286,7 +286,10 @@ fn expire(state: &AppState, w: &Worker, now: u64) {
         w.live.has_sidecar.store(false, Ordering::Relaxed);
         w.live.forget_reported();
         let held = map.index.counts(w.slot);
-        if let Some(mut map) = state.clear_in_chunks(map, w.slot, |m| m.is_member(&state.workers, w)) {
+        // A sidecar back meanwhile (a sync between two chunks) has made the
+        // index exact again: it is left so, its set the sync's.
+        let still = |m: &MapState| m.is_member(&state.workers, w) && !w.live.has_sidecar.load(Ordering::Relaxed);
+        if let Some(mut map) = state.clear_in_chunks(map, w.slot, still) {
             map.index.set_approximate(w.slot, Some(state.config.raw.approx_capacity_blocks));
         }
         let dropped = held.confirmed + held.speculative;

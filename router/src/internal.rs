@@ -338,7 +338,7 @@ fn over_cap(index: &Index, slot: Slot, batch: &EvictionBatch, max: usize) -> boo
     let evicted: HashSet<&BlockKey> = batch.evicted_hashes.iter().filter(|k| index.holds(slot, k)).collect();
     let added: HashSet<&BlockKey> =
         batch.stored_hashes.iter().filter(|k| !index.holds(slot, k) || evicted.contains(k)).collect();
-    held - evicted.len() + added.len() > max
+    held.saturating_sub(evicted.len()) + added.len() > max
 }
 
 pub async fn sync(
