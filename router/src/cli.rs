@@ -197,8 +197,19 @@ const ENV_KEYS: &[&str] = &[
 
 /// `KVROUTE_` variables of the project's other programs (the sidecar, the
 /// vLLM plugin, scripts and tests), which the router leaves alone.
-const OTHERS_ENV: &[&str] =
-    &["LOG", "LOG_FORMAT", "SIDECAR_", "HOOKS_", "SNAPSHOT_ENDPOINT", "IMAGE", "COMMIT", "PYTHON", "VLLM_", "TINY_"];
+const OTHERS_ENV: &[&str] = &[
+    "LOG",
+    "LOG_FORMAT",
+    "SIDECAR_",
+    "HOOKS_",
+    "SNAPSHOT_ENDPOINT",
+    "IMAGE",
+    "COMMIT",
+    "PYTHON",
+    "VLLM_",
+    "TINY_",
+    "CONFORMANCE_",
+];
 
 /// The `KVROUTE_` variables in `env` that the router does not read and no
 /// other kvroute program does: most likely a misspelt key

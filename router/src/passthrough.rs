@@ -126,7 +126,6 @@ async fn run(
     Err(last.unwrap_or(RouterError::NoHealthyWorker { model }))
 }
 
-/// The body's `model`, when it is a JSON object naming one.
 /// The model a body names: a JSON body's `model`, or a multipart form's
 /// `model` field (`/v1/audio/transcriptions` and `/translations` send the
 /// audio as a form). `None` for a body naming none, or of another kind (an

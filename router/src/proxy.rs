@@ -286,9 +286,11 @@ async fn dispatch(
     // keys the sidecar does not translate: filling them reports nothing.
     let keyed = !carries_media(&body);
     // A worker ejected since the plan was made is not tried: its attempt
-    // would be given up at once, and count against the retries.
-    let healthy = plan.attempts().filter(|(w, _)| w.live.is_healthy());
-    for (attempt, (worker, cand)) in healthy.take(max_attempts).enumerate() {
+    // would be given up at once, and count against the retries. The plan's
+    // first worker got the plan's speculative entries; any other is a
+    // retry's, and records its own.
+    let healthy = plan.attempts().enumerate().filter(|(_, (w, _))| w.live.is_healthy());
+    for (attempt, (worker, cand)) in healthy.take(max_attempts) {
         if attempt > 0 {
             state.metrics.retries.inc();
             routing::record_dispatch(state, worker, &plan.keys);

@@ -235,7 +235,9 @@ impl PromptRequest {
     /// tokenizers with `truncation_side="left"`), the first N with
     /// `truncation_side: "right"`; -1 (the engine's input limit, unknown
     /// here) and none keep them all. Keyed whole, a truncated prompt's keys
-    /// were of blocks no engine ever held.
+    /// were of blocks no engine ever held. A text completion the tokenizer
+    /// truncates keeps its special tokens: see
+    /// `PromptTokenizer::prompt_tokens_within`.
     pub fn truncate(&self, mut tokens: Vec<u32>) -> Vec<u32> {
         let (n, side) = match self {
             PromptRequest::Completion(r) => (r.truncate_prompt_tokens, r.truncation_side.as_deref()),

@@ -107,7 +107,13 @@ impl PromptTokenizer {
         let sources = chat_template_sources(dir, &config)?;
         let template = |src: Option<String>| src.map(|s| ChatTemplate::new(s, special_tokens(&config))).transpose();
         let chat = template(sources.default)?;
-        let chat_tools = template(sources.tool_use)?;
+        // A tool_use template this renderer cannot take leaves tool requests
+        // to the default one (their keys approximate): it never stops a
+        // router whose default template works.
+        let chat_tools = template(sources.tool_use).unwrap_or_else(|e| {
+            tracing::warn!(dir = %dir.display(), error = %e, "the model's tool_use chat template does not load here: requests with tools render with the default one");
+            None
+        });
         let segments = SegmentCache::new(&tokenizer);
         Ok(PromptTokenizer::Hf(Box::new(HfTokenizer { tokenizer, chat, chat_tools, segments, dir: dir.to_owned() })))
     }
@@ -145,7 +151,39 @@ impl PromptTokenizer {
                 self.encode(&text, c.add_special_tokens.unwrap_or(false))?
             }
         };
+        if let PromptRequest::Completion(c) = req
+            && let Some(kept) = self.tokenizer_truncation(c, &tokens)?
+        {
+            return Ok(kept);
+        }
         Ok(req.truncate(tokens))
+    }
+
+    /// A text completion truncated without `truncation_side` is truncated
+    /// by the tokenizer (vLLM passes `truncation=True, max_length=N`), which
+    /// keeps the special tokens it adds (Llama's BOS) and cuts the text's:
+    /// `[BOS] + the last N - 1`. Slicing the encoded prompt dropped the BOS,
+    /// and every key missed. `None` where slicing is what the engine does.
+    fn tokenizer_truncation(&self, c: &CompletionRequest, tokens: &[u32]) -> Result<Option<Vec<u32>>, TokenizeError> {
+        let text = match &c.prompt {
+            Prompt::Text(t) => t.as_str(),
+            Prompt::TextBatch(ts) => ts.first().map_or("", String::as_str),
+            Prompt::Tokens(_) | Prompt::TokenBatch(_) => return Ok(None),
+        };
+        let n = match c.truncate_prompt_tokens.and_then(|n| usize::try_from(n).ok()) {
+            Some(n) if n < tokens.len() && c.truncation_side.is_none() && c.add_special_tokens.unwrap_or(true) => n,
+            _ => return Ok(None),
+        };
+        let plain = self.encode(text, false)?;
+        let specials = tokens.len().saturating_sub(plain.len());
+        // Where the text sits among the special tokens the tokenizer adds.
+        let at = (0..=specials).find(|&p| tokens.get(p..p + plain.len()) == Some(plain.as_slice()));
+        let (Some(at), true) = (at, specials > 0 && n >= specials) else { return Ok(None) };
+        let keep = n - specials;
+        let mut kept = tokens[..at].to_vec();
+        kept.extend_from_slice(&plain[plain.len() - keep..]);
+        kept.extend_from_slice(&tokens[at + plain.len()..]);
+        Ok(Some(kept))
     }
 
     fn completion_tokens(&self, c: &CompletionRequest, max_bytes: usize) -> Result<Vec<u32>, TokenizeError> {
@@ -258,10 +296,11 @@ struct TemplateSources {
 }
 
 /// Where HF's tokenizer (hence vLLM) finds them: a `chat_template.jinja`
-/// file beside the config wins over the config's `chat_template` (a string,
-/// or a list of named templates: "default", else the first), and
-/// `additional_chat_templates/tool_use.jinja` over a "tool_use" entry. The
-/// config was read first: a directory holding both rendered the other one.
+/// file beside the config replaces the config's `chat_template` (a string,
+/// or a list of named templates: "default", else the first, and
+/// "tool_use"), and `additional_chat_templates/tool_use.jinja` is the
+/// tool_use one. The config was read first: a directory holding both
+/// rendered the other one.
 fn chat_template_sources(dir: &Path, config: &Map<String, Json>) -> Result<TemplateSources, TokenizeError> {
     let file = |path: PathBuf| match std::fs::read_to_string(&path) {
         Ok(s) => Ok(Some(s)),
@@ -282,8 +321,14 @@ fn chat_template_sources(dir: &Path, config: &Map<String, Json>) -> Result<Templ
         }
         _ => {}
     }
+    // The file replaces the config's templates, named ones included, as HF
+    // loads them.
+    let jinja = file(dir.join("chat_template.jinja"))?;
+    if jinja.is_some() {
+        tool_use = None;
+    }
     Ok(TemplateSources {
-        default: file(dir.join("chat_template.jinja"))?.or(default),
+        default: jinja.or(default),
         tool_use: file(dir.join("additional_chat_templates").join("tool_use.jinja"))?.or(tool_use),
     })
 }
@@ -390,8 +435,43 @@ mod tests {
         let tools = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#;
         assert_eq!((render(plain), render(tools)), ("D1".to_owned(), "T1".to_owned()));
         std::fs::write(dir.join("chat_template.jinja"), "J").unwrap();
+        assert_eq!((render(plain), render(tools)), ("J".to_owned(), "J".to_owned()), "the file replaces the list");
         std::fs::write(dir.join("additional_chat_templates").join("tool_use.jinja"), "U").unwrap();
         assert_eq!((render(plain), render(tools)), ("J".to_owned(), "U".to_owned()), "the files win");
+        std::fs::write(dir.join("additional_chat_templates").join("tool_use.jinja"), "{% if %}").unwrap();
+        assert_eq!(render(tools), "J", "a tool_use template that does not load is left out");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A tokenizer that adds a BOS (Llama's) keeps it when it truncates a
+    /// text prompt (`[BOS] + the last N - 1`); slicing dropped it. With a
+    /// `truncation_side`, vLLM slices the encoded prompt, BOS and all.
+    #[test]
+    fn truncation_keeps_the_bos_the_tokenizer_adds() {
+        let gpt2 = crate::testdata::tokenizer_dir("gpt2").unwrap_or_else(|why| panic!("no gpt2 tokenizer: {why}"));
+        let dir = std::env::temp_dir().join(format!("kvroute-bos-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut tok: Json = serde_json::from_slice(&std::fs::read(gpt2.join("tokenizer.json")).unwrap()).unwrap();
+        let bos = serde_json::json!({"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}});
+        tok["post_processor"] = serde_json::json!({
+            "type": "TemplateProcessing",
+            "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [50256], "tokens": ["<|endoftext|>"]}},
+        });
+        std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
+        let t = PromptTokenizer::load(&dir).unwrap();
+        let tokens = |body: &str| {
+            t.prompt_tokens(&PromptRequest::parse(Endpoint::Completions, body.as_bytes()).unwrap()).unwrap()
+        };
+        let whole = tokens(r#"{"prompt":"one two three four five six"}"#);
+        assert_eq!(whole.len(), 7, "BOS and six words: {whole:?}");
+        assert_eq!(whole[0], 50256);
+        let cut = tokens(r#"{"prompt":"one two three four five six","truncate_prompt_tokens":4}"#);
+        assert_eq!(cut, [&whole[..1], &whole[4..]].concat(), "the BOS and the last three");
+        let sliced =
+            tokens(r#"{"prompt":"one two three four five six","truncate_prompt_tokens":4,"truncation_side":"left"}"#);
+        assert_eq!(sliced, whole[3..]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -66,6 +66,11 @@ pub enum RunError {
          (vLLM's --served-model-name), or leave it unset for the first"
     )]
     ModelNotServed { configured: ModelName, served: String },
+    #[error(
+        "the engine refused {url} ({status}): it was started with --api-key; give the sidecar the same key \
+         (--engine-api-key, or KVROUTE_SIDECAR_ENGINE_API_KEY)"
+    )]
+    EngineRefused { url: String, status: u16 },
 }
 
 /// The `/health` and `/metrics` server's connection limits: its clients are
@@ -180,7 +185,7 @@ async fn start(
     // block size to be checked, and a name it does not serve (a typo, the
     // HF id instead of `--served-model-name`) roots every key where no
     // request's key is.
-    let models = discover_models(&engine).await;
+    let models = discover_models(&engine).await?;
     let base_model = match &config.model {
         Some(m) if !models.contains(m) => {
             return Err(RunError::ModelNotServed {
@@ -250,13 +255,20 @@ async fn start(
     Ok(Running { targets, tasks })
 }
 
-/// Waits for the engine to list its models (it may still be loading weights).
-/// The engine's served models (never empty), once it lists them.
-async fn discover_models(engine: &EngineClient) -> Vec<ModelName> {
+/// Waits for the engine to list its models (it may still be loading
+/// weights): its served models (never empty), once it lists them. An engine
+/// that refuses the sidecar (401, 403: started with `--api-key`, which
+/// guards `/v1/*`) is an error, not a wait: it would refuse for ever.
+async fn discover_models(engine: &EngineClient) -> Result<Vec<ModelName>, RunError> {
     let mut backoff = Duration::from_millis(200);
     loop {
         match engine.models().await {
-            Ok(models) => return models,
+            Ok(models) => return Ok(models),
+            Err(crate::engine::EngineError::Http { url, source })
+                if source.status().is_some_and(|s| s == 401 || s == 403) =>
+            {
+                return Err(RunError::EngineRefused { url, status: source.status().map_or(0, |s| s.as_u16()) });
+            }
             Err(e) => {
                 warn!(error = %e, "waiting for the engine to list its models");
                 tokio::time::sleep(backoff).await;

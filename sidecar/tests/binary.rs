@@ -122,6 +122,18 @@ async fn a_block_size_or_model_other_than_the_engines_is_refused_at_start() {
     assert!(message.contains("--block-size is 16") && message.contains("engine reports 32"), "{message}");
     let message = refused(raw("Qwen/Qwen3-0.6B", None).validate("w").unwrap()).await;
     assert!(message.contains("\"Qwen/Qwen3-0.6B\"") && message.contains("serves m, sql-adapter"), "{message}");
+    // An engine started with --api-key refuses the sidecar without it: an
+    // error naming the flag, not a wait for ever.
+    let app = axum::Router::new().route(
+        "/v1/models",
+        axum::routing::get(|| async { (axum::http::StatusCode::UNAUTHORIZED, "missing api key") }),
+    );
+    let guarded = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let guarded_url = format!("http://{}", guarded.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(guarded, app).await });
+    let config = kvroute_sidecar::config::RawConfig { engine_url: Some(guarded_url), ..raw("m", None) };
+    let message = refused(config.validate("w").unwrap()).await;
+    assert!(message.contains("401") && message.contains("--engine-api-key"), "{message}");
     // The engine's own size and a name it serves, given or read, start.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
