@@ -37,30 +37,37 @@ pub fn prepare(messages: &[Map<String, Json>], format: ContentFormat, developer_
 }
 
 /// A request's tool as vLLM hands it to the template: `tool.model_dump()`
-/// of its `ChatCompletionToolsParam` (`serving_chat.py`), so `type`
-/// (`"function"` when absent) then `function`, and the function's `name`,
-/// `description` and `parameters` (null when absent) in that order; keys the
-/// client added follow each (pydantic's `extra="allow"`), in its order. The
-/// client's own object rendered differently from the first tool on: on
-/// Qwen3, which prints the tools in the system turn, a function without a
-/// description (vLLM: `"description": null`) missed every block after the
-/// system text. Anything else is passed as it is (vLLM refuses it).
+/// of its `ChatCompletionToolsParam` (vLLM 0.32 `online_renderer.py`), whose
+/// serializers keep only the declared fields: `type` (`"function"` when
+/// absent), then `function` with `name`, `description` and `parameters`
+/// (null when absent), then `strict` and `defer_loading` when set (a tool's
+/// `defer_loading` passed down to its function), and the tool's own
+/// `defer_loading` when set. Other keys are dropped. The client's own object
+/// rendered differently from the first tool on: on Qwen3, which prints the
+/// tools in the system turn, a function without a description (vLLM:
+/// `"description": null`) missed every block after the system text. Checked
+/// against vLLM 0.32's `model_dump()`. Anything else is passed as it is
+/// (vLLM refuses it).
 pub fn tool(t: &Json) -> Json {
     let Some((obj, f)) = t.as_object().and_then(|o| Some((o, o.get("function")?.as_object()?))) else {
         return t.clone();
     };
+    let set = |m: &Map<String, Json>, k: &str| m.get(k).filter(|v| !v.is_null()).cloned();
     let mut function = Map::new();
     for k in ["name", "description", "parameters"] {
         function.insert(k.to_owned(), f.get(k).cloned().unwrap_or(Json::Null));
     }
-    for (k, v) in f {
-        function.entry(k.clone()).or_insert_with(|| v.clone());
+    if let Some(strict) = set(f, "strict") {
+        function.insert("strict".to_owned(), strict);
+    }
+    if let Some(defer) = set(f, "defer_loading").or_else(|| set(obj, "defer_loading")) {
+        function.insert("defer_loading".to_owned(), defer);
     }
     let mut out = Map::new();
     out.insert("type".to_owned(), obj.get("type").cloned().unwrap_or_else(|| Json::from("function")));
     out.insert("function".to_owned(), Json::Object(function));
-    for (k, v) in obj {
-        out.entry(k.clone()).or_insert_with(|| v.clone());
+    if let Some(defer) = set(obj, "defer_loading") {
+        out.insert("defer_loading".to_owned(), defer);
     }
     Json::Object(out)
 }
@@ -390,10 +397,24 @@ fn is_elems_of(expr: &str, var: &str, key: Option<&str>) -> bool {
 mod tests {
     #[test]
     fn tools_are_passed_as_vllm_dumps_them() {
-        let sent = json!({"function": {"parameters": {"type": "object"}, "x": 1, "name": "f"}, "cache_control": {}});
-        let want = json!({"type": "function", "function": {"name": "f", "description": null, "parameters": {"type": "object"}, "x": 1}, "cache_control": {}});
-        let got = tool(&sent);
-        assert_eq!(serde_json::to_string(&got).unwrap(), serde_json::to_string(&want).unwrap(), "values and key order");
+        // vLLM 0.32's `ChatCompletionToolsParam(**sent).model_dump()`, run.
+        for (sent, want) in [
+            (
+                json!({"function": {"parameters": {"type": "object"}, "name": "get_weather"}}),
+                json!({"type": "function", "function": {"name": "get_weather", "description": null, "parameters": {"type": "object"}}}),
+            ),
+            (
+                json!({"function": {"name": "clock", "strict": true, "x": 1}, "type": "function", "cache_control": {"type": "ephemeral"}}),
+                json!({"type": "function", "function": {"name": "clock", "description": null, "parameters": null, "strict": true}}),
+            ),
+            (
+                json!({"function": {"name": "f", "strict": null}, "defer_loading": true}),
+                json!({"type": "function", "function": {"name": "f", "description": null, "parameters": null, "defer_loading": true}, "defer_loading": true}),
+            ),
+        ] {
+            let (got, want) = (serde_json::to_string(&tool(&sent)).unwrap(), serde_json::to_string(&want).unwrap());
+            assert_eq!(got, want, "values and key order");
+        }
         assert_eq!(tool(&json!("not a tool")), json!("not a tool"));
     }
 
