@@ -130,7 +130,7 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
         (Err(e @ (TokenizeError::Template { .. } | TokenizeError::NoChatTemplate)), PromptRequest::Chat(chat)) => {
             state.metrics.event("chat_template_fallback", 1);
             tracing::debug!(error = %e, "the chat template did not render: placed by the messages' plain text");
-            req.truncate(tokenizer.plain_chat_tokens(chat, cap).map_err(|e| tokenize_error(req, e, max))?)
+            tokenizer.plain_chat_tokens(chat, cap).map_err(|e| tokenize_error(req, e, max))?
         }
         (Err(e), _) => return Err(tokenize_error(req, e, max)),
     };

@@ -43,7 +43,7 @@ pub struct CompletionRequest {
     #[serde(default, deserialize_with = "lax::opt_truncation")]
     pub truncate_prompt_tokens: Option<i64>,
     #[serde(default)]
-    pub truncation_side: Option<String>,
+    pub truncation_side: Option<TruncationSide>,
     /// The paper's hint: how many leading tokens form the shared prefix.
     #[serde(default, deserialize_with = "lax::opt_u32")]
     pub prefix_len: Option<u32>,
@@ -81,9 +81,60 @@ pub struct ChatRequest {
     #[serde(default, deserialize_with = "lax::opt_truncation")]
     pub truncate_prompt_tokens: Option<i64>,
     #[serde(default)]
-    pub truncation_side: Option<String>,
+    pub truncation_side: Option<TruncationSide>,
     #[serde(default, deserialize_with = "lax::opt_u32")]
     pub prefix_len: Option<u32>,
+}
+
+/// vLLM's `truncation_side` (a `Literal`: anything else is its 400).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TruncationSide {
+    Left,
+    Right,
+}
+
+/// What a request's `truncate_prompt_tokens` keeps of its prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Truncation {
+    /// How many tokens reach the engine; `None` for all (no limit, or -1:
+    /// the engine's input limit, unknown here).
+    pub keep: Option<usize>,
+    pub side: Option<TruncationSide>,
+}
+
+impl Truncation {
+    fn new(n: Option<i64>, side: Option<TruncationSide>) -> Self {
+        Truncation { keep: n.and_then(|n| usize::try_from(n).ok()), side }
+    }
+
+    /// `tokens` as the engine keeps them (vLLM's `_token_truncation`): the
+    /// last N by default (vLLM loads its tokenizers with
+    /// `truncation_side="left"`), the first N with `"right"`. Keyed whole, a
+    /// truncated prompt's keys were of blocks no engine ever held. A text
+    /// completion the tokenizer truncates keeps its special tokens: see
+    /// `PromptTokenizer::prompt_tokens_within`.
+    pub fn apply(self, mut tokens: Vec<u32>) -> Vec<u32> {
+        let Some(n) = self.keep.filter(|n| *n < tokens.len()) else { return tokens };
+        if self.side == Some(TruncationSide::Right) {
+            tokens.truncate(n);
+        } else {
+            tokens.drain(..tokens.len() - n);
+        }
+        tokens
+    }
+}
+
+impl CompletionRequest {
+    pub fn truncation(&self) -> Truncation {
+        Truncation::new(self.truncate_prompt_tokens, self.truncation_side)
+    }
+}
+
+impl ChatRequest {
+    pub fn truncation(&self) -> Truncation {
+        Truncation::new(self.truncate_prompt_tokens, self.truncation_side)
+    }
 }
 
 /// Scalars read as pydantic reads them in its default (lax) mode, as
@@ -230,26 +281,12 @@ impl PromptRequest {
         }
     }
 
-    /// `tokens` as the engine keeps them under `truncate_prompt_tokens`
-    /// (vLLM's `_token_truncation`): the last N by default (vLLM loads its
-    /// tokenizers with `truncation_side="left"`), the first N with
-    /// `truncation_side: "right"`; -1 (the engine's input limit, unknown
-    /// here) and none keep them all. Keyed whole, a truncated prompt's keys
-    /// were of blocks no engine ever held. A text completion the tokenizer
-    /// truncates keeps its special tokens: see
-    /// `PromptTokenizer::prompt_tokens_within`.
-    pub fn truncate(&self, mut tokens: Vec<u32>) -> Vec<u32> {
-        let (n, side) = match self {
-            PromptRequest::Completion(r) => (r.truncate_prompt_tokens, r.truncation_side.as_deref()),
-            PromptRequest::Chat(r) => (r.truncate_prompt_tokens, r.truncation_side.as_deref()),
-        };
-        let Some(n) = n.and_then(|n| usize::try_from(n).ok()).filter(|n| *n < tokens.len()) else { return tokens };
-        if side == Some("right") {
-            tokens.truncate(n);
-        } else {
-            tokens.drain(..tokens.len() - n);
+    /// What `truncate_prompt_tokens` and `truncation_side` ask for.
+    pub fn truncation(&self) -> Truncation {
+        match self {
+            PromptRequest::Completion(r) => r.truncation(),
+            PromptRequest::Chat(r) => r.truncation(),
         }
-        tokens
     }
 
     /// Is the prompt given as token ids (counted as they are, whatever the
@@ -323,8 +360,9 @@ mod tests {
     #[test]
     fn truncation_keeps_what_the_engine_keeps() {
         let tokens: Vec<u32> = (1..=40).collect();
-        let kept =
-            |body: &str| PromptRequest::parse(Endpoint::Completions, body.as_bytes()).unwrap().truncate(tokens.clone());
+        let kept = |body: &str| {
+            PromptRequest::parse(Endpoint::Completions, body.as_bytes()).unwrap().truncation().apply(tokens.clone())
+        };
         assert_eq!(kept(r#"{"prompt":"x","truncate_prompt_tokens":8}"#), (33..=40).collect::<Vec<_>>());
         let right = r#"{"prompt":"x","truncate_prompt_tokens":"8","truncation_side":"right"}"#;
         assert_eq!(kept(right), (1..=8).collect::<Vec<_>>());
@@ -336,9 +374,11 @@ mod tests {
             assert_eq!(kept(all), tokens, "{all}");
         }
         assert!(PromptRequest::parse(Endpoint::Completions, br#"{"prompt":"x","truncate_prompt_tokens":-2}"#).is_err());
+        let middle = br#"{"prompt":"x","truncate_prompt_tokens":2,"truncation_side":"middle"}"#;
+        assert!(PromptRequest::parse(Endpoint::Completions, middle).is_err(), "vLLM takes left or right only");
         let chat = br#"{"messages":[{"role":"user","content":"x"}],"truncate_prompt_tokens":3}"#;
         assert_eq!(
-            PromptRequest::parse(Endpoint::ChatCompletions, chat).unwrap().truncate(tokens.clone()),
+            PromptRequest::parse(Endpoint::ChatCompletions, chat).unwrap().truncation().apply(tokens.clone()),
             [38, 39, 40]
         );
     }

@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value as Json};
 
-use crate::openai::{ChatRequest, CompletionRequest, Prompt, PromptRequest};
+use crate::openai::{ChatRequest, CompletionRequest, Prompt, PromptRequest, Truncation};
 use chat_template::{ChatOptions, ChatTemplate, MAX_RENDERED_BYTES};
 use segments::SegmentCache;
 
@@ -156,7 +156,7 @@ impl PromptTokenizer {
         {
             return Ok(kept);
         }
-        Ok(req.truncate(tokens))
+        Ok(req.truncation().apply(tokens))
     }
 
     /// A text completion truncated without `truncation_side` is truncated
@@ -170,8 +170,8 @@ impl PromptTokenizer {
             Prompt::TextBatch(ts) => ts.first().map_or("", String::as_str),
             Prompt::Tokens(_) | Prompt::TokenBatch(_) => return Ok(None),
         };
-        let n = match c.truncate_prompt_tokens.and_then(|n| usize::try_from(n).ok()) {
-            Some(n) if n < tokens.len() && c.truncation_side.is_none() && c.add_special_tokens.unwrap_or(true) => n,
+        let n = match c.truncation() {
+            Truncation { keep: Some(n), side: None } if n < tokens.len() && c.add_special_tokens.unwrap_or(true) => n,
             _ => return Ok(None),
         };
         let plain = self.encode(text, false)?;
@@ -203,13 +203,13 @@ impl PromptTokenizer {
     /// A chat's tokens when its template cannot render it (or there is
     /// none): its messages' plain text, encoded, held to `max_bytes`. Not the
     /// engine's tokens: a request routed by them is placed by load, not by
-    /// what the engines cache.
+    /// what the engines cache. Truncated as the request asks.
     pub fn plain_chat_tokens(&self, c: &ChatRequest, max_bytes: usize) -> Result<Vec<u32>, TokenizeError> {
         let text = render_plain(&c.messages, c.add_generation_prompt.unwrap_or(true));
         if text.len() > max_bytes {
             return Err(TokenizeError::TooLong { max_bytes });
         }
-        self.encode(&text, false)
+        Ok(c.truncation().apply(self.encode(&text, false)?))
     }
 
     /// The chat prompt text, as `apply_chat_template(..., tokenize=False)`.
