@@ -46,10 +46,19 @@ pub async fn health() -> Json<Value> {
 }
 
 /// Ready when at least one worker is healthy.
+/// Ready once some worker takes traffic and has answered a health probe. A
+/// worker is taken as healthy from its admission (its requests go at once),
+/// so counting those alone answered yes while every worker was unreachable,
+/// until enough probes had failed to eject them: seconds of 502s behind a
+/// load balancer that believed it.
 pub async fn ready(State(state): State<Arc<AppState>>) -> Response {
-    let healthy = state.workers.snapshot().iter().filter(|w| w.live.is_healthy()).count();
-    let status = if healthy > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (status, Json(json!({"ready": healthy > 0, "healthy_workers": healthy}))).into_response()
+    let workers = state.workers.snapshot();
+    let healthy = workers.iter().filter(|w| w.live.is_healthy()).count();
+    let answered =
+        workers.iter().filter(|w| w.live.is_healthy() && w.live.last_probe_ok_ms.load(Ordering::Relaxed) > 0).count();
+    let status = if answered > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let body = json!({"ready": answered > 0, "healthy_workers": healthy, "probed_workers": answered});
+    (status, Json(body)).into_response()
 }
 
 pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {

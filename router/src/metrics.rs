@@ -93,9 +93,9 @@ fn ttft_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.005, 2.0, 14))
 }
 
-/// Whole requests, from arrival to the answer's last byte: 10 ms to ~5 min.
+/// Whole requests, from arrival to the answer's last byte: 10 ms to 5.5 min.
 fn request_histogram() -> Histogram {
-    Histogram::new(exponential_buckets(0.01, 2.0, 15))
+    Histogram::new(exponential_buckets(0.01, 2.0, 16))
 }
 
 type HistFamily<L> = Family<L, Histogram, fn() -> Histogram>;
@@ -181,7 +181,7 @@ impl Metrics {
         };
         per_request.register(
             "upstream_ttft_seconds",
-            "Time from dispatch to the upstream's first body byte",
+            "Time from dispatch to a streamed answer's first body byte (its first token)",
             ttft.clone(),
         );
         per_request.register(
@@ -196,7 +196,12 @@ impl Metrics {
             let _ = request_duration.get_or_create(&WorkerStatus { worker: NO_WORKER.into(), status });
         }
         let requests = Family::<WorkerOutcome, Counter>::default();
-        registry.register("requests", "Proxied requests by worker and outcome", requests.clone());
+        registry.register(
+            "requests",
+            "Proxied attempts by worker and outcome: a retried request counts once for each worker tried \
+             (request_duration_seconds counts each request once)",
+            requests.clone(),
+        );
         let decisions = Family::<PolicyReason, Counter>::default();
         registry.register("decisions", "Routing decisions by policy and reason", decisions.clone());
         // Every reason, labelled with this router's policy, exists at 0 before

@@ -306,7 +306,7 @@ async fn dispatch(
                 model.pace_model_us(&cand.load, plan.uncached_tokens(cand), state.mean_uncached_tokens())
             })
             .flatten();
-        let mut guard = InflightGuard::new(state.clone(), worker.clone(), plan, cand, modelled, arrived);
+        let mut guard = InflightGuard::new(state.clone(), worker.clone(), plan, cand, modelled, streaming, arrived);
         let mut wait = Deadline::new(state, worker, streaming, keyed, plan.uncached_tokens(cand));
         // A non-streamed answer's headers come with its last token: nothing
         // marks its first, and its prompt would count as queued prefill for
@@ -751,6 +751,8 @@ struct InflightGuard {
     pending: u64,
     /// The timing model's time to first token there, µs (streamed answers).
     modelled_us: Option<f64>,
+    /// The client asked for a stream: its first byte is its first token.
+    streamed: bool,
     /// When the client's request arrived (before any attempt).
     arrived: Instant,
     started: Instant,
@@ -773,6 +775,7 @@ impl InflightGuard {
         plan: &Plan,
         cand: &Candidate,
         modelled_us: Option<f64>,
+        streamed: bool,
         arrived: Instant,
     ) -> Self {
         let pending = plan.uncached_tokens(cand);
@@ -786,6 +789,7 @@ impl InflightGuard {
             worker,
             pending,
             modelled_us,
+            streamed,
             arrived,
             started: Instant::now(),
             first_seen: false,
@@ -796,6 +800,8 @@ impl InflightGuard {
     }
 
     /// The answer's first byte reached the client; `status` is its class.
+    /// Only a stream's first byte is its first token: a non-streamed
+    /// answer's comes with its last, and is not a TTFT.
     fn first_byte(&mut self, status: &'static str) {
         if self.first_seen {
             return;
@@ -811,8 +817,10 @@ impl InflightGuard {
         {
             self.worker.live.record_first_token(took.as_secs_f64() * 1e6, modelled);
         }
-        let label = WorkerStatus { worker: self.worker.id.to_string(), status };
-        self.state.metrics.ttft.get_or_create(&label).observe(took.as_secs_f64());
+        if self.streamed {
+            let label = WorkerStatus { worker: self.worker.id.to_string(), status };
+            self.state.metrics.ttft.get_or_create(&label).observe(took.as_secs_f64());
+        }
     }
 
     /// Its prompt is prefilled (its first byte came, or the model says so).

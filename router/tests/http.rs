@@ -21,7 +21,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
 mod support;
-use support::{TOKEN, TestRouter, router, serve_engine};
+use support::{TOKEN, TestRouter, eventually, router, serve_engine};
 
 /// How a fake worker answers completions.
 #[derive(Clone)]
@@ -888,6 +888,24 @@ async fn no_healthy_worker_is_a_503_and_not_ready() {
     assert_eq!(health.status(), 200);
 }
 
+/// A worker is healthy from its admission, but the router is ready only
+/// once one has answered a probe: an unreachable one is not.
+#[tokio::test]
+async fn ready_waits_for_a_worker_that_answered_a_probe() {
+    let r = router(&[("gone", "http://127.0.0.1:1")], |_| {}).await;
+    let ready = r.http.get(format!("{}/ready", r.url)).send().await.unwrap();
+    assert_eq!(ready.status(), 503);
+    let body: Value = ready.json().await.unwrap();
+    assert_eq!((body["healthy_workers"].as_u64(), body["probed_workers"].as_u64()), (Some(1), Some(0)), "{body}");
+    let w = fake_worker("w", Behaviour::Ok).await;
+    let r = router(&[("w", &w.url)], |_| {}).await;
+    eventually("the router is ready", || async {
+        let ready = r.http.get(format!("{}/ready", r.url)).send().await.unwrap();
+        (ready.status() == 200).then_some(())
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn internal_endpoints_require_the_token() {
     let r = router(&[], |_| {}).await;
@@ -1620,14 +1638,19 @@ async fn metrics_are_exported() {
     let w = fake_worker("w1", Behaviour::Ok).await;
     let r = router(&[("w1", &w.url)], |_| {}).await;
     r.complete(json!({"model": "m", "prompt": prompt(64)})).await.text().await.unwrap();
-    let text = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
+    let metrics = || async { r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap() };
+    // A non-streamed answer's first byte comes with its last: not a TTFT.
+    let ttft = "kvroute_upstream_ttft_seconds_count{policy=\"predicted_ttft\",worker=\"w1\",status=\"2xx\"}";
+    assert!(metrics().await.contains(&format!("{ttft} 0")), "{}", metrics().await);
+    r.complete(json!({"model": "m", "prompt": prompt(64), "stream": true})).await.text().await.unwrap();
+    let text = metrics().await;
     for name in [
-        "kvroute_requests_total{worker=\"w1\",outcome=\"ok\"} 1",
+        "kvroute_requests_total{worker=\"w1\",outcome=\"ok\"} 2",
         "kvroute_decisions_total{policy=\"predicted_ttft\",reason=\"cold_placement\"} 1",
         "kvroute_matched_prefix_ratio_bucket",
         "kvroute_index_entries",
-        "kvroute_routing_duration_seconds_count 1",
-        "kvroute_dispatch_delay_seconds_count 1",
+        "kvroute_routing_duration_seconds_count 2",
+        "kvroute_dispatch_delay_seconds_count 2",
         "kvroute_upstream_ttft_seconds_count{policy=\"predicted_ttft\",worker=\"w1\",status=\"2xx\"} 1",
         "kvroute_worker_inflight{worker=\"w1\"} 0",
     ] {
