@@ -221,6 +221,17 @@ impl Metrics {
         }
     }
 
+    /// Removes a router address's series once it is gone: behind a headless
+    /// service every router rollout brings new pod addresses, and the old
+    /// ones' series stayed for the sidecar's life.
+    pub fn retire_router(&self, router: &str) {
+        for kind in MessageKind::ALL {
+            let labels = PushLabels { router: router.to_owned(), kind: kind.as_str() };
+            self.pushes.remove(&labels);
+            self.push_failures.remove(&labels);
+        }
+    }
+
     fn register_rest(mut self) -> Self {
         let r = &mut self.registry;
         r.register("decode_errors", "ZMQ messages that could not be decoded", self.decode_errors.clone());
@@ -238,8 +249,13 @@ impl Metrics {
         for outcome in ReplayOutcome::ALL.map(ReplayOutcome::as_str).into_iter().chain(["idle_probe"]) {
             let _ = counter(&self.replays, &ReplayLabels { outcome });
         }
-        r.register("pushes", "Messages accepted by a router, by router and kind", self.pushes.clone());
-        r.register("push_failures", "Messages a router did not accept, by router and kind", self.push_failures.clone());
+        r.register("pushes", "Messages a router applied, by router and kind", self.pushes.clone());
+        r.register(
+            "push_failures",
+            "Messages a router did not apply (no answer, an error, or refused as stale or from a worker it does not \
+             know), by router and kind",
+            self.push_failures.clone(),
+        );
         r.register(
             "digest_mismatches",
             "Acks asking for a full sync: the router's digest of this worker differed (protocol v2)",
@@ -308,5 +324,7 @@ mod tests {
                 assert!(text.lines().any(|l| l == line), "no {line} in\n{text}");
             }
         }
+        m.retire_router("http://r:8080");
+        assert!(!m.render().contains("router=\"http://r:8080\""), "a gone router's series stay:\n{}", m.render());
     }
 }

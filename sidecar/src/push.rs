@@ -228,7 +228,13 @@ impl Pusher {
 
     /// Handles an accepted message; `true` when a sync must follow at once.
     fn on_ack(&self, link: &mut Link, kind: MessageKind, ack: InternalAck) -> bool {
-        self.state.metrics().pushes.get_or_create(&Self::labels(&link.target, kind)).inc();
+        // Refused (stale, or from a worker the router does not know) is not
+        // applied: a router that refused every push showed as healthy.
+        let counted = match ack.outcome {
+            AckOutcome::Applied => &self.state.metrics().pushes,
+            AckOutcome::Stale | AckOutcome::UnknownWorker => &self.state.metrics().push_failures,
+        };
+        counted.get_or_create(&Self::labels(&link.target, kind)).inc();
         let restarted = link.router_epoch.as_ref().is_some_and(|e| *e != ack.router_epoch);
         link.router_epoch = Some(ack.router_epoch);
         link.router_clock = ack.clock;

@@ -85,6 +85,7 @@ impl Supervisor {
                 if !keep {
                     info!(router = %t.0, "router address gone");
                     task.cancel.cancel();
+                    self.state.metrics().retire_router(&t.0);
                 }
                 keep
             });

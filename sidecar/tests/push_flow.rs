@@ -80,6 +80,29 @@ async fn router_restart_triggers_an_immediate_sync() {
     h.stop().await;
 }
 
+/// A push the router answers `unknown_worker` was not applied: it counts as
+/// a failure (a router refusing every push showed as healthy), and a full
+/// sync follows at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_push_counts_as_a_failure_and_a_sync_follows() {
+    let mut h = Harness::start("60s").await;
+    // The eviction series of the one router.
+    let count = |text: String, family: &str| -> f64 {
+        let prefix = format!("kvroute_sidecar_{family}_total{{");
+        let line = text.lines().find(|l| l.starts_with(&prefix) && l.contains("kind=\"eviction\""));
+        line.and_then(|l| l.rsplit(' ').next()?.parse().ok()).unwrap_or_else(|| panic!("no {prefix} in\n{text}"))
+    };
+    h.epoch().await;
+    let failed = count(h.metrics().await, "push_failures");
+    let syncs_before = h.received().iter().filter(|m| m.is_sync()).count();
+    h.fake.refuse_next_eviction.store(true, Ordering::SeqCst);
+    h.publisher.publish(vec![stored(&[31], None, &(300..304).collect::<Vec<u32>>())]).await;
+    h.wait_for("a sync after the refusal", |r| r.iter().filter(|m| m.is_sync()).count() > syncs_before).await;
+    // (Heartbeats go on being applied: `pushes` cannot be held still.)
+    support::wait("the refusal counted", || async { count(h.metrics().await, "push_failures") > failed }).await;
+    h.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn router_outage_ends_with_a_full_sync() {
     let mut h = Harness::start("60s").await;

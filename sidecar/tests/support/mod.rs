@@ -46,6 +46,9 @@ pub struct FakeState {
     pub received: Mutex<Vec<Received>>,
     pub router_epoch: Mutex<String>,
     pub down: AtomicBool,
+    /// The next eviction push is answered `unknown_worker` (as by a router
+    /// that lost the worker) instead of `applied`.
+    pub refuse_next_eviction: AtomicBool,
 }
 
 async fn internal(
@@ -62,7 +65,9 @@ async fn internal(
     }
     s.received.lock().push(Received { path: path.path().to_owned(), body });
     let epoch = s.router_epoch.lock().clone();
-    (StatusCode::OK, Json(json!({"router_epoch": epoch, "outcome": "applied"})))
+    let refused = path.path() == "/internal/eviction" && s.refuse_next_eviction.swap(false, Ordering::SeqCst);
+    let outcome = if refused { "unknown_worker" } else { "applied" };
+    (StatusCode::OK, Json(json!({"router_epoch": epoch, "outcome": outcome})))
 }
 
 async fn models() -> Json<Value> {
@@ -81,6 +86,7 @@ pub async fn fake_server() -> (SocketAddr, Arc<FakeState>) {
         received: Mutex::new(Vec::new()),
         router_epoch: Mutex::new("r1".into()),
         down: AtomicBool::new(false),
+        refuse_next_eviction: AtomicBool::new(false),
     });
     let app = axum::Router::new()
         .route("/internal/eviction", post(internal))
