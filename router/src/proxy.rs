@@ -285,12 +285,24 @@ async fn dispatch(
     // Blocks after an image (audio, video, prompt embeddings) carry extra
     // keys the sidecar does not translate: filling them reports nothing.
     let keyed = !carries_media(&body);
+    // Engines (URLs) whose server failed this request: not connected to,
+    // the connection closed, a 5xx. The other data-parallel ranks behind
+    // the same URL are the same server: trying them spent every retry on
+    // it while other engines were healthy. A rank's late first token is
+    // that rank's, and leaves its siblings to be tried.
+    let mut failed_servers: Vec<&str> = Vec::new();
     // A worker ejected since the plan was made is not tried: its attempt
     // would be given up at once, and count against the retries. The plan's
     // first worker got the plan's speculative entries; any other is a
     // retry's, and records its own.
-    let healthy = plan.attempts().enumerate().filter(|(_, (w, _))| w.live.is_healthy());
-    for (attempt, (worker, cand)) in healthy.take(max_attempts) {
+    let mut attempts = plan.attempts().enumerate();
+    let mut tried = 0;
+    while tried < max_attempts {
+        let Some((attempt, (worker, cand))) = attempts.next() else { break };
+        if !worker.live.is_healthy() || failed_servers.contains(&worker.url.as_str()) {
+            continue;
+        }
+        tried += 1;
         if attempt > 0 {
             state.metrics.retries.inc();
             routing::record_dispatch(state, worker, &plan.keys);
@@ -346,6 +358,7 @@ async fn dispatch(
             other => other.map(Began::Headers),
         };
         let mut request_may_be_at_fault = false;
+        let mut server_failed = true;
         match began {
             Wait::Ejected => {
                 guard.failed("ejected");
@@ -364,11 +377,13 @@ async fn dispatch(
             }
             Wait::Stalled if !streaming => {
                 // Its engine filled no block for a whole window: wedged.
+                server_failed = false;
                 guard.failed("stalled");
                 state.metrics.event("stalled", 1);
                 last_err = Some(RouterError::UpstreamTimeout { worker: worker.id.clone() });
             }
             Wait::TimedOut | Wait::Stalled => {
+                server_failed = false;
                 guard.failed("first_token_timeout");
                 state.metrics.event("first_token_timeout", 1);
                 last_err = Some(RouterError::UpstreamTimeout { worker: worker.id.clone() });
@@ -408,6 +423,9 @@ async fn dispatch(
                 request_may_be_at_fault = request_sent;
                 last_err = Some(error);
             }
+        }
+        if server_failed {
+            failed_servers.push(&worker.url);
         }
         if request_may_be_at_fault {
             suspects.push(worker);
@@ -731,9 +749,16 @@ pub fn note_failure(state: &AppState, worker: &Worker) {
     // the two would see it ejected and not held, and re-admit it.
     let k = worker.live.request_ejections.load(Ordering::Relaxed) + 1;
     let hold = crate::health::request_hold(k);
-    let before = worker.live.held_until_ms.swap(now_ms() + hold.as_millis() as u64, Ordering::Relaxed);
+    // The later of two holds: two requests failing together both set one,
+    // and the one that lost the ejection put the old value back, erasing the
+    // winner's (the next probe re-admitted the worker).
+    worker.live.held_until_ms.fetch_max(now_ms() + hold.as_millis() as u64, Ordering::Relaxed);
     if !worker.live.healthy.swap(false, Ordering::Relaxed) {
-        worker.live.held_until_ms.store(before, Ordering::Relaxed);
+        // Ejected meanwhile. By its probes: judged gone, it is not held
+        // (answering again, it is re-admitted at once).
+        if worker.live.probe_failures.load(Ordering::Relaxed) >= state.config.raw.eject_after_failures {
+            worker.live.held_until_ms.store(0, Ordering::Relaxed);
+        }
         return;
     }
     worker.live.request_ejections.store(k, Ordering::Relaxed);

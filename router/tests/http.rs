@@ -1776,6 +1776,30 @@ async fn a_worker_that_drops_what_others_answer_is_ejected() {
     assert!(healthy(&r, "b-good").await);
 }
 
+/// The data-parallel ranks behind one URL are one server: when it fails a
+/// request (here it drops every connection), the retries go to another
+/// engine, not to its other ranks (three attempts at one dead server: a 502
+/// while another engine was healthy).
+#[tokio::test]
+async fn retries_skip_the_other_ranks_of_a_failed_server() {
+    let door = slamming_door().await;
+    let good = fake_worker("good", Behaviour::Ok).await;
+    let ranks: Vec<(String, String)> = (0..3).map(|r| (format!("a-dp{r}"), format!("{door}#dp-rank={r}"))).collect();
+    let mut workers: Vec<(&str, &str)> = ranks.iter().map(|(id, url)| (id.as_str(), url.as_str())).collect();
+    workers.push(("b-good", &good.url));
+    let r = router(&workers, |raw| {
+        raw.policy = "round_robin".into();
+        raw.retries = 2;
+        raw.eject_after_failures = 1_000;
+    })
+    .await;
+    for i in 0..4 {
+        let resp = r.complete(json!({"model": "m", "prompt": format!("hello {i}")})).await;
+        assert_eq!(resp.status(), 200, "request {i}");
+        assert_eq!(resp.headers()["x-kvroute-worker"], "b-good", "request {i}");
+    }
+}
+
 /// Pushes name their wire protocol version in a header. A router refuses a
 /// major it does not speak (400 naming the versions, counted) and accepts
 /// pushes without the header (sidecars from before versioning), version 1
