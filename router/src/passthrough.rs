@@ -95,7 +95,10 @@ async fn run(
     // Naming none, it is for the served model, as a completion is.
     let model = model_of(headers, &body).unwrap_or_else(|| crate::routing::served_model(state));
     let mut workers = crate::routing::serving(&state.workers.snapshot(), &model)?;
-    workers.sort_by_key(|w| w.live.inflight.load(Ordering::Relaxed) + w.live.replica_inflight.load(Ordering::Relaxed));
+    // Replicas' summed figures saturate at u32::MAX: a plain sum overflowed.
+    workers.sort_by_key(|w| {
+        w.live.inflight.load(Ordering::Relaxed).saturating_add(w.live.replica_inflight.load(Ordering::Relaxed))
+    });
     let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
     let mut last = None;
     for worker in workers.iter().take(1 + state.config.raw.retries as usize) {

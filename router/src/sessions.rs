@@ -36,7 +36,16 @@ struct Table {
     /// No session expires before this: the sweep scans the table only once
     /// one can have expired.
     earliest: Option<Instant>,
+    /// The last scan, and how many there were.
+    scanned: Option<Instant>,
+    scans: u64,
 }
+
+/// A pin at the cap scans the table for expired sessions at most this often;
+/// between scans it drops the least recently used. A client pinning new ids
+/// with `x-session-ttl: 0` made every pin at the cap scan the whole table
+/// (100 k sessions, milliseconds) under its lock.
+const SCAN_AT_CAP_EVERY: Duration = Duration::from_secs(1);
 
 impl Table {
     fn insert(&mut self, id: String, worker: WorkerId, expires: Instant) {
@@ -68,6 +77,8 @@ impl Table {
         if self.earliest.is_some_and(|e| e > now) {
             return;
         }
+        self.scanned = Some(now);
+        self.scans += 1;
         self.map.retain(|_, s| s.expires > now);
         let map = &self.map;
         self.by_use.retain(|used, id| map.get(id).is_some_and(|s| s.used == *used));
@@ -107,7 +118,9 @@ impl Sessions {
     pub fn pin(&self, id: &str, worker: &WorkerId, ttl: Duration, now: Instant) {
         let mut table = self.table.lock();
         if table.map.len() >= self.max && !table.map.contains_key(id) {
-            table.sweep(now);
+            if table.scanned.is_none_or(|t| now.saturating_duration_since(t) >= SCAN_AT_CAP_EVERY) {
+                table.sweep(now);
+            }
             while table.map.len() >= self.max {
                 let Some((_, oldest)) = table.by_use.pop_first() else { break };
                 table.map.remove(&oldest);
@@ -188,5 +201,21 @@ mod tests {
         s.sweep(t0 + Duration::from_secs(601));
         assert_eq!((s.count(), s.get("mine", t0 + Duration::from_secs(601))), (99, None));
         assert!(!valid_session_id("") && !valid_session_id("a b") && valid_session_id("conv-42"));
+    }
+
+    /// New ids pinned for no time at the cap do not each scan the table.
+    #[test]
+    fn pins_at_the_cap_scan_the_table_at_most_once_a_second() {
+        let s = Sessions::new(1_000);
+        let t0 = Instant::now();
+        let w = WorkerId::new("w1");
+        for i in 0..1_000 {
+            s.pin(&format!("long-{i}"), &w, Duration::from_secs(600), t0);
+        }
+        for i in 0..1_000 {
+            s.pin(&format!("brief-{i}"), &w, Duration::ZERO, t0 + Duration::from_millis(i));
+        }
+        assert_eq!(s.count(), 1_000);
+        assert!(s.table.lock().scans <= 1, "{} scans", s.table.lock().scans);
     }
 }

@@ -54,10 +54,19 @@ pub fn check_token(t: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// The longest base URL a worker, router or replica may have. Every request
+/// routed to a worker formats its URL and the HTTP client parses it again,
+/// and a sync's URL is parsed under the index's write lock: a sidecar sent
+/// one as long as its 128 MiB body.
+pub const MAX_URL_LEN: usize = 2048;
+
 /// A worker's, a router's or a replica's base URL, checked and normalised
 /// (no trailing `/`): `http(s)`, a host, no credentials, query or fragment.
 /// The error says why.
 pub fn check_http_url(url: &str) -> Result<String, String> {
+    if url.len() > MAX_URL_LEN {
+        return Err(format!("longer than {MAX_URL_LEN} bytes"));
+    }
     let parsed = url::Url::parse(url).map_err(|e| e.to_string())?;
     if !matches!(parsed.scheme(), "http" | "https") {
         return Err("the scheme must be http or https".into());
@@ -361,9 +370,12 @@ impl Validate for SyncSnapshot {
         validate_epoch(&self.epoch)?;
         validate_load(&self.load)?;
         if let Some(url) = &self.url
-            && !(url.starts_with("http://") || url.starts_with("https://"))
+            && (!(url.starts_with("http://") || url.starts_with("https://")) || url.len() > MAX_URL_LEN)
         {
-            return Err(DecodeError::new("url", "must be an http:// or https:// URL"));
+            return Err(DecodeError::new(
+                "url",
+                format!("must be an http:// or https:// URL of at most {MAX_URL_LEN} bytes"),
+            ));
         }
         if self.dp_rank.is_some_and(|r| r >= MAX_DP_RANKS) {
             return Err(DecodeError::new("dp_rank", format!("must be below {MAX_DP_RANKS}")));
@@ -449,6 +461,20 @@ mod tests {
         assert_eq!(sync(vec!["m".into(); MAX_MODELS + 1]).unwrap_err().field, "models");
         assert_eq!(sync(vec!["m".into(), "x".repeat(MAX_MODEL_NAME_LEN + 1)]).unwrap_err().field, "models[1]");
         assert_eq!(sync(vec![String::new()]).unwrap_err().field, "models[0]");
+    }
+
+    /// A sync's URL is parsed under the router's index lock and formatted
+    /// into every request sent there: it is bounded.
+    #[test]
+    fn a_sync_names_a_bounded_url() {
+        let sync = |url: String| {
+            let body = serde_json::json!({"worker_id": "w1", "hashes": [], "url": url});
+            decode_valid::<SyncSnapshot>(body.to_string().as_bytes())
+        };
+        let at = |n: usize| format!("http://h/{}", "a".repeat(n - "http://h/".len()));
+        assert!(sync(at(MAX_URL_LEN)).is_ok());
+        assert_eq!(sync(at(MAX_URL_LEN + 1)).unwrap_err().field, "url");
+        assert!(check_http_url(&at(MAX_URL_LEN + 1)).is_err());
     }
 
     #[test]
