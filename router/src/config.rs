@@ -319,9 +319,12 @@ impl RawConfig {
                 spec.split_once('=').ok_or_else(|| invalid("workers", format!("{spec:?} is not ID=URL")))?;
             let (url, dp_rank) = split_dp_rank(target).map_err(|e| invalid("workers", format!("{spec:?}: {e}")))?;
             let url = crate::workers::checked_url(url).map_err(|e| invalid("workers", format!("{spec:?}: {e}")))?;
-            if id.is_empty() || workers.iter().any(|w| w.id.as_str() == id) {
-                return Err(invalid("workers", format!("{spec:?}: worker ids must be unique and non-empty")));
+            if workers.iter().any(|w| w.id.as_str() == id) {
+                return Err(invalid("workers", format!("{spec:?}: worker ids must be unique")));
             }
+            // As a sidecar's: the id is a metrics label, written unescaped.
+            kvroute_shared::wire::validate_worker_id(&WorkerId::new(id))
+                .map_err(|e| invalid("workers", format!("{spec:?}: {}", e.message)))?;
             // One engine under two ids splits its traffic and its cache.
             if let Some(twin) = workers.iter().find(|w| w.url == url && w.dp_rank == dp_rank) {
                 return Err(invalid("workers", format!("{spec:?}: the same engine as worker {}", twin.id)));
@@ -640,6 +643,18 @@ mod tests {
             let e = RawConfig { workers, ..Default::default() }.validate().unwrap_err();
             assert!(e.to_string().contains("the same engine as worker a"), "{twins:?}: {e}");
         }
+    }
+
+    /// A static worker's id is held to a sidecar's rules: it is written
+    /// unescaped into metrics labels (a `"` broke every scrape), and `none`
+    /// is the label of requests refused before a worker was chosen.
+    #[test]
+    fn a_static_worker_id_is_checked_as_a_sidecars() {
+        for bad in ["a\"b=http://h:8000", "none=http://h:8000", "=http://h:8000", "a b=http://h:8000"] {
+            let e = RawConfig { workers: vec![bad.into()], ..Default::default() }.validate().unwrap_err();
+            assert!(e.to_string().contains("workers"), "{bad}: {e}");
+        }
+        assert!(RawConfig { workers: vec!["gpu-0.a_b:1=http://h".into()], ..Default::default() }.validate().is_ok());
     }
 
     #[test]

@@ -40,7 +40,7 @@ pub const SYNC_KINDS: [&str; 6] =
 pub const EVENT_KINDS: [&str; 6] =
     ["stored", "evicted", "cleared", "stale_batch", "digest_mismatch", "rejected_protocol"];
 /// The `worker` label of requests refused before a worker was chosen.
-pub const NO_WORKER: &str = "none";
+pub const NO_WORKER: &str = kvroute_shared::wire::RESERVED_WORKER_ID;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WorkerOutcome {

@@ -337,8 +337,15 @@ pub fn validate_worker_id(id: &WorkerId) -> Result<(), DecodeError> {
     if !s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':')) {
         return Err(DecodeError::new("worker_id", "may hold only ASCII letters, digits and - _ . :"));
     }
+    if s == RESERVED_WORKER_ID {
+        return Err(DecodeError::new("worker_id", format!("{RESERVED_WORKER_ID:?} is reserved (metrics: no worker)")));
+    }
     Ok(())
 }
+
+/// The router's metrics label requests refused before a worker was chosen
+/// with this worker id: no worker may take it.
+pub const RESERVED_WORKER_ID: &str = "none";
 
 fn validate_load(load: &Option<Load>) -> Result<(), DecodeError> {
     match load {
