@@ -3,11 +3,12 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 use axum::Json;
 use axum::body::Body;
 use axum::extract::{Query, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use kvroute_shared::openai::Endpoint;
 use serde_json::{Value, json};
@@ -83,13 +84,23 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
     Json(json!({"object": "list", "data": data}))
 }
 
-/// `POST /debug/route`: the decision the router would make, without forwarding.
-pub async fn debug_route(State(state): State<Arc<AppState>>, body: Body) -> Result<Json<Value>, RouterError> {
+/// `POST /debug/route`: the decision the router would make, without
+/// forwarding, and without changing anything (no speculative entry, no
+/// session touched, no counter). An `x-session-id` header is read as a
+/// request's: a pinned session's worker is the decision.
+pub async fn debug_route(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<Value>, RouterError> {
+    let session = crate::proxy::session_of(&state, &headers)?;
     // Same limits as a real request: body deadline, concurrency slot, prompt
     // size, tokenizing off the runtime.
     let (body, _permit) = admit(&state, body, None).await?;
     let (_, prepared) = routing::parse_and_prepare(&state, endpoint_of(&body), &body).await?;
-    let plan = routing::plan(&state, prepared, None, false)?;
+    let template_fallback = prepared.template_fallback;
+    let pinned = session.and_then(|(id, _)| state.sessions.peek(&id, Instant::now()));
+    let plan = routing::plan(&state, prepared, pinned.as_ref(), false)?;
     let name = |i: usize| plan.workers[i].id.to_string();
     let workers: Vec<Value> = plan
         .candidates
@@ -115,6 +126,8 @@ pub async fn debug_route(State(state): State<Arc<AppState>>, body: Body) -> Resu
         "block_size": plan.block_size,
         "block_keys": plan.keys,
         "sole_router": plan.sole_router,
+        "pinned_session_worker": pinned,
+        "chat_template_fallback": template_fallback,
         "routers_counted": plan.routers_counted,
         "decision": {
             "worker": plan.decision.chosen().map(name),

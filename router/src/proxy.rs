@@ -177,7 +177,7 @@ fn carries_media(body: &[u8]) -> bool {
 }
 
 /// Session id and TTL from the request headers, when valid.
-fn session_of(state: &AppState, headers: &HeaderMap) -> Result<Option<(String, Duration)>, RouterError> {
+pub fn session_of(state: &AppState, headers: &HeaderMap) -> Result<Option<(String, Duration)>, RouterError> {
     let Some(id) = headers.get(SESSION_HEADER) else { return Ok(None) };
     let id = id
         .to_str()
@@ -244,6 +244,9 @@ async fn proxy_from(
         None => session_of(state, headers)?,
     };
     let (stream, prepared) = routing::parse_and_prepare(state, endpoint, &body).await?;
+    if prepared.template_fallback {
+        state.metrics.event("chat_template_fallback", 1);
+    }
     let pinned = session.as_ref().and_then(|(id, _)| state.sessions.get(id, Instant::now()));
     let plan = routing::plan(state, prepared, pinned.as_ref(), true)?;
     let mut resp = dispatch(state, endpoint, headers, body, &plan, stream, arrived).await?;

@@ -69,6 +69,10 @@ pub struct Prepared {
     head_hash: u64,
     prefix_hint: Option<usize>,
     exact_tokenizer: bool,
+    /// A chat the model's template could not render here, keyed by its
+    /// messages' plain text (counted by the caller that routes it, not by
+    /// `/debug/route`).
+    pub template_fallback: bool,
 }
 
 /// Upper bound of prompt bytes per token, for refusing a body, or a chat
@@ -121,6 +125,7 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
     // A chat template can expand a small body hundreds of times: the text
     // is held to the same bound as a body before it is tokenized.
     let cap = max.saturating_mul(MAX_BYTES_PER_TOKEN);
+    let mut template_fallback = false;
     let tokens = match (tokenizer.prompt_tokens_within(req, cap), req) {
         (Ok(tokens), _) => tokens,
         // The template cannot render it here (a construct minijinja lacks, a
@@ -128,7 +133,7 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
         // engine may have `--chat-template`): the engine decides, not the
         // router. Placed by its plain text, which no engine caches.
         (Err(e @ (TokenizeError::Template { .. } | TokenizeError::NoChatTemplate)), PromptRequest::Chat(chat)) => {
-            state.metrics.event("chat_template_fallback", 1);
+            template_fallback = true;
             tracing::debug!(error = %e, "the chat template did not render: placed by the messages' plain text");
             tokenizer.plain_chat_tokens(chat, cap).map_err(|e| tokenize_error(req, e, max))?
         }
@@ -146,7 +151,8 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
     let head = &tokens[..tokens.len().min(state.config.raw.head_tokens)];
     let head_hash = BlockKey::chain(root.0, head).0;
     let prefix_hint = req.prefix_len().map(|n| n as usize);
-    Ok(Prepared { model, tokens, keys, head_hash, prefix_hint, exact_tokenizer: tokenizer.is_exact() })
+    let exact_tokenizer = tokenizer.is_exact();
+    Ok(Prepared { model, tokens, keys, head_hash, prefix_hint, exact_tokenizer, template_fallback })
 }
 
 /// Parses `body` ([`crate::proxy::parse`]) and renders, tokenizes and keys
@@ -237,7 +243,7 @@ fn plan_against(
     live: bool,
 ) -> Result<Plan, RouterError> {
     let started = Instant::now();
-    let Prepared { model, tokens, keys, head_hash, prefix_hint, exact_tokenizer } = prepared;
+    let Prepared { model, tokens, keys, head_hash, prefix_hint, exact_tokenizer, .. } = prepared;
 
     let workers = serving(snapshot, &model)?;
     let block_size = state.config.block_size.get();

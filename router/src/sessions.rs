@@ -113,6 +113,12 @@ impl Sessions {
         }
     }
 
+    /// [`Self::get`] without counting a use (`/debug/route` explains, and
+    /// changes nothing).
+    pub fn peek(&self, id: &str, now: Instant) -> Option<WorkerId> {
+        self.table.lock().map.get(id).filter(|s| s.expires > now).map(|s| s.worker.clone())
+    }
+
     /// Pins (or re-pins) `id` to `worker` until `now + ttl`. At the cap the
     /// expired sessions go first, then the least recently used one.
     pub fn pin(&self, id: &str, worker: &WorkerId, ttl: Duration, now: Instant) {

@@ -1776,6 +1776,39 @@ async fn a_worker_that_drops_what_others_answer_is_ejected() {
     assert!(healthy(&r, "b-good").await);
 }
 
+/// `/debug/route` reads `x-session-id` as a request does: a pinned
+/// session's worker is the decision it explains.
+#[tokio::test]
+async fn debug_route_explains_a_pinned_session() {
+    let (a, b) = (fake_worker("a", Behaviour::Ok).await, fake_worker("b", Behaviour::Ok).await);
+    let r = router(&[("a", &a.url), ("b", &b.url)], |_| {}).await;
+    let mut pinned = std::collections::HashMap::new();
+    for n in 0..200 {
+        let id = format!("s{n}");
+        let resp = r
+            .http
+            .post(format!("{}/v1/completions", r.url))
+            .header("x-session-id", &id)
+            .json(&json!({"model": "m", "prompt": format!("conversation {n} {}", prompt(40))}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        pinned.entry(resp.headers()["x-kvroute-worker"].to_str().unwrap().to_owned()).or_insert(id);
+        if pinned.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(pinned.len(), 2, "no session pinned to each worker in 200: {pinned:?}");
+    let body = json!({"model": "m", "prompt": "a question nobody asked"});
+    let free = r.explain(body.clone()).await["decision"]["worker"].as_str().unwrap().to_owned();
+    let other = if free == "a" { "b" } else { "a" };
+    let explain = r.http.post(format!("{}/debug/route", r.url)).header("x-session-id", &pinned[other]).json(&body);
+    let explained: Value = explain.send().await.unwrap().json().await.unwrap();
+    assert_eq!(explained["decision"]["worker"], other, "{explained}");
+    assert_eq!(explained["pinned_session_worker"], other, "{explained}");
+}
+
 /// The data-parallel ranks behind one URL are one server: when it fails a
 /// request (here it drops every connection), the retries go to another
 /// engine, not to its other ranks (three attempts at one dead server: a 502
