@@ -34,9 +34,9 @@ use kvroute_shared::{BlockKey, WorkerId};
 
 use crate::config::Secret;
 use crate::error::RouterError;
-use crate::index::{Covers, DeltaCursor, Index, Slot, SyncOutcome, SyncPlan};
+use crate::index::{Covers, DeltaCursor, Slot, SyncOutcome, SyncPlan};
 use crate::proxy::read_in_time;
-use crate::state::{AppState, Registered, now_ms};
+use crate::state::{AppState, MapState, Registered, now_ms};
 use crate::workers::{RegistryError, Source, Target, Upsert, Worker};
 
 fn presented(headers: &HeaderMap) -> &str {
@@ -274,12 +274,12 @@ pub async fn eviction(
 /// worker expired (and its slot perhaps went to another) is refused.
 fn apply_eviction(state: &AppState, worker: &Worker, batch: &EvictionBatch) -> Push<Acked> {
     // A worker holds at most max_sync_keys entries, however they arrive.
-    // Judged under the read lock: past the cheap bound it looks up every key
-    // of the batch (up to max_sync_keys), which under the write lock would
-    // stall routing for as long, and a pusher could repeat it at will. The
-    // figures can move before the write lock is taken: the cap is a bound on
-    // memory, not an exact count.
-    let too_large = over_cap(&state.map.read().index, worker.slot, batch, state.config.raw.max_sync_keys);
+    // Judged under the read lock, a chunk of keys per hold: past the cheap
+    // bound it looks up every key of the batch (up to max_sync_keys), which
+    // under one hold stalled routing (it takes the write lock) for as long,
+    // and a pusher could repeat it at will. The figures can move meanwhile:
+    // the cap is a bound on memory, not an exact count.
+    let too_large = over_cap(&state.map, worker.slot, batch, state.config.raw.max_sync_keys);
     let mut map = state.map.write();
     if !map.is_member(&state.workers, worker) {
         return Push::NotMember;
@@ -325,21 +325,31 @@ fn apply_eviction(state: &AppState, worker: &Worker, batch: &EvictionBatch) -> P
 /// any: confirming its speculative entries, or a repair re-sending held keys,
 /// adds none. The keys are looked up only when the worker would be over the
 /// cap without them, not on every routine push.
-fn over_cap(index: &Index, slot: Slot, batch: &EvictionBatch, max: usize) -> bool {
+fn over_cap(map: &parking_lot::RwLock<MapState>, slot: Slot, batch: &EvictionBatch, max: usize) -> bool {
     let stored = batch.stored_hashes.len();
     if batch.cleared {
         return stored > max;
     }
-    let held = index.counts(slot);
+    let held = map.read().index.counts(slot);
     let held = held.confirmed + held.speculative;
     if held + stored <= max {
         return false;
     }
-    let evicted: HashSet<&BlockKey> = batch.evicted_hashes.iter().filter(|k| index.holds(slot, k)).collect();
-    let added: HashSet<&BlockKey> =
-        batch.stored_hashes.iter().filter(|k| !index.holds(slot, k) || evicted.contains(k)).collect();
+    let mut evicted: HashSet<&BlockKey> = HashSet::new();
+    for chunk in batch.evicted_hashes.chunks(CAP_CHECK_CHUNK) {
+        let map = map.read();
+        evicted.extend(chunk.iter().filter(|k| map.index.holds(slot, k)));
+    }
+    let mut added: HashSet<&BlockKey> = HashSet::new();
+    for chunk in batch.stored_hashes.chunks(CAP_CHECK_CHUNK) {
+        let map = map.read();
+        added.extend(chunk.iter().filter(|k| !map.index.holds(slot, k) || evicted.contains(k)));
+    }
     held.saturating_sub(evicted.len()) + added.len() > max
 }
+
+/// Keys [`over_cap`] looks up per read-lock hold (about a millisecond).
+const CAP_CHECK_CHUNK: usize = 8 * SYNC_WRITE_CHUNK;
 
 pub async fn sync(
     State(state): State<Arc<AppState>>,
