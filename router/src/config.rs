@@ -137,10 +137,11 @@ pub struct RawConfig {
     #[serde(with = "humantime_serde")]
     pub body_read_timeout: Duration,
     pub max_body_bytes: usize,
-    /// Client bodies being read at once hold at most this many bytes in
-    /// all; past it a request is shed (503). Bodies are read before a
-    /// concurrency slot is taken, so only this bounds what clients sending
-    /// slowly (16 MiB each, then nothing) can make the router hold.
+    /// Client bodies, from their first byte until their answer begins,
+    /// hold at most this many bytes in all; past it a request is shed
+    /// (503). Bodies are read before a concurrency slot is taken, so only
+    /// this bounds what clients sending slowly (16 MiB each, then nothing),
+    /// or many waiting for long non-streamed answers, make the router hold.
     pub max_body_bytes_in_flight: usize,
     pub max_messages: usize,
     /// Longest prompt accepted, in tokens (set it to the engines'

@@ -20,7 +20,8 @@ pub async fn create(State(state): State<Arc<AppState>>, headers: HeaderMap, body
     let run = async {
         // Read under the API's deadline and `max_body_bytes`; a completion's
         // prompt bound is checked by `proxy` once the endpoint is known.
-        let body = read_client_body(&state, body, None).await?;
+        // Read again (and counted again) by `proxy`: this read's share goes.
+        let (body, _) = read_client_body(&state, body, None).await?;
         let ttl = session_ttl(&state, &headers)?;
         let id = format!("ctx-{:032x}", rand::random::<u128>());
         proxy(&state, endpoint_of(&body), &headers, Body::from(body), Some((id, ttl))).await

@@ -90,7 +90,8 @@ async fn run(
     if !is_client_api(uri.path()) {
         return Err(RouterError::NotFound(format!("no route for {} {}", method, uri.path())));
     }
-    let body = read_client_in_time(state, body, state.config.raw.max_body_bytes).await?;
+    // Its budget held while the body is, until the answer begins.
+    let (body, _budget) = read_client_in_time(state, body, state.config.raw.max_body_bytes).await?;
     let permit = take_slot(state)?;
     // Naming none, it is for the served model, as a completion is.
     let model = model_of(headers, &body).unwrap_or_else(|| crate::routing::served_model(state));

@@ -50,14 +50,24 @@ pub fn forwarded(headers: &HeaderMap) -> impl Iterator<Item = (&'static str, &He
 /// one trickled in forever would hold it and its task.
 pub async fn read_in_time(state: &AppState, body: Body, limit: usize) -> Result<Bytes, RouterError> {
     let timeout = state.config.raw.body_read_timeout;
-    tokio::time::timeout(timeout, read_within(body, limit, None))
-        .await
-        .map_err(|_| RouterError::BodyTimeout { after: timeout })?
+    let read = tokio::time::timeout(timeout, read_within(body, limit, None)).await;
+    read.map_err(|_| RouterError::BodyTimeout { after: timeout })?.map(|(body, _)| body)
 }
 
-/// A client's body: as [`read_in_time`], its bytes counted while it is read
-/// against `max_body_bytes_in_flight`, shed (503) past it.
-pub async fn read_client_in_time(state: &AppState, body: Body, limit: usize) -> Result<Bytes, RouterError> {
+/// A client's body's share of `max_body_bytes_in_flight`: held while the
+/// body is, until its answer begins. Given back when a body was read, the
+/// budget bounded only bodies being read, and those waiting for a
+/// tokenizer slot or for a non-streamed answer (whose headers come with its
+/// end) were bounded by the concurrency limit alone: 4,096 × 16 MiB.
+pub type BodyBudget = Option<OwnedSemaphorePermit>;
+
+/// A client's body: as [`read_in_time`], its bytes counted against
+/// `max_body_bytes_in_flight` as they arrive, shed (503) past it.
+pub async fn read_client_in_time(
+    state: &AppState,
+    body: Body,
+    limit: usize,
+) -> Result<(Bytes, BodyBudget), RouterError> {
     let timeout = state.config.raw.body_read_timeout;
     let read = read_within(body, limit, Some(&state.body_bytes));
     let out = tokio::time::timeout(timeout, read).await.map_err(|_| RouterError::BodyTimeout { after: timeout })?;
@@ -68,9 +78,13 @@ pub async fn read_client_in_time(state: &AppState, body: Body, limit: usize) -> 
 }
 
 /// Reads a body up to `limit` bytes (413 beyond it); with a `budget`, each
-/// chunk's bytes are taken from it as they arrive (503 when it is spent) and
-/// given back when the body is read (or refused).
-async fn read_within(mut body: Body, limit: usize, budget: Option<&Arc<Semaphore>>) -> Result<Bytes, RouterError> {
+/// chunk's bytes are taken from it as they arrive (503 when it is spent),
+/// and returned held.
+async fn read_within(
+    mut body: Body,
+    limit: usize,
+    budget: Option<&Arc<Semaphore>>,
+) -> Result<(Bytes, BodyBudget), RouterError> {
     let mut buf = bytes::BytesMut::new();
     let mut held: Option<OwnedSemaphorePermit> = None;
     while let Some(frame) = body.frame().await {
@@ -90,7 +104,7 @@ async fn read_within(mut body: Body, limit: usize, budget: Option<&Arc<Semaphore
         }
         buf.extend_from_slice(&chunk);
     }
-    Ok(buf.freeze())
+    Ok((buf.freeze(), held))
 }
 
 /// Parses and checks a body sent to `endpoint`.
@@ -107,17 +121,21 @@ pub fn parse(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Prompt
     Ok(req)
 }
 
+/// A request admitted: its body, the body's budget and a concurrency slot.
+#[derive(Debug)]
+pub struct Admitted {
+    pub body: Bytes,
+    pub budget: BodyBudget,
+    pub slot: OwnedSemaphorePermit,
+}
+
 /// Admits a request that will be planned (proxied or explained): its body is
 /// read under a deadline *before* a concurrency slot is taken (clients that
 /// send slowly must not hold the slots real requests need) and refused as
 /// soon as it is too long ([`read_client_body`]); then a slot.
-pub async fn admit(
-    state: &AppState,
-    body: Body,
-    endpoint: Option<Endpoint>,
-) -> Result<(Bytes, OwnedSemaphorePermit), RouterError> {
-    let body = read_client_body(state, body, endpoint).await?;
-    Ok((body, take_slot(state)?))
+pub async fn admit(state: &AppState, body: Body, endpoint: Option<Endpoint>) -> Result<Admitted, RouterError> {
+    let (body, budget) = read_client_body(state, body, endpoint).await?;
+    Ok(Admitted { body, budget, slot: take_slot(state)? })
 }
 
 /// One of `max_concurrent_requests`, or the request is shed (503).
@@ -138,14 +156,18 @@ pub fn take_slot(state: &AppState) -> Result<OwnedSemaphorePermit, RouterError> 
 /// is refused before it is parsed (parsed, a body of small objects takes
 /// ~30 × its size). Where the endpoint is not yet known (`/v1/context`,
 /// `/debug/route`), likewise.
-pub async fn read_client_body(state: &AppState, body: Body, endpoint: Option<Endpoint>) -> Result<Bytes, RouterError> {
+pub async fn read_client_body(
+    state: &AppState,
+    body: Body,
+    endpoint: Option<Endpoint>,
+) -> Result<(Bytes, BodyBudget), RouterError> {
     let prompt_limit = routing::prompt_body_limit(state);
     let cap = match endpoint {
         Some(Endpoint::Completions) => prompt_limit,
         Some(Endpoint::ChatCompletions) | None => usize::MAX,
     };
     let too_long = || RouterError::PromptTooLong { tokens: None, max: state.config.raw.max_prompt_tokens };
-    let body =
+    let (body, budget) =
         read_client_in_time(state, body, state.config.raw.max_body_bytes.min(cap)).await.map_err(|e| match e {
             RouterError::PayloadTooLarge { limit } if limit == cap => too_long(),
             e => e,
@@ -153,7 +175,7 @@ pub async fn read_client_body(state: &AppState, body: Body, endpoint: Option<End
     if body.len() > prompt_limit && !carries_media(&body) {
         return Err(too_long());
     }
-    Ok(body)
+    Ok((body, budget))
 }
 
 /// Does a body name a media content part (vLLM's part types and keys)?
@@ -238,7 +260,7 @@ async fn proxy_from(
     new_session: Option<(String, Duration)>,
     arrived: Instant,
 ) -> Result<Response, RouterError> {
-    let (body, _permit) = admit(state, body, Some(endpoint)).await?;
+    let Admitted { body, budget, slot: _permit } = admit(state, body, Some(endpoint)).await?;
     let session = match new_session {
         Some(s) => Some(s),
         None => session_of(state, headers)?,
@@ -250,6 +272,8 @@ async fn proxy_from(
     let pinned = session.as_ref().and_then(|(id, _)| state.sessions.get(id, Instant::now()));
     let plan = routing::plan(state, prepared, pinned.as_ref(), true)?;
     let mut resp = dispatch(state, endpoint, headers, body, &plan, stream, arrived).await?;
+    // The body is gone with the attempts: its answer has begun.
+    drop(budget);
     if let Some((id, ttl)) = session {
         let worker =
             resp.headers().get(WORKER_HEADER).and_then(|v| v.to_str().ok()).map(kvroute_shared::WorkerId::from);

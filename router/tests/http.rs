@@ -1338,6 +1338,31 @@ async fn bodies_being_read_share_one_byte_budget() {
     assert_eq!(r.complete(body).await.status(), 200, "the budget is given back");
 }
 
+/// A body keeps its share of the byte budget until its answer begins (a
+/// non-streamed answer's headers come with its end): given back once read,
+/// the budget bounded only bodies being read.
+#[tokio::test]
+async fn a_body_holds_its_bytes_until_its_answer_begins() {
+    let w = fake_worker("w1", Behaviour::Hang).await;
+    let r = router(&[("w1", &w.url)], |raw| {
+        raw.max_body_bytes = 8192;
+        raw.max_body_bytes_in_flight = 8192;
+    })
+    .await;
+    let big = r.http.post(format!("{}/v1/completions", r.url)).json(&json!({"model": "m", "prompt": prompt(6_000)}));
+    let waiting = tokio::spawn(big.send());
+    support::eventually("the request at its engine", || async { (w.hits.load(Ordering::SeqCst) == 1).then_some(()) })
+        .await;
+    let explain =
+        || r.http.post(format!("{}/debug/route", r.url)).json(&json!({"model": "m", "prompt": prompt(3_000)}));
+    assert_eq!(explain().send().await.unwrap().status(), 503, "6 kB held and 3 kB more past an 8 kB budget");
+    waiting.abort();
+    support::eventually("the budget given back by the client gone", || async {
+        (explain().send().await.unwrap().status() == 200).then_some(())
+    })
+    .await;
+}
+
 /// A chat template that indents JSON expands a small body of nested
 /// arrays hundreds of times; the rendered text is held to the body's bound
 /// (16 bytes a token) before it is tokenized: uncapped, a 100 kB request
