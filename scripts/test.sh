@@ -80,7 +80,7 @@ if [ -n "${KVROUTE_PYTHON:-}" ]; then
   # The venv's bin first: tools installed there (hadolint) are found.
   PATH="$(dirname "$KVROUTE_PYTHON"):$PATH" "$KVROUTE_PYTHON" -m pytest -q -rs -p no:cacheprovider --durations=10 \
     --junitxml="$out/python.xml" python-hooks/tests tests/python tests/vllm
-  junit=(--junit "$out/python.xml")
+  junit=(--junit "$out/python.xml" --pytest-status "$?")
 fi
 
 phase "summary"

@@ -24,6 +24,7 @@ def main() -> int:
     ap.add_argument("--cargo", action="append", default=[], help="cargo test output")
     ap.add_argument("--junit", action="append", default=[], help="pytest --junitxml file")
     ap.add_argument("--cargo-status", type=int, default=0, help="cargo test's exit status")
+    ap.add_argument("--pytest-status", type=int, default=0, help="pytest's exit status")
     ap.add_argument("--broken", action="append", default=[], help="a step that could not run")
     args = ap.parse_args()
 
@@ -44,19 +45,26 @@ def main() -> int:
         print(f"cargo test exited {args.cargo_status} with no failed test counted", file=sys.stderr)
         cargo_failed = 1
     failed += cargo_failed
+    pytest_failed = 0
     for path in args.junit:
         try:
             root = ET.parse(path).getroot()
         except (OSError, ET.ParseError):
             print(f"no pytest report at {path}: counted as a failure", file=sys.stderr)
-            failed += 1
+            pytest_failed += 1
             continue
         for suite in root.iter("testsuite"):
             tests, fails = int(suite.get("tests", 0)), int(suite.get("failures", 0)) + int(suite.get("errors", 0))
             skips = int(suite.get("skipped", 0))
             passed += tests - fails - skips
-            failed += fails
+            pytest_failed += fails
             skipped += skips
+    # pytest's INTERNALERROR (a hook raising, say) can leave a failing test
+    # out of its report: its status counts, as cargo's does.
+    if args.pytest_status != 0 and pytest_failed == 0:
+        print(f"pytest exited {args.pytest_status} with no failed test counted", file=sys.stderr)
+        pytest_failed = 1
+    failed += pytest_failed
     for step in args.broken:
         print(f"step that could not run: {step}", file=sys.stderr)
         failed += 1

@@ -1,13 +1,15 @@
-"""Against vLLM's own BlockPool, when vLLM is installed (skipped otherwise)."""
+"""Against vLLM's own BlockPool. Needs vLLM (scripts/install-vllm.sh): without
+it this fails, saying so."""
 
 import inspect
 
 import pytest
 
-vllm_block_pool = pytest.importorskip(
-    "vllm.v1.core.block_pool", reason="vLLM is not installed: the real-BlockPool test needs it"
-)
-kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils", reason="vLLM without v1 kv_cache_utils")
+try:
+    import vllm.v1.core.block_pool as vllm_block_pool
+    import vllm.v1.core.kv_cache_utils as kv_cache_utils
+except ImportError as e:
+    pytest.fail(f"vLLM (with its v1 engine) is not installed: scripts/install-vllm.sh ({e})", pytrace=False)
 
 
 def make_pool():
@@ -25,7 +27,7 @@ def test_hashes_of_the_real_block_pool_convert_like_events():
 
     make_key = getattr(kv_cache_utils, "make_block_hash_with_group_id", None)
     if make_key is None:
-        pytest.skip("this vLLM predates BlockHashWithGroupId bytes keys")
+        pytest.fail("this vLLM predates BlockHashWithGroupId bytes keys: the plugin needs vLLM 0.11 or later")
     pool = make_pool()
     block = pool.blocks[1]
     digest = bytes(range(32))

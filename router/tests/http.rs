@@ -1398,7 +1398,9 @@ async fn a_client_sending_its_body_slowly_holds_no_concurrency_slot() {
     let w = fake_worker("w1", Behaviour::Ok).await;
     let r = router(&[("w1", &w.url)], |raw| {
         raw.max_concurrent_requests = 1;
-        raw.body_read_timeout = Duration::from_millis(300);
+        raw.body_read_timeout = Duration::from_secs(2);
+        raw.max_body_bytes = 4096;
+        raw.max_body_bytes_in_flight = 4096;
     })
     .await;
     // A body that starts and never finishes.
@@ -1407,7 +1409,15 @@ async fn a_client_sending_its_body_slowly_holds_no_concurrency_slot() {
     let stream = tokio_stream_from(rx);
     let slow =
         tokio::spawn(r.http.post(format!("{}/v1/completions", r.url)).body(reqwest::Body::wrap_stream(stream)).send());
-    tokio::time::sleep(Duration::from_millis(50)).await; // let the slow body arrive first (ordering only)
+    // The slow body is being read once its bytes hold the budget: a body
+    // that would just fit beside nothing is shed.
+    let probe = format!("{{\"model\":\"m\",\"prompt\":\"{}\"}}", "x".repeat(4090 - 25));
+    assert_eq!(probe.len(), 4090);
+    support::eventually("the slow body being read", || async {
+        let explain = r.http.post(format!("{}/debug/route", r.url)).body(probe.clone()).send().await.unwrap();
+        (explain.status() == 503).then_some(())
+    })
+    .await;
     assert_eq!(r.complete(json!({"model": "m", "prompt": "x"})).await.status(), 200, "the only slot was free");
     let slow = slow.await.unwrap().unwrap();
     assert_eq!(slow.status(), 408, "a body that never completes times out");

@@ -58,24 +58,32 @@ async fn metrics_are_served_on_both_listeners_and_only_metrics_on_the_second() {
     assert!(http.get(format!("{metrics_url}/metrics")).send().await.is_err(), "metrics listener still open");
 }
 
+/// `--metrics-listen 127.0.0.1:0`: the router binds it itself and prints
+/// where (`metrics on http://…`, after `listening on …`), and only
+/// `/metrics` is served there.
 #[tokio::test]
-async fn run_binds_the_configured_metrics_address() {
-    // Port 0 in the config: `run` binds it itself; the OS picks the port, so
-    // the test learns nothing more than that the router starts and stops with it.
-    let raw = RawConfig {
-        metrics_listen: Some("127.0.0.1:0".parse().unwrap()),
-        health_check_interval: Duration::from_secs(3600),
-        ..Default::default()
-    };
-    let config = raw.validate().unwrap();
-    let api = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let api_url = format!("http://{}", api.local_addr().unwrap());
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(kvroute_router::run(api, config, async move {
-        let _ = stopped.await;
-    }));
-    let resp = get(&reqwest::Client::new(), &format!("{api_url}/metrics")).await;
+async fn the_binary_binds_the_configured_metrics_address() {
+    use tokio::io::AsyncBufReadExt;
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
+        .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+        .env_remove("KVROUTE_LOG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let api = lines.next_line().await.unwrap().expect("a listening line");
+    let metrics = lines.next_line().await.unwrap().expect("a metrics line");
+    let api_url = api.strip_prefix("listening on ").unwrap_or_else(|| panic!("{api:?}")).to_owned();
+    let metrics_url = metrics.strip_prefix("metrics on ").unwrap_or_else(|| panic!("{metrics:?}")).to_owned();
+    assert_ne!(api_url, metrics_url.trim_end_matches("/metrics"));
+    let http = reqwest::Client::new();
+    let resp = get(&http, &metrics_url).await;
     assert_eq!(resp.status(), 200);
-    stop.send(()).unwrap();
-    tokio::time::timeout(Duration::from_secs(10), server).await.unwrap().unwrap().unwrap();
+    assert!(resp.text().await.unwrap().contains("kvroute_build_info{version="));
+    let health = metrics_url.replace("/metrics", "/health");
+    assert_eq!(get(&http, &health).await.status(), 404, "only /metrics on the metrics listener");
+    assert_eq!(get(&http, &format!("{api_url}/health")).await.status(), 200);
+    child.kill().await.unwrap();
 }

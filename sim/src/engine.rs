@@ -224,11 +224,11 @@ mod tests {
     async fn a_steps_events_are_published_after_its_compute() {
         let step = Duration::from_millis(200);
         let (engine, mut events) = slow_engine(step);
-        let started = Instant::now();
         let mut done = submit(&engine, (0..32).collect());
         let batch = events.recv().await.expect("a batch");
-        assert!(started.elapsed() >= step, "published after {:?}, before the step ran", started.elapsed());
         assert!(matches!(batch[..], [KvEvent::BlockStored { .. }]), "{batch:?}");
+        // Ordered, not timed: the step's output (after its 200 ms compute) is
+        // applied before its events leave.
         assert!(matches!(done.try_recv(), Ok(Ok(_))), "the step's output is applied before its events leave");
     }
 

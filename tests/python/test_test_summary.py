@@ -37,3 +37,12 @@ def test_a_test_binary_without_a_result_is_a_failure(tmp_path):
 
 def test_cargo_failing_with_nothing_counted_is_a_failure(tmp_path):
     assert summary(tmp_path, RAN, "--cargo-status", "101") == ("5 passed, 1 failed, 1 skipped", 1)
+
+
+def test_pytest_failing_with_nothing_counted_is_a_failure(tmp_path):
+    # An INTERNALERROR can leave a failing test out of pytest's report.
+    junit = tmp_path / "python.xml"
+    junit.write_text('<testsuites><testsuite tests="2" failures="0" errors="0" skipped="0"/></testsuites>')
+    args = ("--junit", str(junit))
+    assert summary(tmp_path, RAN, *args) == ("7 passed, 0 failed, 1 skipped", 0)
+    assert summary(tmp_path, RAN, *args, "--pytest-status", "3") == ("7 passed, 1 failed, 1 skipped", 1)

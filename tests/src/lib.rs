@@ -169,9 +169,15 @@ pub async fn converge_targets(c: &Client, router: &str, targets: &[(String, Stri
     loop {
         let mut diffs = Vec::new();
         for (worker, cache) in targets {
-            let want = c.get(cache).await["block_keys"].as_array().cloned().unwrap_or_default();
+            let want = c.get(cache).await["block_keys"].as_array().cloned();
+            let want = want.unwrap_or_else(|| panic!("{cache} names no block_keys"));
             let index = c.get(&format!("{router}/debug/index?worker={worker}")).await;
-            let got = index["confirmed"].as_array().cloned().unwrap_or_default();
+            // A worker the router does not know (yet) has not converged,
+            // even to an empty engine.
+            let Some(got) = index["confirmed"].as_array().cloned() else {
+                diffs.push(format!("{worker}: not in the router's index ({index})"));
+                continue;
+            };
             let speculative = index["speculative"].as_array().map_or(0, Vec::len);
             if got != want || speculative > 0 {
                 let missing = want.iter().filter(|k| !got.contains(k)).count();

@@ -71,10 +71,14 @@ async fn dropped_engine_events_are_healed() {
     let resp = c.post(&format!("{engine}/sim/faults"), json!({"drop_events": 0.3})).await;
     assert!(resp.status().is_success());
     for i in 0..40 {
-        c.post(&format!("{r}/v1/completions"), json!({"model": "sim-model", "prompt": prompt(i), "max_tokens": 2}))
-            .await;
+        let body = json!({"model": "sim-model", "prompt": prompt(i), "max_tokens": 2});
+        let resp = c.post(&format!("{r}/v1/completions"), body).await;
+        assert!(resp.status().is_success(), "{}", resp.status());
     }
-    c.post(&format!("{engine}/sim/faults"), json!({"drop_events": 0.0})).await;
-    converge(&c, &r, &[engine], WAIT, "the map to heal from dropped event batches").await;
+    assert!(c.post(&format!("{engine}/sim/faults"), json!({"drop_events": 0.0})).await.status().is_success());
+    converge(&c, &r, std::slice::from_ref(&engine), WAIT, "the map to heal from dropped event batches").await;
+    assert!(!truth(&c, &engine).await.is_empty(), "the engine cached nothing: nothing was healed");
+    let sidecar = cluster.sidecars[0].url.clone();
+    assert!(c.metric(&sidecar, "kvroute_sidecar_seq_gaps_total").await >= 1.0, "no batch was dropped");
     cluster.shutdown().await;
 }

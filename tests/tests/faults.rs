@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use kvroute_tests::lossy::LossyProxy;
-use kvroute_tests::{Client, converge, eventually, spec, start, text};
+use kvroute_tests::{Client, converge, eventually, spec, start, text, truth};
 use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -199,13 +199,17 @@ async fn a_restarted_sidecar_rebuilds_from_the_engines_replay_buffer() {
     converge(&c, &r, &engines, WAIT, "the map to hold the engine's blocks").await;
     cluster.sidecars[0].proc.kill().await;
     // The engine keeps caching while its sidecar is down.
+    let before = truth(&c, &engines[0]).await.len();
     for i in 100..110 {
-        c.post(
-            &format!("{}/v1/completions", engines[0]),
-            json!({"model": "sim-model", "prompt": prompt(i), "max_tokens": 1}),
-        )
-        .await;
+        let resp = c
+            .post(
+                &format!("{}/v1/completions", engines[0]),
+                json!({"model": "sim-model", "prompt": prompt(i), "max_tokens": 1}),
+            )
+            .await;
+        assert!(resp.status().is_success(), "{}", resp.status());
     }
+    assert!(truth(&c, &engines[0]).await.len() > before, "the engine cached nothing while its sidecar was down");
     cluster.restart_sidecar(0).await.expect("sidecar restarts");
     // No further traffic: the new sidecar must rebuild from the replay buffer.
     converge(&c, &r, &engines, WAIT, "the map to equal the engine after a sidecar restart").await;
