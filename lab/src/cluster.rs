@@ -84,6 +84,35 @@ impl SlowWorkers {
     }
 }
 
+/// The engines' costs where they differ from kvroute-sim's default (the
+/// numbers `predicted_ttft`'s timing model is written with): an engine the
+/// router's model does not describe, a bigger model, another GPU, a smaller
+/// chunked-prefill budget. Each `None` keeps the default.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct EngineCosts {
+    pub prefill_us_per_token: Option<f64>,
+    pub step_overhead_us: Option<f64>,
+    pub decode_us_per_seq: Option<f64>,
+    pub max_batched_tokens: Option<usize>,
+}
+
+impl EngineCosts {
+    pub fn apply(&self, c: &mut SimConfig) {
+        if let Some(v) = self.prefill_us_per_token {
+            c.cost.prefill_us_per_token = v;
+        }
+        if let Some(v) = self.step_overhead_us {
+            c.cost.overhead_us = v;
+        }
+        if let Some(v) = self.decode_us_per_seq {
+            c.cost.decode_us_per_seq = v;
+        }
+        if let Some(v) = self.max_batched_tokens {
+            c.max_num_batched_tokens = v;
+        }
+    }
+}
+
 /// Everything that defines a run besides the workload.
 #[derive(Clone, Debug)]
 pub struct Scenario {

@@ -46,6 +46,7 @@ pub fn spec(kind: WorkloadKind, seed: u64) -> MatrixSpec {
         jobs: 1,
         sidecar: SidecarModel::default(),
         slow: Default::default(),
+        engine_costs: Default::default(),
         shared_pending: false,
         peer_exchange: None,
         peer_news: None,

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use kvroute_lab::cluster::{SidecarModel, SlowWorkers, run};
+use kvroute_lab::cluster::{EngineCosts, SidecarModel, SlowWorkers, run};
 use kvroute_lab::matrix::{GoodputSpec, MatrixSpec, markdown, run_matrix, scenario_for, workload_for};
 use kvroute_lab::policies::{all, default_policy, factory};
 use kvroute_lab::workload::{WorkloadKind, default_trace_path};
@@ -31,9 +31,23 @@ struct Common {
     /// Share of the engines that are slow (a mixed or throttled fleet).
     #[arg(long, default_value_t = 0.0)]
     slow_share: f64,
-    /// How many times slower those engines are than the timing model.
+    /// How many times slower those engines are than the timing model
+    /// (below 1: faster).
     #[arg(long, default_value_t = 2.0)]
     slow_factor: f64,
+    /// The engines' prefill cost, µs per token (default: kvroute-sim's 70,
+    /// which predicted_ttft's timing model assumes).
+    #[arg(long)]
+    engine_prefill_us_per_token: Option<f64>,
+    /// The engines' fixed cost per step, µs (default 5,000).
+    #[arg(long)]
+    engine_step_overhead_us: Option<f64>,
+    /// The engines' decode cost per running sequence per step, µs (default 40).
+    #[arg(long)]
+    engine_decode_us_per_seq: Option<f64>,
+    /// The engines' chunked-prefill budget, tokens per step (default 8,192).
+    #[arg(long)]
+    engine_max_batched_tokens: Option<usize>,
     /// chat, long_conv, agent: send each turn its think time after the
     /// previous answer ends, with think times as generated; load levels
     /// scale only when sessions start, and sessions are never cut short.
@@ -65,10 +79,27 @@ impl Common {
     fn slow(&self) -> anyhow::Result<SlowWorkers> {
         anyhow::ensure!((0.0..=1.0).contains(&self.slow_share), "--slow-share must be within 0..=1");
         anyhow::ensure!(
-            self.slow_factor.is_finite() && self.slow_factor >= 1.0,
-            "--slow-factor must be a finite number ≥ 1"
+            self.slow_factor.is_finite() && self.slow_factor > 0.0,
+            "--slow-factor must be a finite number above 0"
         );
         Ok(SlowWorkers { share: self.slow_share, factor: self.slow_factor })
+    }
+
+    fn engine_costs(&self) -> anyhow::Result<EngineCosts> {
+        for (flag, v) in [
+            ("--engine-prefill-us-per-token", self.engine_prefill_us_per_token),
+            ("--engine-step-overhead-us", self.engine_step_overhead_us),
+            ("--engine-decode-us-per-seq", self.engine_decode_us_per_seq),
+        ] {
+            anyhow::ensure!(v.is_none_or(|v| v.is_finite() && v >= 0.0), "{flag} must be a finite number ≥ 0");
+        }
+        anyhow::ensure!(self.engine_max_batched_tokens != Some(0), "--engine-max-batched-tokens must be above 0");
+        Ok(EngineCosts {
+            prefill_us_per_token: self.engine_prefill_us_per_token,
+            step_overhead_us: self.engine_step_overhead_us,
+            decode_us_per_seq: self.engine_decode_us_per_seq,
+            max_batched_tokens: self.engine_max_batched_tokens,
+        })
     }
 }
 
@@ -196,6 +227,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Run { workload, workers, routers, policy, load, records, common } => {
             let mut s = scenario_for(workload, workers, routers, common.seed, sidecar(common.loss));
             s.slow = common.slow()?;
+            common.engine_costs()?.apply(&mut s.engine);
             let (w, unit) = workload_for(workload, &s, common.requests, &common.trace, common.closed_loop)?;
             // Calibrated as deployed, so a what-if runs at the same rate.
             s.shared_pending = common.shared_pending;
@@ -242,6 +274,7 @@ fn main() -> anyhow::Result<()> {
                 jobs,
                 sidecar: sidecar(common.loss),
                 slow: common.slow()?,
+                engine_costs: common.engine_costs()?,
                 shared_pending: common.shared_pending,
                 peer_exchange: common.peer_exchange_ms.map(kvroute_lab::time::Micros::from_ms),
                 peer_news: common.peer_news(),

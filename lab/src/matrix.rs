@@ -34,6 +34,7 @@ pub struct MatrixSpec {
     pub sidecar: SidecarModel,
     /// Slow engines in every scenario (none by default).
     pub slow: SlowWorkers,
+    pub engine_costs: crate::cluster::EngineCosts,
     /// [`Scenario::shared_pending`] in every scenario.
     pub shared_pending: bool,
     /// [`Scenario::peer_exchange`] in every scenario.
@@ -148,6 +149,7 @@ pub fn run_matrix(spec: &MatrixSpec, mut progress: impl FnMut(&Row)) -> Result<M
                 let calibrated = par_map(&seeds, spec.jobs, |&seed| {
                     let mut s = scenario_for(kind, workers, routers, seed, spec.sidecar);
                     s.slow = spec.slow;
+                    spec.engine_costs.apply(&mut s.engine);
                     // Calibrated as deployed, so a what-if runs at the same rates.
                     let (w, u) = workload_for(kind, &s, spec.requests, &spec.trace_path, spec.closed_loop)?;
                     s.shared_pending = spec.shared_pending;
@@ -195,6 +197,7 @@ pub fn run_matrix(spec: &MatrixSpec, mut progress: impl FnMut(&Row)) -> Result<M
         if let Some(g) = spec.goodput {
             let mut s = scenario_for(kind, g.workers, 1, spec.seed, spec.sidecar);
             s.slow = spec.slow;
+            spec.engine_costs.apply(&mut s.engine);
             let (w, unit_rate) = workload_for(kind, &s, g.requests, &spec.trace_path, spec.closed_loop)?;
             s.shared_pending = spec.shared_pending;
             s.peer_exchange = spec.peer_exchange;
