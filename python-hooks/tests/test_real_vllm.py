@@ -34,3 +34,31 @@ def test_hashes_of_the_real_block_pool_convert_like_events():
     pool.cached_block_hash_to_block.insert(make_key(digest, 0), block)
     expected = kv_cache_utils.maybe_convert_block_hash(digest)
     assert collect_hashes([pool]) == {expected}
+
+
+def test_the_fast_path_converts_as_vllms_helpers_do(monkeypatch):
+    """Many keys, two groups: the one-comprehension conversion gives what
+    vLLM's helpers give key by key, in int mode and in bytes mode."""
+    import hashlib
+
+    from kvroute_hooks import hashes
+
+    make_key = kv_cache_utils.make_block_hash_with_group_id
+    pool = make_pool()
+    block = pool.blocks[1]
+    digests = [hashlib.sha256(str(i).encode()).digest() for i in range(500)]
+    for i, d in enumerate(digests):
+        pool.cached_block_hash_to_block.insert(make_key(d, i % 3 == 0), block)
+    keys = hashes._keys_of(pool.cached_block_hash_to_block)
+    helpers = hashes._vllm_helpers()
+    slow = {hashes.convert_key(k, helpers[0], helpers[1]) for k in keys if hashes.group_of(k, helpers[2]) == 0}
+    fast = hashes._convert_group0_fast(keys, *helpers)
+    assert fast is not None, "the fast path refused vLLM's own keys"
+    assert set(fast) == slow and len(slow) == sum(1 for i in range(500) if i % 3 != 0)
+    assert hashes.collect_hashes([pool]) == slow
+    # Helpers that convert otherwise than the layout (a vLLM that changed
+    # it) send every key the slow way.
+    def other_convert(raw):
+        return int.from_bytes(raw[:8], "big")
+
+    assert hashes._convert_group0_fast(keys, helpers[0], other_convert, helpers[2]) is None

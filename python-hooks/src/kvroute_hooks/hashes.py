@@ -15,7 +15,7 @@ bytes. We use vLLM's own functions when they exist, and the same rule when not.
 """
 
 import os
-from typing import Any, Iterable, List, Set, Union
+from typing import Any, Iterable, List, Optional, Set, Union
 
 ExternalHash = Union[int, bytes]
 
@@ -131,7 +131,40 @@ def collect_hashes(pools: Iterable[Any]) -> Set[ExternalHash]:
             raise CacheUnavailable(
                 f"{type(pool).__name__} has no cached_block_hash_to_block: a vLLM this plugin does not know"
             )
-        for key in _keys_of(cache_map):
+        keys = _keys_of(cache_map)
+        fast = _convert_group0_fast(keys, get_block_hash, maybe_convert, get_group_id)
+        if fast is not None:
+            out.update(fast)
+            continue
+        for key in keys:
             if group_of(key, get_group_id) == 0:
                 out.add(convert_key(key, get_block_hash, maybe_convert))
     return out
+
+
+# Keys checked against vLLM's own helpers before the fast path is trusted.
+_FAST_PATH_SAMPLE = 16
+
+
+def _convert_group0_fast(keys: List[Any], get_block_hash, maybe_convert, get_group_id) -> Optional[List[ExternalHash]]:
+    """Group 0's keys converted in one comprehension, for the layout every
+    vLLM with ``get_block_hash`` uses (``BlockHashWithGroupId``: the hash's
+    bytes, then the group id in 4 big-endian bytes): three helper calls a key
+    took the engine's GIL for ~0.5 s per 100k keys, every sync. ``None``
+    (take the slow path) unless every key is such bytes and a sample
+    converts exactly as vLLM's helpers convert it."""
+    if get_block_hash is None or get_group_id is None or not all(type(k) is bytes for k in keys):
+        return None
+    zero = b"\0\0\0\0"
+    if maybe_convert is not None and not _use_int_hashes():
+        fast = [k[:-4] for k in keys if k[-4:] == zero]
+    else:
+        fast = [int.from_bytes(k[-12:-4], "big") for k in keys if len(k) >= 12 and k[-4:] == zero]
+    sample = [k for k in keys[: _FAST_PATH_SAMPLE * 4] if get_group_id(k) == 0][:_FAST_PATH_SAMPLE]
+    by_layout = [k for k in keys[: _FAST_PATH_SAMPLE * 4] if len(k) >= 12 and k[-4:] == zero][:_FAST_PATH_SAMPLE]
+    if sample != by_layout:
+        return None
+    expected = [convert_key(k, get_block_hash, maybe_convert) for k in sample]
+    if fast[: len(sample)] != expected:
+        return None
+    return fast
