@@ -109,9 +109,18 @@ async fn bad_requests_get_vllm_shaped_errors() {
     let (st, v) = sim.post("/v1/completions", json!({"model": "nope", "prompt": "x"})).await;
     assert_eq!(st, 404);
     assert_eq!(v["error"]["type"], "NotFoundError");
-    let (st, v) = sim.post("/v1/completions", json!({"model": "m", "prompt": vec![1; 60]})).await;
+    let (st, v) = sim.post("/v1/completions", json!({"model": "m", "prompt": vec![1; 64]})).await;
     assert_eq!(st, 400);
     assert!(v["error"]["message"].as_str().expect("msg").contains("maximum context length is 64"), "{v}");
+    // As vLLM 0.32: max_tokens is what the context leaves, at most (60 + 16
+    // tokens asked of 64: 4 generated), and past the context it is refused.
+    let (st, v) = sim.post("/v1/completions", json!({"model": "m", "prompt": vec![1; 60]})).await;
+    assert_eq!((st, v["usage"]["completion_tokens"].as_u64()), (200, Some(4)), "{v}");
+    let (st, v) = sim.post("/v1/completions", json!({"model": "m", "prompt": "x", "max_tokens": 65})).await;
+    assert_eq!((st, v["error"]["param"].as_str()), (400, Some("max_tokens")), "{v}");
+    // A request naming no model is for the served one.
+    let (st, v) = sim.post("/v1/completions", json!({"prompt": "x", "max_tokens": 1})).await;
+    assert_eq!((st, v["model"].as_str()), (200, Some("m")), "{v}");
     let (st, v) = sim.post("/v1/completions", json!({"model": "m", "prompt": "x", "max_tokens": 0})).await;
     assert_eq!((st, v["error"]["param"].as_str()), (400, Some("max_tokens")));
     let (st, _) = sim.post("/v1/chat/completions", json!({"model": "m", "messages": []})).await;

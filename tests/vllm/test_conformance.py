@@ -47,6 +47,7 @@ from conformance_support import (  # noqa: E402
     chain_key,
     eventually,
     compare_streams,
+    max_model_len,
     metric,
     now,
     post,
@@ -312,3 +313,28 @@ def test_eight_in_flight_totals_agree(pair):
     # -0.15, +0.51, +0.30 %).
     assert abs(hits_b - hits_a) <= TOTALS_BOUND * hits_a, f"cached tokens: vLLM {hits_a}, sim {hits_b}"
     assert abs(metric_hits[1] - metric_hits[0]) <= TOTALS_BOUND * metric_hits[0]
+
+
+def test_requests_at_the_context_edge_are_answered_alike(pair):
+    """What vLLM 0.32 clamps or refuses, the sim does too: max_tokens is what
+    the context leaves at most (the sim refused prompt + max_tokens past it),
+    a prompt that fills the context and a max_tokens past it are refused, and
+    a request naming no model is for the served one (the sim answered 404).
+    Last in the file: its long prompt evicts everything."""
+    vllm, sim = pair.get()
+    mml = max_model_len(NUM_BLOCKS)
+
+    def ask(body):
+        def run(e):
+            r = requests.post(f"{e.url}/v1/completions", json=body, timeout=300)
+            return r.status_code, (r.json().get("usage") or {}).get("completion_tokens")
+
+        return both(run, vllm, sim)
+
+    near = {"model": MODEL, "prompt": [1000 + i for i in range(mml - 3)], "max_tokens": 16, "ignore_eos": True}
+    assert ask(near) == ((200, 3), (200, 3))
+    assert ask({"prompt": [1000, 1001], "max_tokens": 1, "ignore_eos": True}) == ((200, 1), (200, 1))
+    (v, _), (s, _) = ask({"model": MODEL, "prompt": [1000], "max_tokens": mml + 1})
+    assert (v, s) == (400, 400)
+    (v, _), (s, _) = ask({"model": MODEL, "prompt": [1000 + i for i in range(mml)], "max_tokens": 1})
+    assert (v, s) == (400, 400)

@@ -47,6 +47,8 @@ struct StreamOptions {
 #[derive(Debug)]
 pub struct Prepared {
     pub req: PromptRequest,
+    /// The model it is for (the served one when it names none).
+    pub model: String,
     /// One token list per prompt (a chat request has one).
     pub prompts: Vec<Vec<u32>>,
     pub max_tokens: u32,
@@ -63,24 +65,43 @@ pub fn prepare(s: &Shared, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, 
     // can fail, and path tracking over a long token array costs real time.
     let options: EngineOptions = serde_json::from_slice(body)
         .map_err(|e| ApiError::BadRequest { message: e.to_string(), param: Some("stream_options".into()) })?;
-    let model = req.model();
+    // vLLM serves a request naming no model (or "") its base model.
+    let model = match req.model() {
+        "" => s.config.model.as_str(),
+        named => named,
+    };
     let lora_id = s.config.lora_id(model);
     if model != s.config.model.as_str() && lora_id.is_none() {
         return Err(ApiError::ModelNotFound(model.to_owned()));
     }
     let prompts = prompt_tokens(s, &req)?;
-    let max_tokens = req.max_tokens().unwrap_or(s.config.default_max_tokens);
-    if max_tokens == 0 {
+    // (vLLM runs a chat without max_tokens to its context's end or EOS; the
+    // sim has no EOS and gives it the completions default.)
+    let asked = req.max_tokens().unwrap_or(s.config.default_max_tokens);
+    if asked == 0 {
         return Err(ApiError::BadRequest {
             message: "max_tokens must be at least 1, got 0.".into(),
             param: Some("max_tokens".into()),
         });
     }
+    if asked as usize > s.config.max_model_len {
+        return Err(ApiError::BadRequest {
+            message: format!(
+                "max_tokens={asked} cannot be greater than max_model_len={}. Please request fewer output tokens.",
+                s.config.max_model_len
+            ),
+            param: Some("max_tokens".into()),
+        });
+    }
+    // As vLLM 0.32's `get_max_tokens`: what the context leaves, at most.
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let max_tokens = asked.min(u32::try_from(s.config.max_model_len.saturating_sub(longest)).unwrap_or(u32::MAX));
     for tokens in &prompts {
         check_length(s, tokens.len(), max_tokens)?;
     }
     let include_usage = options.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
-    Ok(Prepared { req, prompts, max_tokens, lora_id, include_usage, ignore_eos: options.ignore_eos })
+    let model = model.to_owned();
+    Ok(Prepared { req, model, prompts, max_tokens, lora_id, include_usage, ignore_eos: options.ignore_eos })
 }
 
 /// Token ids of every prompt of the request, in order.
@@ -113,14 +134,15 @@ fn prompt_tokens(s: &Shared, req: &PromptRequest) -> Result<Vec<Vec<u32>>, ApiEr
 }
 
 fn check_length(s: &Shared, prompt_len: usize, max_tokens: u32) -> Result<(), ApiError> {
-    let total = prompt_len + max_tokens as usize;
-    if total > s.config.max_model_len {
+    // A prompt that fills the context leaves no token to generate.
+    if prompt_len >= s.config.max_model_len {
         return Err(ApiError::bad(format!(
-            "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the \
-             messages, {} in the completion). Please reduce the length of the messages or completion.",
-            s.config.max_model_len, total, prompt_len, max_tokens
+            "This model's maximum context length is {} tokens. However, your prompt contains {} input tokens, \
+             which exceeds this limit even without any output tokens. Please reduce the length of the input prompt.",
+            s.config.max_model_len, prompt_len
         )));
     }
+    let total = prompt_len + max_tokens as usize;
     // The last generated token takes no KV slot; block 0 is the null block.
     let needed = (total - 1).div_ceil(s.config.block_size.get());
     let usable = s.config.num_blocks.saturating_sub(1) as usize;
@@ -171,9 +193,9 @@ async fn generate(s: &Shared, endpoint: Endpoint, headers: &HeaderMap, body: &[u
         Endpoint::Completions => Kind::Completion,
         Endpoint::ChatCompletions => Kind::Chat,
     };
-    let head = Head { kind, id: response_id(s, kind), created: unix_now(), model: p.req.model().to_owned() };
+    let head = Head { kind, id: response_id(s, kind), created: unix_now(), model: p.model.clone() };
     let extras = BlockExtras {
-        lora_name: p.lora_id.map(|_| p.req.model().to_owned()),
+        lora_name: p.lora_id.map(|_| p.model.clone()),
         cache_salt: p.req.cache_salt().map(str::to_owned),
     };
     let stream = p.req.stream();

@@ -105,7 +105,7 @@ fn generate_request(p: &Prepared, request_id: String, tokens: &[u32]) -> Value {
     }
     json!({
         "request_id": request_id, "token_ids": tokens, "token_offsets": null, "features": null,
-        "content_parts": null, "sampling_params": sampling, "model": p.req.model(),
+        "content_parts": null, "sampling_params": sampling, "model": p.model,
         "reasoning_ended": null, "reasoning_parser_kwargs": null, "return_token_ids": null,
         "output_mode": "tokens", "stream": stream, "stream_options": null, "cache_salt": p.req.cache_salt(),
         "priority": 0, "kv_transfer_params": null, "ec_transfer_params": null,
