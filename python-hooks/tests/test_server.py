@@ -166,10 +166,14 @@ def test_scheduler_hook_serves_the_gpu_pool_on_port_plus_dp_index(monkeypatch):
         def __init__(self) -> None:
             self.block_pool = BlockPool()
 
+    class KVEventsConfig:
+        endpoint = "tcp://*:5557"
+
     class Scheduler:
         def __init__(self, vllm_config) -> None:
             self.parallel_config = ParallelConfig()
             self.kv_cache_manager = KVCacheManager()
+            self.kv_events_config = KVEventsConfig()
 
     base = _free_port() - 1  # rank 1 binds base + 1: a port known to be free
     monkeypatch.setenv("KVROUTE_SNAPSHOT_ENDPOINT", f"tcp://127.0.0.1:{base}")
@@ -184,6 +188,8 @@ def test_scheduler_hook_serves_the_gpu_pool_on_port_plus_dp_index(monkeypatch):
         sched.kv_cache_manager.block_pool.cached_block_hash_to_block.insert(grouped(h), object())
         reply = ask(patch._server.endpoint, {"op": "snapshot"})
         assert int.from_bytes(h[-8:], "big") in reply["hashes"]
+        # The events port of rank 1 (base + 1), which the sidecar checks.
+        assert reply["events_port"] == 5558
     finally:
         patch._server.stop()
         patch._server = None

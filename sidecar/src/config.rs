@@ -261,6 +261,14 @@ impl ZmqEndpoint {
         self.endpoints.len()
     }
 
+    /// The port of data-parallel rank `rank`'s endpoint.
+    pub fn port_for_rank(&self, rank: u32) -> u32 {
+        match self.endpoints.as_slice() {
+            [(_, port)] => u32::from(*port) + rank,
+            many => u32::from(many[rank as usize].1),
+        }
+    }
+
     /// The endpoint of data-parallel rank `rank`.
     pub fn for_rank(&self, rank: u32) -> String {
         match self.endpoints.as_slice() {

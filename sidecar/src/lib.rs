@@ -242,7 +242,11 @@ async fn start(
         });
         let supervisor = Supervisor {
             router_urls: config.routers.clone(),
-            snapshot_endpoints: config.engine_snapshot.iter().map(|ep| (Rank(rank), ep.for_rank(rank))).collect(),
+            snapshot_endpoints: config
+                .engine_snapshot
+                .iter()
+                .map(|ep| (Rank(rank), ep.for_rank(rank), config.events.port_for_rank(rank)))
+                .collect(),
             sync_interval: config.sync_interval,
             pusher,
             state: state.clone(),

@@ -3,9 +3,10 @@
 //! source of truth (vLLM itself has no such API).
 //!
 //! Protocol (ZMQ REQ → REP, msgpack): request `{"op": "snapshot"}`; reply
-//! `{"ok": true, "hashes": [hash, …]}` where each hash is converted exactly as
-//! vLLM converts hashes for KV events (u64, or bytes), or
-//! `{"ok": false, "error": "…"}`.
+//! `{"ok": true, "hashes": [hash, …], "events_port": p}` where each hash is
+//! converted exactly as vLLM converts hashes for KV events (u64, or bytes)
+//! and `events_port` (when the plugin knows it) is the port that engine rank
+//! publishes its events on, or `{"ok": false, "error": "…"}`.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -34,6 +35,12 @@ pub enum SnapshotError {
     Malformed(&'static str),
     #[error("the engine hook reported an error: {0}")]
     Hook(String),
+    #[error(
+        "the snapshot endpoint answers for the engine publishing events on port {theirs}, not this rank's \
+         {ours}: another engine's plugin (engines sharing a host each need their own KVROUTE_SNAPSHOT_ENDPOINT, \
+         and the sidecar its --engine-snapshot); its blocks are not this engine's, and none is dropped"
+    )]
+    OtherEngine { theirs: u64, ours: u32 },
 }
 
 /// The request body: msgpack `{"op": "snapshot"}`.
@@ -45,8 +52,10 @@ pub fn request_body() -> Bytes {
     Bytes::from(buf)
 }
 
-/// Decodes a reply into the set of engine hash ids held.
-pub fn parse_reply(mut body: &[u8]) -> Result<HashSet<u64>, SnapshotError> {
+/// Decodes a reply into the set of engine hash ids held. `events_port`: the
+/// port this rank's events come from; a reply naming another is refused
+/// (dropping another engine's missing blocks here emptied this one's).
+pub fn parse_reply(mut body: &[u8], events_port: Option<u32>) -> Result<HashSet<u64>, SnapshotError> {
     let root = rmpv::decode::read_value_ref(&mut body).map_err(|_| SnapshotError::Malformed("not msgpack"))?;
     let ValueRef::Map(fields) = root else {
         return Err(SnapshotError::Malformed("not a map"));
@@ -61,6 +70,11 @@ pub fn parse_reply(mut body: &[u8]) -> Result<HashSet<u64>, SnapshotError> {
             _ => "no reason given".to_owned(),
         };
         return Err(SnapshotError::Hook(reason));
+    }
+    if let (Some(ValueRef::Integer(theirs)), Some(ours)) = (field("events_port"), events_port)
+        && theirs.as_u64() != Some(u64::from(ours))
+    {
+        return Err(SnapshotError::OtherEngine { theirs: theirs.as_u64().unwrap_or(0), ours });
     }
     let Some(ValueRef::Array(hashes)) = field("hashes") else {
         return Err(SnapshotError::Malformed("no hashes array"));
@@ -77,8 +91,9 @@ pub fn parse_reply(mut body: &[u8]) -> Result<HashSet<u64>, SnapshotError> {
         .collect()
 }
 
-/// Asks the hook at `endpoint` for the engine's current block hashes.
-pub async fn fetch(endpoint: &str) -> Result<HashSet<u64>, SnapshotError> {
+/// Asks the hook at `endpoint` for the engine's current block hashes (of
+/// the engine rank whose events come from `events_port`).
+pub async fn fetch(endpoint: &str, events_port: Option<u32>) -> Result<HashSet<u64>, SnapshotError> {
     let zmq = |source| SnapshotError::Zmq { endpoint: endpoint.to_owned(), source };
     let exchange = async {
         // A fresh connection per exchange: a REQ whose reply never came is stuck.
@@ -87,7 +102,7 @@ pub async fn fetch(endpoint: &str) -> Result<HashSet<u64>, SnapshotError> {
         conn.send(&[b"", &request_body()]).await.map_err(zmq)?;
         let reply = conn.recv().await.map_err(zmq)?;
         match reply.as_slice() {
-            [delimiter, body] if delimiter.is_empty() => parse_reply(body),
+            [delimiter, body] if delimiter.is_empty() => parse_reply(body, events_port),
             _ => Err(SnapshotError::Malformed("not an empty delimiter and one body frame")),
         }
     };
@@ -112,9 +127,32 @@ mod tests {
             (rmpv::Value::from("ok"), rmpv::Value::Boolean(false)),
             (rmpv::Value::from("error"), rmpv::Value::from("CacheUnavailable: no GPU block pool is tracked")),
         ]);
-        let e = parse_reply(&encode(reply)).unwrap_err();
+        let e = parse_reply(&encode(reply), None).unwrap_err();
         assert_eq!(e.to_string(), "the engine hook reported an error: CacheUnavailable: no GPU block pool is tracked");
         let bare = rmpv::Value::Map(vec![(rmpv::Value::from("ok"), rmpv::Value::Boolean(false))]);
-        assert!(parse_reply(&encode(bare)).unwrap_err().to_string().ends_with("no reason given"));
+        assert!(parse_reply(&encode(bare), None).unwrap_err().to_string().ends_with("no reason given"));
+    }
+
+    /// Engines sharing a host and the plugin's default endpoint: the one
+    /// that bound it answers every sidecar. A reply naming another events
+    /// port is refused (its blocks are not this engine's); one naming none
+    /// (an older plugin) is taken.
+    #[test]
+    fn a_snapshot_of_another_engine_is_refused() {
+        let reply = |port: Option<u64>| {
+            let mut fields = vec![
+                (rmpv::Value::from("ok"), rmpv::Value::Boolean(true)),
+                (rmpv::Value::from("hashes"), rmpv::Value::Array(vec![rmpv::Value::from(7u64)])),
+            ];
+            if let Some(p) = port {
+                fields.push((rmpv::Value::from("events_port"), rmpv::Value::from(p)));
+            }
+            encode(rmpv::Value::Map(fields))
+        };
+        assert_eq!(parse_reply(&reply(Some(5557)), Some(5557)).unwrap(), HashSet::from([7]));
+        let e = parse_reply(&reply(Some(5567)), Some(5557)).unwrap_err();
+        assert!(matches!(e, SnapshotError::OtherEngine { theirs: 5567, ours: 5557 }), "{e}");
+        assert_eq!(parse_reply(&reply(None), Some(5557)).unwrap(), HashSet::from([7]));
+        assert_eq!(parse_reply(&reply(Some(5567)), None).unwrap(), HashSet::from([7]));
     }
 }

@@ -36,7 +36,9 @@ struct Task {
 #[derive(Debug)]
 pub struct Supervisor {
     pub router_urls: Vec<String>,
-    pub snapshot_endpoints: Vec<(Rank, String)>,
+    /// Per rank: its snapshot endpoint, and the port its events come from
+    /// (a snapshot naming another is another engine's).
+    pub snapshot_endpoints: Vec<(Rank, String, u32)>,
     pub sync_interval: Duration,
     pub pusher: Arc<Pusher>,
     pub state: Arc<WorkerState>,
@@ -115,9 +117,9 @@ impl Supervisor {
     /// Drops blocks the engine no longer holds, per rank. `deferred`: the
     /// ranks whose last snapshot would have dropped most of their blocks.
     async fn anti_entropy(&self, deferred: &mut HashSet<Rank>) {
-        for (rank, endpoint) in &self.snapshot_endpoints {
+        for (rank, endpoint, events_port) in &self.snapshot_endpoints {
             self.state.begin_snapshot();
-            match snapshot::fetch(endpoint).await {
+            match snapshot::fetch(endpoint, Some(*events_port)).await {
                 Ok(held) => match self.state.reconcile(*rank, &held, deferred.contains(rank)) {
                     Reconciled::Dropped(dropped) => {
                         deferred.remove(rank);

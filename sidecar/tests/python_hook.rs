@@ -61,7 +61,7 @@ async fn sidecar_reads_the_python_hooks_snapshot() {
     let src = concat!(env!("CARGO_MANIFEST_DIR"), "/../python-hooks/src");
     let (mut child, endpoint) = python(SCRIPT, Some(src));
     assert!(endpoint.starts_with("tcp://127.0.0.1:"), "got {endpoint:?}");
-    let held = snapshot::fetch(&endpoint).await.unwrap();
+    let held = snapshot::fetch(&endpoint, None).await.unwrap();
     let id = |b: u8| u64::from_be_bytes([b; 8]);
     assert_eq!(held, [id(1), id(2), id(255)].into_iter().collect());
     // Closing stdin ends the script.

@@ -73,7 +73,21 @@ def _is_gpu_pool(pool: Any) -> bool:
     return getattr(pool, "medium", "GPU") == "GPU"
 
 
-def _ensure_server(endpoint: Callable[[], str]) -> None:
+def events_port(kv_events_config: Any, rank: int) -> Optional[int]:
+    """The TCP port this rank publishes KV events on (vLLM offsets the
+    configured endpoint's port by the rank), or ``None`` when there is none
+    or the OS picks it (port 0)."""
+    endpoint = getattr(kv_events_config, "endpoint", None)
+    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://") or ":" not in endpoint[6:]:
+        return None
+    try:
+        port = int(endpoint.rsplit(":", 1)[1])
+    except ValueError:
+        return None
+    return port + rank if port > 0 else None
+
+
+def _ensure_server(endpoint: Callable[[], str], events: Optional[int] = None) -> None:
     """Starts the endpoint once per process. Runs inside vLLM's own
     constructors: nothing here may raise into them (a busy port, a malformed
     ``KVROUTE_SNAPSHOT_ENDPOINT``), so the endpoint is resolved under the
@@ -85,7 +99,7 @@ def _ensure_server(endpoint: Callable[[], str]) -> None:
         address = "?"
         try:
             address = endpoint()
-            _server = SnapshotServer(address, lambda: collect_hashes(tracked_pools())).start()
+            _server = SnapshotServer(address, lambda: collect_hashes(tracked_pools()), events).start()
         except Exception:
             log.exception("kvroute snapshot endpoint %s could not start", address)
 
@@ -105,7 +119,9 @@ def install_scheduler(scheduler_cls: Any, endpoint: Optional[str] = None) -> Non
             return
         _pools.add(pool)
         rank = rank_of(getattr(self, "parallel_config", None))
-        _ensure_server(lambda: endpoint or endpoint_for_rank(_base_endpoint(), rank))
+        # Named in every reply: the sidecar refuses another engine's snapshot.
+        events = events_port(getattr(self, "kv_events_config", None), rank)
+        _ensure_server(lambda: endpoint or endpoint_for_rank(_base_endpoint(), rank), events)
 
     __init__.__wrapped__ = original  # type: ignore[attr-defined]
     scheduler_cls.__init__ = __init__

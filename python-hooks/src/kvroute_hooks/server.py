@@ -1,8 +1,11 @@
 """The snapshot endpoint: a ZMQ REP socket on a daemon thread.
 
 Protocol (msgpack): request ``{"op": "snapshot"}``; reply
-``{"ok": True, "hashes": [...], "count": n, "ts": unix_seconds}`` or
-``{"ok": False, "error": "..."}``. The sidecar's ``snapshot.rs`` is the client.
+``{"ok": True, "hashes": [...], "count": n, "ts": unix_seconds}`` (and
+``"events_port"``: the TCP port this engine rank publishes its KV events on,
+when known) or ``{"ok": False, "error": "..."}``. The sidecar's
+``snapshot.rs`` is the client: it refuses a snapshot whose ``events_port`` is
+not the one it follows (another engine's plugin on a shared host answered).
 
 The socket runs inside the engine and answers whoever reaches its port, so:
 requests are at most 4 KiB (``MAXMSGSIZE``: libzmq drops the connection of a
@@ -34,8 +37,9 @@ _QUEUE = 4
 class SnapshotServer:
     """Serves ``collect()`` (a set of hashes) on ``endpoint`` until ``stop``."""
 
-    def __init__(self, endpoint: str, collect: Callable[[], Iterable[Any]]):
+    def __init__(self, endpoint: str, collect: Callable[[], Iterable[Any]], events_port: Optional[int] = None):
         self._collect = collect
+        self._events_port = events_port
         self._ctx = zmq.Context.instance()
         self._socket = self._bind(endpoint)
         # The real address (a ":0" port resolved), for logs and tests; the
@@ -78,7 +82,10 @@ class SnapshotServer:
         except Exception as e:  # never take the engine down
             log.warning("kvroute snapshot failed: %s: %s", type(e).__name__, e)
             return msgpack.packb({"ok": False, "error": f"{type(e).__name__}: {e}"})
-        return msgpack.packb({"ok": True, "hashes": hashes, "count": len(hashes), "ts": time.time()})
+        reply = {"ok": True, "hashes": hashes, "count": len(hashes), "ts": time.time()}
+        if self._events_port is not None:
+            reply["events_port"] = self._events_port
+        return msgpack.packb(reply)
 
     def _serve(self) -> None:
         while not self._stopping.is_set():
