@@ -111,18 +111,30 @@ async fn run(
             rb = rb.header(header::CONTENT_TYPE, v);
         }
         let inflight = Inflight::new(worker);
+        // Counted by how the engine answered (a 5xx, a timeout and a failed
+        // connection were all counted as `passthrough`, or not at all).
+        let outcome = |o: &'static str| state.metrics.request(worker.id.as_str(), o);
         match tokio::time::timeout(state.config.raw.first_byte_timeout, rb.send()).await {
-            Err(_) => return Err(RouterError::UpstreamTimeout { worker: worker.id.clone() }),
+            Err(_) => {
+                outcome("passthrough_timeout");
+                return Err(RouterError::UpstreamTimeout { worker: worker.id.clone() });
+            }
             Ok(Err(e)) => {
                 // Tried on the next worker only when nothing was sent.
                 let Failure { error, request_sent } = Failure::of(worker, &e);
                 if request_sent {
+                    outcome("passthrough_closed");
                     return Err(error);
                 }
+                outcome("passthrough_connect_error");
                 last = Some(error);
             }
             Ok(Ok(upstream)) => {
-                state.metrics.request(worker.id.as_str(), "passthrough");
+                outcome(match upstream.status().as_u16() {
+                    500.. => "passthrough_5xx",
+                    400..=499 => "passthrough_4xx",
+                    _ => "passthrough",
+                });
                 return Ok(relay(state, worker, upstream, (inflight, permit)));
             }
         }
