@@ -96,6 +96,10 @@ impl Scheduler {
 
     /// Plans one step: running requests first, then admissions.
     pub fn schedule(&mut self) -> StepWork {
+        // vLLM takes a request whose client left out of the queue at once
+        // (its abort), not when it reaches the front: counted as waiting
+        // meanwhile, it inflated the load the router reads.
+        self.waiting.retain(|r| !r.sink.is_closed());
         let mut budget = self.limits.max_num_batched_tokens;
         let mut work = StepWork::default();
         let mut preempted = false;

@@ -48,6 +48,21 @@ fn stored_hashes(events: &[KvEvent]) -> Vec<BlockHash> {
         .collect()
 }
 
+/// A waiting request whose client left leaves the queue at the next step,
+/// wherever it stands in it (vLLM aborts it at once), not when it reaches
+/// the front.
+#[test]
+fn a_waiting_request_whose_client_left_leaves_the_queue_at_once() {
+    let mut s = sched(16, 1);
+    let _a = submit(&mut s, vec![1, 2, 3], 4);
+    let _b = submit(&mut s, vec![4, 5, 6], 1);
+    let c = submit(&mut s, vec![7, 8, 9], 1);
+    let _d = submit(&mut s, vec![10, 11, 12], 1);
+    drop(c);
+    step(&mut s);
+    assert_eq!(s.metrics.waiting.load(Relaxed), 2, "b and d wait behind a; c, behind b, is gone");
+}
+
 #[test]
 fn waits_for_a_sequence_slot() {
     let mut s = sched(16, 1);
