@@ -5,11 +5,21 @@ import inspect
 
 import pytest
 
+# Failed per test, not at import (which would stop the whole pytest run).
 try:
     import vllm.v1.core.block_pool as vllm_block_pool
     import vllm.v1.core.kv_cache_utils as kv_cache_utils
+
+    MISSING = None
 except ImportError as e:
-    pytest.fail(f"vLLM (with its v1 engine) is not installed: scripts/install-vllm.sh ({e})", pytrace=False)
+    vllm_block_pool = kv_cache_utils = None
+    MISSING = f"vLLM (with its v1 engine) is not installed: scripts/install-vllm.sh ({e})"
+
+
+@pytest.fixture(autouse=True)
+def _needs_vllm():
+    if MISSING:
+        pytest.fail(MISSING, pytrace=False)
 
 
 def make_pool():
@@ -62,3 +72,23 @@ def test_the_fast_path_converts_as_vllms_helpers_do(monkeypatch):
         return int.from_bytes(raw[:8], "big")
 
     assert hashes._convert_group0_fast(keys, helpers[0], other_convert, helpers[2]) is None
+
+
+def test_the_fast_path_checks_a_sample_wherever_group_0_starts():
+    """Group 0's first key far down the list is still checked: with no
+    group-0 key sampled, the fast path would be trusted unchecked."""
+    import hashlib
+
+    from kvroute_hooks import hashes
+
+    make_key = kv_cache_utils.make_block_hash_with_group_id
+    keys = [make_key(hashlib.sha256(str(i).encode()).digest(), 1) for i in range(200)]
+    keys.append(make_key(hashlib.sha256(b"zero").digest(), 0))
+    helpers = hashes._vllm_helpers()
+    assert hashes._convert_group0_fast(keys, *helpers) == [hashes.convert_key(keys[-1], helpers[0], helpers[1])]
+
+    def other_convert(raw):
+        return int.from_bytes(raw[:8], "big")
+
+    assert hashes._convert_group0_fast(keys, helpers[0], other_convert, helpers[2]) is None
+    assert hashes._convert_group0_fast([k for k in keys if k != keys[-1]], *helpers) is None, "nothing sampled"

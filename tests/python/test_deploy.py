@@ -23,10 +23,17 @@ from urllib.parse import urlparse
 
 import pytest
 
+# Failed per test, not at import (which would stop the whole pytest run).
 try:
     import yaml
 except ImportError:
-    pytest.fail("PyYAML is not installed: pip install pyyaml", pytrace=False)
+    yaml = None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _needs_yaml():
+    if yaml is None:
+        pytest.fail("PyYAML is not installed: pip install pyyaml", pytrace=False)
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"

@@ -156,15 +156,21 @@ def _convert_group0_fast(keys: List[Any], get_block_hash, maybe_convert, get_gro
     if get_block_hash is None or get_group_id is None or not all(type(k) is bytes for k in keys):
         return None
     zero = b"\0\0\0\0"
-    if maybe_convert is not None and not _use_int_hashes():
-        fast = [k[:-4] for k in keys if k[-4:] == zero]
-    else:
+    if _use_int_hashes():
         fast = [int.from_bytes(k[-12:-4], "big") for k in keys if len(k) >= 12 and k[-4:] == zero]
-    sample = [k for k in keys[: _FAST_PATH_SAMPLE * 4] if get_group_id(k) == 0][:_FAST_PATH_SAMPLE]
-    by_layout = [k for k in keys[: _FAST_PATH_SAMPLE * 4] if len(k) >= 12 and k[-4:] == zero][:_FAST_PATH_SAMPLE]
-    if sample != by_layout:
+    else:
+        fast = [k[:-4] for k in keys if len(k) >= 12 and k[-4:] == zero]
+    # The first group-0 keys by vLLM's own reading, wherever they stand
+    # (none checked: the slow path), must be the first the layout finds, and
+    # convert alike.
+    sample = []
+    for k in keys:
+        if get_group_id(k) == 0:
+            sample.append(k)
+            if len(sample) == _FAST_PATH_SAMPLE:
+                break
+    if not sample or fast[: len(sample)] != [convert_key(k, get_block_hash, maybe_convert) for k in sample]:
         return None
-    expected = [convert_key(k, get_block_hash, maybe_convert) for k in sample]
-    if fast[: len(sample)] != expected:
+    if [k for k in keys[: keys.index(sample[-1]) + 1] if len(k) >= 12 and k[-4:] == zero] != sample:
         return None
     return fast
