@@ -50,7 +50,9 @@ pub fn text_completion_body(model: &str, prompt: &str, max_tokens: u32, stream: 
 
 /// Sends a completion and reads the whole answer. With a streaming body the
 /// TTFT is the arrival of the first non-empty body chunk; without, it equals
-/// the latency.
+/// the latency. A stream (`text/event-stream`) counts as answered only if it
+/// ends with `data: [DONE]` and carries no error event (a router reports a
+/// failure after the first chunk as one): any 200 with a body counted.
 pub async fn complete(
     client: &reqwest::Client,
     base: &str,
@@ -77,14 +79,34 @@ pub async fn complete(
             message: format!("{status}: {}", text.chars().take(300).collect::<String>()),
         });
     }
+    let sse = resp
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
     let mut ttft = None;
     let mut stream = resp.bytes_stream();
+    // The stream's last bytes and what was seen: `[DONE]` or an error event
+    // may straddle two chunks.
+    let (mut tail, mut done, mut error) = (Vec::new(), false, false);
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(http)?;
         if ttft.is_none() && !chunk.is_empty() {
             ttft = Some(started.elapsed());
         }
+        if sse {
+            tail.extend_from_slice(&chunk);
+            let has = |needle: &[u8]| tail.windows(needle.len()).any(|w| w == needle);
+            error |= has(b"data: {\"error\"");
+            done = has(b"data: [DONE]");
+            let keep = tail.len().saturating_sub(32);
+            tail.drain(..keep);
+        }
     }
     let latency = started.elapsed();
+    if sse && (error || !done) {
+        let why = if error { "an error event in the stream" } else { "the stream ended without data: [DONE]" };
+        return Err(BenchError::Unexpected { url, message: why.into() });
+    }
     Ok(Outcome { ttft: ttft.unwrap_or(latency), latency, worker })
 }

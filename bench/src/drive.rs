@@ -65,6 +65,10 @@ pub async fn drive(
                 let _ = rx.wait_for(|d| *d).await;
                 tokio::time::sleep(think).await;
             }
+            // Its arrival: TTFT counts from here, so time spent waiting for
+            // the client's concurrency cap (a router falling behind) counts;
+            // timed from sending, a backlog at the cap went unseen.
+            let arrived = Instant::now();
             let permit = gate.acquire_owned().await;
             let tokens = req.prompt.tokens();
             let body = match &opts.words {
@@ -72,7 +76,11 @@ pub async fn drive(
                 None => client::completion_body(&opts.model, &tokens, req.max_tokens, true, opts.ignore_eos),
             };
             let sent_at = Instant::now();
-            let result = client::complete(&http, &target, body, opts.request_timeout).await.map_err(|e| e.to_string());
+            let waited = sent_at.saturating_duration_since(arrived);
+            let result = client::complete(&http, &target, body, opts.request_timeout)
+                .await
+                .map(|o| client::Outcome { ttft: o.ttft + waited, latency: o.latency + waited, ..o })
+                .map_err(|e| e.to_string());
             drop(permit);
             let _ = done_tx[i].send(true);
             progress.inc(1);

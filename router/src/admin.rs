@@ -46,7 +46,6 @@ pub async fn health() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
-/// Ready when at least one worker is healthy.
 /// Ready once some worker takes traffic and has answered a health probe. A
 /// worker is taken as healthy from its admission (its requests go at once),
 /// so counting those alone answered yes while every worker was unreachable,

@@ -265,7 +265,8 @@ pub struct AppState {
     /// Random per process start: sidecars resync at once when it changes.
     pub router_epoch: String,
     pub concurrency: Arc<Semaphore>,
-    /// Bytes of client bodies being read (`max_body_bytes_in_flight`).
+    /// Bytes of client bodies, from their first byte until their answer
+    /// begins (`max_body_bytes_in_flight`).
     pub body_bytes: Arc<Semaphore>,
     /// Rendering + tokenizing jobs on the blocking pool at once: one per core.
     pub tokenize_slots: Arc<Semaphore>,

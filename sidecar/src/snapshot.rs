@@ -38,7 +38,8 @@ pub enum SnapshotError {
     #[error(
         "the snapshot endpoint answers for the engine publishing events on port {theirs}, not this rank's \
          {ours}: another engine's plugin (engines sharing a host each need their own KVROUTE_SNAPSHOT_ENDPOINT, \
-         and the sidecar its --engine-snapshot); its blocks are not this engine's, and none is dropped"
+         and the sidecar its --engine-snapshot), or the events port is remapped between engine and sidecar \
+         (the check needs the engine's own port numbers in --events); no block is dropped"
     )]
     OtherEngine { theirs: u64, ours: u32 },
 }

@@ -82,15 +82,19 @@ impl Supervisor {
             targets.sort();
             targets.dedup();
             self.state.set_routers(&targets);
-            tasks.retain(|t, task| {
-                let keep = targets.contains(t);
-                if !keep {
-                    info!(router = %t.0, "router address gone");
-                    task.cancel.cancel();
-                    self.state.metrics().retire_router(&t.0);
-                }
-                keep
-            });
+            let gone: Vec<RouterTarget> = tasks.keys().filter(|t| !targets.contains(t)).cloned().collect();
+            for t in gone {
+                let Some(task) = tasks.remove(&t) else { continue };
+                info!(router = %t.0, "router address gone");
+                task.cancel.cancel();
+                // Its series go once its task has ended: a push still in
+                // flight would count again, and bring them back for good.
+                let state = self.state.clone();
+                tokio::spawn(async move {
+                    let _ = task.handle.await;
+                    state.metrics().retire_router(&t.0);
+                });
+            }
             for t in &targets {
                 tasks.entry(t.clone()).or_insert_with(|| self.spawn(t.clone(), &cancel));
             }
