@@ -119,6 +119,7 @@ async fn check(state: &AppState, worker: &Arc<Worker>) {
     if worker.source == Source::Static && !worker.live.has_sidecar.load(Ordering::Relaxed) {
         learn_models(state, worker).await;
     }
+    crate::tokenizer_check::check_once(state, worker).await;
 }
 
 /// The engine's page at `path`, read within the probe's timeout and up to

@@ -26,6 +26,7 @@ pub mod routing;
 pub mod sessions;
 pub mod state;
 pub mod tls;
+pub mod tokenizer_check;
 pub mod workers;
 
 use std::future::Future;

@@ -121,6 +121,7 @@ pub struct Metrics {
     pub worker_pace: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
     pub worker_free_blocks: Family<WorkerLabel, Gauge>,
     pub worker_healthy: Family<WorkerLabel, Gauge>,
+    pub worker_tokenizer_mismatch: Family<WorkerLabel, Gauge>,
     pub worker_sync_age: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
     pub worker_sync_timestamp: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
     pub request_duration: HistFamily<WorkerStatus>,
@@ -277,6 +278,13 @@ impl Metrics {
         );
         let worker_healthy = Family::<WorkerLabel, Gauge>::default();
         registry.register("worker_healthy", "1 when the worker takes traffic", worker_healthy.clone());
+        let worker_tokenizer_mismatch = Family::<WorkerLabel, Gauge>::default();
+        registry.register(
+            "worker_tokenizer_mismatch",
+            "1 when the worker's engine tokenizes a probe text (or chat) otherwise than the router: the router's \
+             keys are not the engine's blocks; 0 when they agree; absent until compared",
+            worker_tokenizer_mismatch.clone(),
+        );
         let worker_sync_age = Family::<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
         registry.register(
             "worker_last_sync_age_seconds",
@@ -362,6 +370,7 @@ impl Metrics {
             worker_pace,
             worker_free_blocks,
             worker_healthy,
+            worker_tokenizer_mismatch,
             worker_sync_age,
             worker_sync_timestamp,
             request_duration,
@@ -464,6 +473,7 @@ impl Metrics {
         self.worker_pace.remove(&w);
         self.worker_free_blocks.remove(&w);
         self.worker_healthy.remove(&w);
+        self.worker_tokenizer_mismatch.remove(&w);
         self.worker_sync_age.remove(&w);
         self.worker_sync_timestamp.remove(&w);
         for status in TTFT_STATUS_CLASSES {

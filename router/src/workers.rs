@@ -133,6 +133,9 @@ pub struct WorkerLive {
     /// Unix ms its registration last moved (URL or rank), and of the last
     /// error logged for moving back and forth (`note_moved`).
     moved_ms: AtomicU64,
+    /// Its engine's tokenizer was compared with the router's (`crate::tokenizer_check`):
+    /// once an answer settled it, match or not.
+    pub tokenizer_checked: AtomicBool,
     conflict_logged_ms: AtomicU64,
     /// Is a sidecar reporting for this worker (exact index)?
     pub has_sidecar: AtomicBool,
@@ -170,6 +173,7 @@ impl Default for WorkerLive {
             last_progress_ms: AtomicU64::new(0),
             last_blocks_ms: AtomicU64::new(0),
             moved_ms: AtomicU64::new(0),
+            tokenizer_checked: AtomicBool::new(false),
             conflict_logged_ms: AtomicU64::new(0),
             has_sidecar: AtomicBool::new(false),
             watch: Mutex::new(ReportWatch::default()),

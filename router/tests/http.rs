@@ -2052,3 +2052,63 @@ async fn a_full_holder_gives_a_new_branch_to_a_worker_with_room() {
     let debug = r.explain(json!({"model": "m", "prompt": prompt(130)})).await;
     assert_eq!(debug["decision"]["worker"], "w1", "{debug}");
 }
+
+/// An engine at `/tokenize` answering with `tokens(body)`, serving model `m`.
+async fn tokenizing_engine(tokens: impl Fn(&Value) -> Vec<u32> + Clone + Send + Sync + 'static) -> String {
+    let app = Router::new()
+        .route("/health", get(|| async { "ok" }))
+        .route("/v1/models", get(|| async { axum::Json(json!({"object": "list", "data": [{"id": "m"}]})) }))
+        .route(
+            "/tokenize",
+            post(move |axum::Json(body): axum::Json<Value>| {
+                let tokens = tokens.clone();
+                async move { axum::Json(json!({"count": 0, "max_model_len": 4096, "tokens": tokens(&body)})) }
+            }),
+        );
+    serve_engine(app).await
+}
+
+/// The router compares its tokenizer and chat template with each engine's
+/// (`POST /tokenize`) once: a difference is exported (and logged as an
+/// error), agreement too; before, a router given the wrong tokenizer keyed
+/// blocks no engine held, silently.
+#[tokio::test]
+async fn an_engine_that_tokenizes_otherwise_is_reported() {
+    let dir = gpt2_with_template("check", "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}");
+    let ours = kvroute_shared::tokenize::PromptTokenizer::load(&dir).unwrap();
+    let same = {
+        let ours = std::sync::Arc::new(ours);
+        move |body: &Value| {
+            let endpoint =
+                if body.get("messages").is_some() { Endpoint::ChatCompletions } else { Endpoint::Completions };
+            let req = kvroute_shared::openai::PromptRequest::parse(endpoint, body.to_string().as_bytes()).unwrap();
+            ours.prompt_tokens(&req).unwrap()
+        }
+    };
+    // The chat's tokens differ (another template), the text's agree.
+    let other_template = {
+        let same = same.clone();
+        move |body: &Value| {
+            let mut t = same(body);
+            if body.get("messages").is_some() {
+                t.insert(0, 50256);
+            }
+            t
+        }
+    };
+    let series = |w: &str| format!("kvroute_worker_tokenizer_mismatch{{worker=\"{w}\"}}");
+    for (engine, want) in [(tokenizing_engine(same).await, 0), (tokenizing_engine(other_template).await, 1)] {
+        let r = router(&[("w", &engine)], |raw| {
+            raw.tokenizer = Some(dir.clone());
+            raw.health_check_interval = Duration::from_millis(50);
+        })
+        .await;
+        let line = format!("{} {want}", series("w"));
+        eventually("the tokenizers compared", || async {
+            let text = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
+            text.contains(&line).then_some(())
+        })
+        .await;
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -261,6 +261,15 @@ def test_router_token_ids_equal_vllms_own_tokenize(cluster):
         if got != want:
             mismatches.append(({"prompt": p}, want[:40], got[:40]))
     assert not mismatches, f"{len(mismatches)} of {len(cases) + len(prompts)} differ; first: {mismatches[0]}"
+    # The router's own check against each engine's /tokenize (once per
+    # worker, after its first probe) agrees: every worker compared, none differs.
+    def compared():
+        text = requests.get(f"{cluster.router.url}/metrics", timeout=5).text
+        lines = [ln for ln in text.splitlines() if ln.startswith("kvroute_worker_tokenizer_mismatch{")]
+        return lines if len(lines) == len(cluster.engines) else None
+
+    lines = eventually("the router's tokenizer check of every worker", CONVERGE, compared)
+    assert all(ln.endswith(" 0") for ln in lines), lines
 
 
 def test_a_sidecar_that_hears_nothing_says_so(cluster):

@@ -1,0 +1,143 @@
+//! Is the router tokenizing as its engines do? A router whose tokenizer (or
+//! chat template) differs from an engine's keys blocks that engine never
+//! holds: every prefix misses, silently, and routing falls back to load
+//! alone. Once per worker, after its first answered health probe, the router
+//! asks the engine's `/tokenize` for a probe text and a one-message chat and
+//! compares the token ids with its own. A difference is an error in the log,
+//! naming the first token that differs, and `kvroute_worker_tokenizer_mismatch`
+//! = 1 (an alert); routing goes on. An engine that does not answer
+//! `/tokenize` (an API key the router lacks, a server without it) is not
+//! compared; one that fails is asked again at the next probe.
+
+use std::sync::atomic::Ordering;
+
+use kvroute_shared::openai::{Endpoint, PromptRequest};
+use serde_json::{Value, json};
+
+use crate::metrics::WorkerLabel;
+use crate::state::AppState;
+use crate::workers::Worker;
+
+/// Words, digits, punctuation, accents, CJK, an emoji and runs of spaces:
+/// a different vocabulary, normaliser or pre-tokenizer shows in it.
+pub const PROBE_TEXT: &str = "kvroute checks its tokenizer: Hello, world!  12345 ünïcödé Ωμέγα 日本語 🙂\n\tdone.";
+
+/// What one comparison found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Every form the router could tokenize matched the engine's.
+    Same,
+    /// `what` (a text completion, a chat) tokenized otherwise: the first
+    /// position that differs, and the lengths.
+    Differs { what: &'static str, at: usize, ours: usize, theirs: usize },
+    /// The engine does not tokenize for the router, or the router has no
+    /// tokenizer of the model to compare (byte mode).
+    NotCompared,
+}
+
+/// The two request bodies compared, for `model`.
+fn probes(model: &str) -> [(&'static str, Endpoint, Value); 2] {
+    [
+        ("a text completion", Endpoint::Completions, json!({"model": model, "prompt": PROBE_TEXT})),
+        (
+            "a chat (the chat template)",
+            Endpoint::ChatCompletions,
+            json!({"model": model, "messages": [{"role": "user", "content": PROBE_TEXT}]}),
+        ),
+    ]
+}
+
+/// Compares the worker's engine's tokenization with the router's once (a
+/// settled answer marks the worker checked), logging and exporting a
+/// difference.
+pub async fn check_once(state: &AppState, worker: &Worker) {
+    if worker.live.tokenizer_checked.load(Ordering::Relaxed) {
+        return;
+    }
+    let Some(verdict) = compare(state, worker).await else { return };
+    worker.live.tokenizer_checked.store(true, Ordering::Relaxed);
+    let gauge =
+        || state.metrics.worker_tokenizer_mismatch.get_or_create(&WorkerLabel { worker: worker.id.to_string() });
+    match verdict {
+        Verdict::Same => {
+            gauge().set(0);
+            tracing::debug!(worker.id = %worker.id, "the engine tokenizes as the router does");
+        }
+        Verdict::Differs { what, at, ours, theirs } => {
+            gauge().set(1);
+            tracing::error!(
+                worker.id = %worker.id,
+                what,
+                first_difference = at,
+                router_tokens = ours,
+                engine_tokens = theirs,
+                "the engine tokenizes otherwise than the router: the router's block keys are not this engine's \
+                 blocks, and its prefixes never match there. Give the router the engine's tokenizer.json and chat \
+                 template (--tokenizer, per model with --model-tokenizer)"
+            );
+        }
+        Verdict::NotCompared => {}
+    }
+}
+
+/// `None` when the engine could not be asked now (ask again later).
+pub async fn compare(state: &AppState, worker: &Worker) -> Option<Verdict> {
+    let model = worker.models.first().map(|m| m.as_str().to_owned())?;
+    let tokenizer = state.tokenizers.for_model(&model).clone();
+    if !tokenizer.is_exact() {
+        return Some(Verdict::NotCompared);
+    }
+    let mut compared = false;
+    for (what, endpoint, body) in probes(&model) {
+        let Ok(req) = PromptRequest::parse(endpoint, body.to_string().as_bytes()) else { continue };
+        // No chat template here (the engine may have one of its own): the
+        // chat is not compared.
+        let Ok(ours) = tokenizer.prompt_tokens(&req) else { continue };
+        let theirs = match engine_tokens(state, worker, &body).await {
+            Asked::Tokens(t) => t,
+            Asked::Refused => return Some(if compared { Verdict::Same } else { Verdict::NotCompared }),
+            Asked::Failed => return None,
+        };
+        if ours != theirs {
+            let at = ours.iter().zip(&theirs).take_while(|(a, b)| a == b).count();
+            return Some(Verdict::Differs { what, at, ours: ours.len(), theirs: theirs.len() });
+        }
+        compared = true;
+    }
+    Some(if compared { Verdict::Same } else { Verdict::NotCompared })
+}
+
+enum Asked {
+    Tokens(Vec<u32>),
+    /// It answers, but not this (a 4xx: no `/tokenize`, an API key).
+    Refused,
+    /// No answer, a 5xx or a body that is not vLLM's: ask again later.
+    Failed,
+}
+
+/// The engine's `POST /tokenize` answer's `tokens`.
+async fn engine_tokens(state: &AppState, worker: &Worker, body: &Value) -> Asked {
+    let timeout = state.config.raw.health_check_timeout;
+    let sent = state.client.post(format!("{}/tokenize", worker.url)).json(body).timeout(timeout).send().await;
+    let Ok(resp) = sent else { return Asked::Failed };
+    if resp.status().is_client_error() {
+        return Asked::Refused;
+    }
+    if !resp.status().is_success() {
+        return Asked::Failed;
+    }
+    let Ok(Some(bytes)) =
+        kvroute_shared::body::read_within(reqwest::Body::from(resp), kvroute_shared::body::MAX_ENGINE_METRICS_BYTES)
+            .await
+    else {
+        return Asked::Failed;
+    };
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        tokens: Vec<u32>,
+    }
+    match serde_json::from_slice::<Answer>(&bytes) {
+        Ok(a) => Asked::Tokens(a.tokens),
+        Err(_) => Asked::Failed,
+    }
+}
