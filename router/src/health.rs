@@ -99,7 +99,7 @@ pub async fn run_health_checks(state: Arc<AppState>) {
     }
 }
 
-async fn check(state: &AppState, worker: &Arc<Worker>) {
+async fn check(state: &Arc<AppState>, worker: &Arc<Worker>) {
     let timeout = state.config.raw.health_check_timeout;
     let ok = match state.client.get(format!("{}/health", worker.url)).timeout(timeout).send().await {
         Ok(r) => r.status().is_success(),
@@ -112,6 +112,8 @@ async fn check(state: &AppState, worker: &Arc<Worker>) {
     if probe_answered(worker, now_ms()) {
         tracing::info!(worker.id = %worker.id, "worker re-admitted");
         worker.live.forget_capacity();
+        // It may have come back another engine (restarted with another model).
+        worker.live.tokenizer_checked.store(false, Ordering::Relaxed);
     }
     if !worker.live.has_sidecar.load(Ordering::Relaxed) || !worker.live.capacity_read() {
         learn_capacity(state, worker).await;
@@ -119,7 +121,7 @@ async fn check(state: &AppState, worker: &Arc<Worker>) {
     if worker.source == Source::Static && !worker.live.has_sidecar.load(Ordering::Relaxed) {
         learn_models(state, worker).await;
     }
-    crate::tokenizer_check::check_once(state, worker).await;
+    crate::tokenizer_check::start(state, worker);
 }
 
 /// The engine's page at `path`, read within the probe's timeout and up to

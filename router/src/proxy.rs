@@ -311,7 +311,8 @@ async fn dispatch(
     let mut suspects: Vec<&Arc<Worker>> = Vec::new();
     // Blocks after an image (audio, video, prompt embeddings) carry extra
     // keys the sidecar does not translate: filling them reports nothing.
-    let keyed = !carries_media(&body);
+    // Read only for non-streamed answers: a stream's body is not scanned.
+    let keyed = streaming || !carries_media(&body);
     // Engines (URLs) whose server failed this request: not connected to,
     // the connection closed, a 5xx. The other data-parallel ranks behind
     // the same URL are the same server: trying them spent every retry on

@@ -7,16 +7,23 @@
 //! naming the first token that differs, and `kvroute_worker_tokenizer_mismatch`
 //! = 1 (an alert); routing goes on. An engine that does not answer
 //! `/tokenize` (an API key the router lacks, a server without it) is not
-//! compared; one that fails is asked again at the next probe.
+//! compared; one that fails is asked again a minute later. The comparison
+//! runs in a task of its own, never in the health round (an engine whose
+//! `/tokenize` hangs would hold up every worker's probe).
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use kvroute_shared::openai::{Endpoint, PromptRequest};
 use serde_json::{Value, json};
 
 use crate::metrics::WorkerLabel;
-use crate::state::AppState;
+use crate::state::{AppState, now_ms};
 use crate::workers::Worker;
+
+/// How long after a failed comparison the next is tried.
+const RETRY_AFTER: Duration = Duration::from_secs(60);
 
 /// Words, digits, punctuation, accents, CJK, an emoji and runs of spaces:
 /// a different vocabulary, normaliser or pre-tokenizer shows in it.
@@ -27,6 +34,9 @@ pub const PROBE_TEXT: &str = "kvroute checks its tokenizer: Hello, world!  12345
 pub enum Verdict {
     /// Every form the router could tokenize matched the engine's.
     Same,
+    /// The text matched; the chat was not compared (no chat template here,
+    /// or the engine refused it): a template difference would not show.
+    SameTextOnly,
     /// `what` (a text completion, a chat) tokenized otherwise: the first
     /// position that differs, and the lengths.
     Differs { what: &'static str, at: usize, ours: usize, theirs: usize },
@@ -47,14 +57,35 @@ fn probes(model: &str) -> [(&'static str, Endpoint, Value); 2] {
     ]
 }
 
-/// Compares the worker's engine's tokenization with the router's once (a
+/// Starts the comparison for `worker` in a task of its own, unless it is
+/// settled, under way, or failed less than [`RETRY_AFTER`] ago.
+pub fn start(state: &Arc<AppState>, worker: &Arc<Worker>) {
+    let live = &worker.live;
+    // Its models are not known yet (a static worker learns them at its
+    // probes): the next probe starts it.
+    if worker.models.is_empty()
+        || live.tokenizer_checked.load(Ordering::Relaxed)
+        || now_ms() < live.tokenizer_retry_ms.load(Ordering::Relaxed)
+        || live.tokenizer_checking.swap(true, Ordering::Relaxed)
+    {
+        return;
+    }
+    let (state, worker) = (state.clone(), worker.clone());
+    tokio::spawn(async move {
+        check_once(&state, &worker).await;
+        worker.live.tokenizer_checking.store(false, Ordering::Relaxed);
+    });
+}
+
+/// Compares the worker's engine's tokenization with the router's (a
 /// settled answer marks the worker checked), logging and exporting a
 /// difference.
 pub async fn check_once(state: &AppState, worker: &Worker) {
-    if worker.live.tokenizer_checked.load(Ordering::Relaxed) {
+    let Some(verdict) = compare(state, worker).await else {
+        let retry = now_ms() + RETRY_AFTER.as_millis() as u64;
+        worker.live.tokenizer_retry_ms.store(retry, Ordering::Relaxed);
         return;
-    }
-    let Some(verdict) = compare(state, worker).await else { return };
+    };
     worker.live.tokenizer_checked.store(true, Ordering::Relaxed);
     let gauge =
         || state.metrics.worker_tokenizer_mismatch.get_or_create(&WorkerLabel { worker: worker.id.to_string() });
@@ -62,6 +93,14 @@ pub async fn check_once(state: &AppState, worker: &Worker) {
         Verdict::Same => {
             gauge().set(0);
             tracing::debug!(worker.id = %worker.id, "the engine tokenizes as the router does");
+        }
+        Verdict::SameTextOnly => {
+            gauge().set(0);
+            tracing::info!(
+                worker.id = %worker.id,
+                "the engine tokenizes text as the router does; its chat template was not compared (none here, or \
+                 the engine would not render the probe chat)"
+            );
         }
         Verdict::Differs { what, at, ours, theirs } => {
             gauge().set(1);
@@ -87,7 +126,7 @@ pub async fn compare(state: &AppState, worker: &Worker) -> Option<Verdict> {
     if !tokenizer.is_exact() {
         return Some(Verdict::NotCompared);
     }
-    let mut compared = false;
+    let mut compared = 0;
     for (what, endpoint, body) in probes(&model) {
         let Ok(req) = PromptRequest::parse(endpoint, body.to_string().as_bytes()) else { continue };
         // No chat template here (the engine may have one of its own): the
@@ -95,23 +134,29 @@ pub async fn compare(state: &AppState, worker: &Worker) -> Option<Verdict> {
         let Ok(ours) = tokenizer.prompt_tokens(&req) else { continue };
         let theirs = match engine_tokens(state, worker, &body).await {
             Asked::Tokens(t) => t,
-            Asked::Refused => return Some(if compared { Verdict::Same } else { Verdict::NotCompared }),
+            Asked::Refused => break,
             Asked::Failed => return None,
         };
         if ours != theirs {
             let at = ours.iter().zip(&theirs).take_while(|(a, b)| a == b).count();
             return Some(Verdict::Differs { what, at, ours: ours.len(), theirs: theirs.len() });
         }
-        compared = true;
+        compared += 1;
     }
-    Some(if compared { Verdict::Same } else { Verdict::NotCompared })
+    Some(match compared {
+        0 => Verdict::NotCompared,
+        1 => Verdict::SameTextOnly,
+        _ => Verdict::Same,
+    })
 }
 
 enum Asked {
     Tokens(Vec<u32>),
-    /// It answers, but not this (a 4xx: no `/tokenize`, an API key).
+    /// It answers, but not this (a 4xx but 408 and 429: no `/tokenize`,
+    /// an API key; a 501).
     Refused,
-    /// No answer, a 5xx or a body that is not vLLM's: ask again later.
+    /// No answer, 408, 429, another 5xx or a body that is not vLLM's: ask
+    /// again later.
     Failed,
 }
 
@@ -120,7 +165,8 @@ async fn engine_tokens(state: &AppState, worker: &Worker, body: &Value) -> Asked
     let timeout = state.config.raw.health_check_timeout;
     let sent = state.client.post(format!("{}/tokenize", worker.url)).json(body).timeout(timeout).send().await;
     let Ok(resp) = sent else { return Asked::Failed };
-    if resp.status().is_client_error() {
+    let status = resp.status().as_u16();
+    if (400..500).contains(&status) && status != 408 && status != 429 || status == 501 {
         return Asked::Refused;
     }
     if !resp.status().is_success() {

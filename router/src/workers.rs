@@ -134,8 +134,13 @@ pub struct WorkerLive {
     /// error logged for moving back and forth (`note_moved`).
     moved_ms: AtomicU64,
     /// Its engine's tokenizer was compared with the router's (`crate::tokenizer_check`):
-    /// once an answer settled it, match or not.
+    /// once an answer settled it, match or not; cleared when the worker
+    /// moves, changes models or is re-admitted (a restarted engine).
     pub tokenizer_checked: AtomicBool,
+    /// A comparison is under way (it runs beside the health probes).
+    pub tokenizer_checking: AtomicBool,
+    /// Unix ms before which a comparison that failed is not tried again.
+    pub tokenizer_retry_ms: AtomicU64,
     conflict_logged_ms: AtomicU64,
     /// Is a sidecar reporting for this worker (exact index)?
     pub has_sidecar: AtomicBool,
@@ -174,6 +179,8 @@ impl Default for WorkerLive {
             last_blocks_ms: AtomicU64::new(0),
             moved_ms: AtomicU64::new(0),
             tokenizer_checked: AtomicBool::new(false),
+            tokenizer_checking: AtomicBool::new(false),
+            tokenizer_retry_ms: AtomicU64::new(0),
             conflict_logged_ms: AtomicU64::new(0),
             has_sidecar: AtomicBool::new(false),
             watch: Mutex::new(ReportWatch::default()),
@@ -413,6 +420,8 @@ impl Registry {
             if url != old.url || dp_rank != old.dp_rank {
                 let _ = old.live.note_moved(id, (&old.url, old.dp_rank), (&url, dp_rank));
             }
+            // Another engine or model: its tokenizer is compared again.
+            old.live.tokenizer_checked.store(false, Ordering::Relaxed);
             let updated = Arc::new(Worker {
                 id: old.id.clone(),
                 slot: old.slot,

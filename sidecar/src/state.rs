@@ -243,6 +243,11 @@ impl WorkerState {
         }
     }
 
+    /// Whether `target` is among the routers pushed to now.
+    pub fn has_router(&self, target: &RouterTarget) -> bool {
+        self.inner.lock().routers.contains_key(target)
+    }
+
     pub fn require_sync(&self, target: &RouterTarget) {
         if let Some(p) = self.inner.lock().routers.get_mut(target) {
             p.require_sync();

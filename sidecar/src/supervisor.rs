@@ -88,11 +88,15 @@ impl Supervisor {
                 info!(router = %t.0, "router address gone");
                 task.cancel.cancel();
                 // Its series go once its task has ended: a push still in
-                // flight would count again, and bring them back for good.
+                // flight would count again, and bring them back for good;
+                // not if the address has come back meanwhile (a new task
+                // counts on them).
                 let state = self.state.clone();
                 tokio::spawn(async move {
                     let _ = task.handle.await;
-                    state.metrics().retire_router(&t.0);
+                    if !state.has_router(&t) {
+                        state.metrics().retire_router(&t.0);
+                    }
                 });
             }
             for t in &targets {

@@ -116,6 +116,9 @@ async fn bad_requests_get_vllm_shaped_errors() {
     // tokens asked of 64: 4 generated), and past the context it is refused.
     let (st, v) = sim.post("/v1/completions", json!({"model": "m", "prompt": vec![1; 60]})).await;
     assert_eq!((st, v["usage"]["completion_tokens"].as_u64()), (200, Some(4)), "{v}");
+    // Prompt by prompt in a batch: 4 for the long one, 16 for the short.
+    let (st, v) = sim.post("/v1/completions", json!({"model": "m", "prompt": [vec![1; 60], vec![1; 10]]})).await;
+    assert_eq!((st, v["usage"]["completion_tokens"].as_u64()), (200, Some(20)), "{v}");
     let (st, v) = sim.post("/v1/completions", json!({"model": "m", "prompt": "x", "max_tokens": 65})).await;
     assert_eq!((st, v["error"]["param"].as_str()), (400, Some("max_tokens")), "{v}");
     // A request naming no model is for the served one.

@@ -10,10 +10,11 @@ except ImportError:
     openai = None
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def _needs_openai():
     if openai is None:
         pytest.fail("the openai package is not installed: pip install openai", pytrace=False)
+
 
 MODEL = "sim-model"
 

@@ -51,7 +51,8 @@ pub struct Prepared {
     pub model: String,
     /// One token list per prompt (a chat request has one).
     pub prompts: Vec<Vec<u32>>,
-    pub max_tokens: u32,
+    /// Per prompt (clamped to what the context leaves it).
+    pub max_tokens: Vec<u32>,
     pub lora_id: Option<u32>,
     pub include_usage: bool,
     pub ignore_eos: bool,
@@ -93,11 +94,13 @@ pub fn prepare(s: &Shared, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, 
             param: Some("max_tokens".into()),
         });
     }
-    // As vLLM 0.32's `get_max_tokens`: what the context leaves, at most.
-    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    let max_tokens = asked.min(u32::try_from(s.config.max_model_len.saturating_sub(longest)).unwrap_or(u32::MAX));
+    // As vLLM 0.32's `get_max_tokens`, prompt by prompt: what the context
+    // leaves it, at most.
+    let mut max_tokens = Vec::with_capacity(prompts.len());
     for tokens in &prompts {
-        check_length(s, tokens.len(), max_tokens)?;
+        let left = u32::try_from(s.config.max_model_len.saturating_sub(tokens.len())).unwrap_or(u32::MAX);
+        max_tokens.push(asked.min(left));
+        check_length(s, tokens.len(), asked.min(left))?;
     }
     let include_usage = options.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
     let model = model.to_owned();
@@ -201,7 +204,7 @@ async fn generate(s: &Shared, endpoint: Endpoint, headers: &HeaderMap, body: &[u
     let stream = p.req.stream();
     let mut streams = Vec::new();
     let mut waiters = Vec::new();
-    for prompt in p.prompts {
+    for (prompt, max_tokens) in p.prompts.into_iter().zip(p.max_tokens.iter().copied()) {
         let sink = if stream {
             let (tx, rx) = mpsc::unbounded_channel();
             streams.push(rx);
@@ -211,8 +214,7 @@ async fn generate(s: &Shared, endpoint: Endpoint, headers: &HeaderMap, body: &[u
             waiters.push(rx);
             Sink::Once(tx)
         };
-        let sub =
-            Submission { prompt, max_tokens: p.max_tokens, extras: extras.clone(), lora_id: p.lora_id, arrival, sink };
+        let sub = Submission { prompt, max_tokens, extras: extras.clone(), lora_id: p.lora_id, arrival, sink };
         rank.engine.submit(sub).map_err(|_| ApiError::EngineGone)?;
     }
     if stream {

@@ -33,7 +33,8 @@ type Tagged = futures::stream::BoxStream<'static, (usize, StreamEvent)>;
 /// The state of one streamed response over all its prompts' engine streams.
 struct Merge {
     head: Head,
-    max_tokens: u32,
+    /// Per prompt: its last token finishes its choice.
+    max_tokens: Vec<u32>,
     include_usage: bool,
     events: SelectAll<Tagged>,
     outcomes: Vec<Option<Outcome>>,
@@ -54,7 +55,12 @@ impl Merge {
                     if index == 0 && self.head.kind == Kind::Chat {
                         f.push(frame(&bodies::role_chunk(&self.head)));
                     }
-                    f.push(frame(&bodies::token_chunk(&self.head, i, index, index + 1 == self.max_tokens)));
+                    f.push(frame(&bodies::token_chunk(
+                        &self.head,
+                        i,
+                        index,
+                        Some(&(index + 1)) == self.max_tokens.get(i),
+                    )));
                     return Some(f);
                 }
                 StreamEvent::Done(o) => {
@@ -85,7 +91,7 @@ impl Merge {
 /// response body.
 pub fn response(
     head: Head,
-    max_tokens: u32,
+    max_tokens: Vec<u32>,
     include_usage: bool,
     receivers: Vec<mpsc::UnboundedReceiver<StreamEvent>>,
 ) -> Response {

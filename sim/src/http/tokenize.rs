@@ -69,7 +69,7 @@ fn render(s: &super::Shared, endpoint: Endpoint, body: &[u8]) -> Response {
         .enumerate()
         .map(|(i, tokens)| {
             let request_id = if batch { format!("{id}-{i}") } else { id.clone() };
-            generate_request(&p, request_id, tokens)
+            generate_request(&p, request_id, tokens, p.max_tokens[i])
         })
         .collect();
     match (many, out.pop()) {
@@ -85,7 +85,7 @@ fn render(s: &super::Shared, endpoint: Endpoint, body: &[u8]) -> Response {
 /// parameters the simulator does not read are vLLM's defaults; like vLLM
 /// (msgspec's `omit_defaults`), `max_tokens` is left out when it is 16 and
 /// `ignore_eos` unless set.
-fn generate_request(p: &Prepared, request_id: String, tokens: &[u32]) -> Value {
+fn generate_request(p: &Prepared, request_id: String, tokens: &[u32], max_tokens: u32) -> Value {
     let stream = p.req.stream();
     let mut sampling = json!({
         "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "temperature": 1.0,
@@ -95,8 +95,8 @@ fn generate_request(p: &Prepared, request_id: String, tokens: &[u32]) -> Value {
         if p.ignore_eos {
             m.insert("ignore_eos".into(), json!(true));
         }
-        if p.max_tokens != 16 {
-            m.insert("max_tokens".into(), json!(p.max_tokens));
+        if max_tokens != 16 {
+            m.insert("max_tokens".into(), json!(max_tokens));
         }
         m.insert("output_kind".into(), json!(if stream { 1 } else { 2 }));
         m.insert("skip_clone".into(), json!(true));
