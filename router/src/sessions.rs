@@ -123,7 +123,7 @@ impl Sessions {
         if table.map.len() >= self.max && !table.map.contains_key(id) {
             table.sweep(now);
             while table.map.len() >= self.max {
-                let Some((_, oldest)) = table.by_use.first_key_value().map(|(k, v)| (*k, v.clone())) else { break };
+                let Some(oldest) = table.by_use.first_key_value().map(|(_, id)| id.clone()) else { break };
                 table.remove(&oldest);
             }
         }
