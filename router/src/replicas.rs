@@ -510,6 +510,11 @@ pub async fn report(
 /// and replicas come and go.
 pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
 
+/// How long one lookup may hold up the exchange loop: `getaddrinfo` has no
+/// timeout of its own (a resolver outage with search domains blocks for tens
+/// of seconds), and the loop is what forgets a silent replica's figures.
+pub const RESOLVE_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// Exchanges with every address the configured replica URLs resolve to,
 /// and forgets silent replicas, until the server has stopped (through a
 /// shutdown's drain: the others keep hearing what is still in flight here).
@@ -530,12 +535,13 @@ pub async fn run(state: Arc<AppState>) {
         if !state.config.replicas.is_empty() && Instant::now() >= next_resolve {
             next_resolve = Instant::now() + RESOLVE_EVERY;
             for url in &state.config.replicas {
-                match resolve(url).await {
-                    Ok(addresses) => {
+                match tokio::time::timeout(RESOLVE_TIMEOUT, resolve(url)).await {
+                    Ok(Ok(addresses)) => {
                         resolved.insert(url.clone(), addresses);
                     }
                     // Keep the last good addresses through a DNS hiccup.
-                    Err(e) => tracing::warn!(error = %e, "replica resolution failed"),
+                    Ok(Err(e)) => tracing::warn!(error = %e, "replica resolution failed"),
+                    Err(_) => tracing::warn!(%url, timeout = ?RESOLVE_TIMEOUT, "replica resolution timed out"),
                 }
             }
             let targets: std::collections::BTreeSet<&String> = resolved.values().flatten().collect();

@@ -72,6 +72,9 @@ pub struct Limits {
     pub write_timeout: Duration,
 }
 
+/// The largest HTTP/1 request head read (hyper's read buffer).
+pub const MAX_HEAD_BYTES: usize = 64 << 10;
+
 /// Serves `app` on `listener` until `shutdown` is cancelled, then closes the
 /// listener and waits for open connections to finish.
 pub async fn serve<L>(mut listener: L, app: axum::Router, limits: Limits, shutdown: CancellationToken)
@@ -82,7 +85,14 @@ where
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let connections = TaskTracker::new();
     let mut builder = Builder::new(TokioExecutor::new());
-    builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout);
+    // A request head of HTTP/1 is held to 64 KiB (hyper reads up to ~400 KiB
+    // by default, held for the request's life, where HTTP/2's are 16 KiB):
+    // larger is a 431.
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(MAX_HEAD_BYTES);
     loop {
         let permit = tokio::select! {
             p = slots.clone().acquire_owned() => match p {
