@@ -251,10 +251,13 @@ pub async fn run_with(
         r = &mut serve => return flatten(r),
         _ = token.cancelled() => {}
     }
-    match tokio::time::timeout(grace, serve).await {
+    match tokio::time::timeout(grace, &mut serve).await {
         Ok(r) => flatten(r),
         Err(_) => {
             tracing::warn!(?grace, "shutdown grace period over: dropping remaining connections");
+            // Its drain loop stopped, not left waiting after `run` returns
+            // (the connections' own tasks end with the runtime).
+            serve.abort();
             Ok(())
         }
     }

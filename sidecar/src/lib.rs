@@ -282,9 +282,18 @@ async fn discover_models(engine: &EngineClient) -> Result<Vec<ModelName>, RunErr
     }
 }
 
-async fn finish(server: tokio::task::JoinHandle<()>) -> Result<(), RunError> {
+/// How long the sidecar's own HTTP server gets to finish its answers at
+/// shutdown: a client that grants an HTTP/2 answer no window (a scrape of
+/// `/metrics`) held the server's drain, and with it the sidecar's exit, for
+/// ever.
+const SERVER_GRACE: Duration = Duration::from_secs(5);
+
+async fn finish(mut server: tokio::task::JoinHandle<()>) -> Result<(), RunError> {
     // A panicked server task has nothing left to wait for.
-    let _ = server.await;
+    if tokio::time::timeout(SERVER_GRACE, &mut server).await.is_err() {
+        warn!(grace = ?SERVER_GRACE, "the HTTP server did not drain in time: exiting without it");
+        server.abort();
+    }
     Ok(())
 }
 
