@@ -22,18 +22,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
+from prerequisites import needed
 
-# Failed per test, not at import (which would stop the whole pytest run).
-try:
-    import yaml
-except ImportError:
-    yaml = None
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _needs_yaml():
-    if yaml is None:
-        pytest.fail("PyYAML is not installed: pip install pyyaml", pytrace=False)
+yaml, _needs_yaml = needed("yaml", "pip install pyyaml")
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"

@@ -1,19 +1,9 @@
 """The official OpenAI Python client, streaming and not, through the router."""
 import pytest
 
-# A missing prerequisite fails each test here with what to install (CI
-# installs it; a skip would pass unseen, and a failure at import would stop
-# the whole pytest run at collection).
-try:
-    import openai
-except ImportError:
-    openai = None
+from prerequisites import needed
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _needs_openai():
-    if openai is None:
-        pytest.fail("the openai package is not installed: pip install openai", pytrace=False)
+openai, _needs_openai = needed("openai", "pip install openai")
 
 
 MODEL = "sim-model"
