@@ -592,6 +592,10 @@ async fn exchange_with(state: Arc<AppState>, base: String) {
     let mut routed = state.replicas.routed();
     let mut last = tokio::time::Instant::now();
     let mut failing = false;
+    // Sends failed in a row, and the ticks still to skip: a replica refused
+    // (a 65th) or down got a full report every interval, each read and
+    // decoded before its refusal. Retries back off to every 8th tick.
+    let (mut failures, mut skip) = (0u32, 0u32);
     // Either side had something in flight at the last exchange.
     let mut busy = false;
     loop {
@@ -605,11 +609,15 @@ async fn exchange_with(state: Arc<AppState>, base: String) {
             Ok(()) = routed.changed(), if news => {
                 tokio::select! {
                     _ = tokio::time::sleep_until(last + news_every) => true,
-                    _ = state.drained.cancelled() => return,
+                    _ = state.drained.cancelled() => return farewell(&state, &url, failing).await,
                 }
             }
-            _ = state.drained.cancelled() => return,
+            _ = state.drained.cancelled() => return farewell(&state, &url, failing).await,
         };
+        if skip > 0 {
+            skip -= 1;
+            continue;
+        }
         // What was routed until now is in this report.
         routed.mark_unchanged();
         last = tokio::time::Instant::now();
@@ -629,16 +637,32 @@ async fn exchange_with(state: Arc<AppState>, base: String) {
                     tracing::info!("replica exchange works again");
                 }
                 failing = false;
+                failures = 0;
             }
             Err(e) => {
                 state.metrics.replica_report("sent", "error");
                 if !failing {
-                    tracing::warn!(error = %e, "replica exchange failed; retrying every interval");
+                    tracing::warn!(error = %e, "replica exchange failed; retrying, backing off to every 8th interval");
                 }
                 failing = true;
+                failures += 1;
+                skip = (1 << (failures - 1).min(3)) - 1;
             }
         }
     }
+}
+
+/// A draining router's last word to a replica: nothing of its own to count
+/// any more (it is exiting), so the others stop counting what it last
+/// reported at once, not when it expires a second later. Best effort, within
+/// half a second; not to a replica that is not answering.
+async fn farewell(state: &AppState, url: &str, failing: bool) {
+    if failing {
+        return;
+    }
+    let mut report = state.replicas.own_report(&state.router_epoch, &[], now_ms(), true);
+    report.workers.clear();
+    let _ = tokio::time::timeout(Duration::from_millis(500), send(state, url, &report)).await;
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -181,6 +181,33 @@ async fn a_draining_router_keeps_reporting_what_it_has_in_flight() {
     }
 }
 
+/// A router that exits tells its replicas it has nothing left (its last
+/// report names no worker, though a request still hangs there): they stop
+/// counting what it last reported at once, not when it expires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exiting_router_tells_its_replicas_it_has_nothing_left() {
+    let engine = hanging_engine().await;
+    let (replica, mut heard) = listening_replica().await;
+    let r = router(&[("w1", engine.as_str())], |c| {
+        c.replicas = vec![replica];
+        c.replica_exchange_interval = Duration::from_millis(100);
+        c.shutdown_grace = Duration::from_millis(300);
+    })
+    .await;
+    let _hanging = send_hanging(&r, words(6, 50));
+    let in_flight = |report: &Value| report["workers"].as_array().is_some_and(|w| w.iter().any(|w| w["inflight"] == 1));
+    while !in_flight(&next_report(&mut heard).await) {}
+    drop(r);
+    // While the grace lasts, reports name the request; the last names nothing.
+    loop {
+        let report = next_report(&mut heard).await;
+        if report["workers"] == json!([]) {
+            break;
+        }
+        assert!(in_flight(&report), "{report}");
+    }
+}
+
 /// A router with one worker (a hanging engine) that reports every
 /// `interval` to a [`listening_replica`]: the router, and the reports.
 async fn reporting_router(interval: Duration) -> (TestRouter, tokio::sync::mpsc::UnboundedReceiver<Value>) {
