@@ -510,11 +510,6 @@ pub async fn report(
 /// and replicas come and go.
 pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
 
-/// How long one lookup may hold up the exchange loop: `getaddrinfo` has no
-/// timeout of its own (a resolver outage with search domains blocks for tens
-/// of seconds), and the loop is what forgets a silent replica's figures.
-pub const RESOLVE_TIMEOUT: Duration = Duration::from_secs(2);
-
 /// Exchanges with every address the configured replica URLs resolve to,
 /// and forgets silent replicas, until the server has stopped (through a
 /// shutdown's drain: the others keep hearing what is still in flight here).
@@ -535,13 +530,12 @@ pub async fn run(state: Arc<AppState>) {
         if !state.config.replicas.is_empty() && Instant::now() >= next_resolve {
             next_resolve = Instant::now() + RESOLVE_EVERY;
             for url in &state.config.replicas {
-                match tokio::time::timeout(RESOLVE_TIMEOUT, resolve(url)).await {
-                    Ok(Ok(addresses)) => {
+                match resolve(url).await {
+                    Ok(addresses) => {
                         resolved.insert(url.clone(), addresses);
                     }
                     // Keep the last good addresses through a DNS hiccup.
-                    Ok(Err(e)) => tracing::warn!(error = %e, "replica resolution failed"),
-                    Err(_) => tracing::warn!(%url, timeout = ?RESOLVE_TIMEOUT, "replica resolution timed out"),
+                    Err(e) => tracing::warn!(error = %e, "replica resolution failed"),
                 }
             }
             let targets: std::collections::BTreeSet<&String> = resolved.values().flatten().collect();
@@ -568,12 +562,13 @@ pub async fn run(state: Arc<AppState>) {
 
 /// The addresses `url` stands for (the lookup on the blocking pool).
 async fn resolve(url: &str) -> Result<Vec<String>, kvroute_shared::resolve::ResolveError> {
+    use kvroute_shared::resolve::{RESOLVE_TIMEOUT, ResolveError};
     let owned = url.to_owned();
-    match tokio::task::spawn_blocking(move || kvroute_shared::resolve::resolve(&owned)).await {
-        Ok(resolved) => resolved,
-        Err(e) => {
-            Err(kvroute_shared::resolve::ResolveError::Lookup { url: url.to_owned(), source: std::io::Error::other(e) })
-        }
+    let lookup = tokio::task::spawn_blocking(move || kvroute_shared::resolve::resolve(&owned));
+    match tokio::time::timeout(RESOLVE_TIMEOUT, lookup).await {
+        Ok(Ok(resolved)) => resolved,
+        Ok(Err(e)) => Err(ResolveError::Lookup { url: url.to_owned(), source: std::io::Error::other(e) }),
+        Err(_) => Err(ResolveError::TimedOut { url: url.to_owned(), after: RESOLVE_TIMEOUT }),
     }
 }
 

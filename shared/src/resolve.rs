@@ -7,6 +7,7 @@
 //! uses too): async callers run it on their blocking pool.
 
 use std::net::{IpAddr, ToSocketAddrs};
+use std::time::Duration;
 
 use url::Url;
 
@@ -21,7 +22,15 @@ pub enum ResolveError {
         #[source]
         source: std::io::Error,
     },
+    #[error("no answer resolving the host of {url} within {after:?}")]
+    TimedOut { url: String, after: Duration },
 }
+
+/// How long an async caller waits for one lookup: `getaddrinfo` has no
+/// timeout of its own (a resolver outage with search domains blocks for tens
+/// of seconds), and the loops that re-resolve also forget silent replicas
+/// and run the engine snapshots.
+pub const RESOLVE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The base URLs (no trailing `/`, an IP address for the host) that `url`
 /// stands for, sorted and without duplicates. An IP literal is its own

@@ -2,17 +2,21 @@
 //! resolves to (a headless Kubernetes service lists all router replicas), so
 //! every replica gets every push. Re-resolved at every sync.
 
-use kvroute_shared::resolve::ResolveError;
+use kvroute_shared::resolve::{RESOLVE_TIMEOUT, ResolveError};
 
 use crate::state::RouterTarget;
 
 /// The targets one configured router URL stands for (the lookup runs on the
-/// blocking pool).
+/// blocking pool, waited for at most [`RESOLVE_TIMEOUT`]).
 pub async fn resolve(url: &str) -> Result<Vec<RouterTarget>, ResolveError> {
     let owned = url.to_owned();
-    let lookup = tokio::task::spawn_blocking(move || kvroute_shared::resolve::resolve(&owned)).await;
-    let bases =
-        lookup.map_err(|e| ResolveError::Lookup { url: url.to_owned(), source: std::io::Error::other(e) })??;
+    let lookup = tokio::task::spawn_blocking(move || kvroute_shared::resolve::resolve(&owned));
+    let bases = match tokio::time::timeout(RESOLVE_TIMEOUT, lookup).await {
+        Ok(joined) => {
+            joined.map_err(|e| ResolveError::Lookup { url: url.to_owned(), source: std::io::Error::other(e) })??
+        }
+        Err(_) => return Err(ResolveError::TimedOut { url: url.to_owned(), after: RESOLVE_TIMEOUT }),
+    };
     Ok(bases.into_iter().map(RouterTarget).collect())
 }
 

@@ -19,10 +19,6 @@ use crate::snapshot;
 use crate::state::{RouterTarget, WorkerState};
 use crate::translate::{Rank, Reconciled};
 
-/// How long one router lookup may hold up the supervisor's loop
-/// (`getaddrinfo` has no timeout of its own).
-const RESOLVE_TIMEOUT: Duration = Duration::from_secs(2);
-
 /// How long push tasks get to flush at shutdown.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 /// How long the first push waits for the engine's replay buffer to be read
@@ -74,14 +70,7 @@ impl Supervisor {
             }
             self.anti_entropy(&mut deferred).await;
             for url in &self.router_urls {
-                // Bounded: `getaddrinfo` has none, and this loop also runs
-                // the engine snapshots and retires gone routers.
-                let resolved_in_time = tokio::time::timeout(RESOLVE_TIMEOUT, routers::resolve(url)).await;
-                let lookup = resolved_in_time.unwrap_or_else(|_| {
-                    let timed_out = std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer in 2 s");
-                    Err(kvroute_shared::resolve::ResolveError::Lookup { url: url.clone(), source: timed_out })
-                });
-                match lookup {
+                match routers::resolve(url).await {
                     Ok(targets) => {
                         resolved.insert(url.clone(), targets);
                     }
