@@ -586,16 +586,16 @@ async fn exchange_with(state: Arc<AppState>, base: String) {
     let news_every = state.config.raw.replica_news_interval;
     let mut routed = state.replicas.routed();
     let mut last = tokio::time::Instant::now();
-    let mut failing = false;
-    // Sends failed in a row, and the ticks still to skip: a replica refused
-    // (a 65th) or down got a full report every interval, each read and
-    // decoded before its refusal. Retries back off to every 8th tick.
+    // Sends failed in a row (the link is failing while any did), and the
+    // ticks still to skip: a replica refused (a 65th) or down got a full
+    // report every interval, each read and decoded before its refusal.
+    // Retries back off to every 8th tick.
     let (mut failures, mut skip) = (0u32, 0u32);
     // Either side had something in flight at the last exchange.
     let mut busy = false;
     loop {
         // No news for a replica that does not answer: the full reports retry it.
-        let news = !news_every.is_zero() && !failing;
+        let news = !news_every.is_zero() && failures == 0;
         let loads_only = tokio::select! {
             _ = tick.tick() => false,
             // While either side is busy, news every interval: the answers
@@ -604,10 +604,10 @@ async fn exchange_with(state: Arc<AppState>, base: String) {
             Ok(()) = routed.changed(), if news => {
                 tokio::select! {
                     _ = tokio::time::sleep_until(last + news_every) => true,
-                    _ = state.drained.cancelled() => return farewell(&state, &url, failing).await,
+                    _ = state.drained.cancelled() => return farewell(&state, &url, failures > 0).await,
                 }
             }
-            _ = state.drained.cancelled() => return farewell(&state, &url, failing).await,
+            _ = state.drained.cancelled() => return farewell(&state, &url, failures > 0).await,
         };
         if skip > 0 {
             skip -= 1;
@@ -628,18 +628,16 @@ async fn exchange_with(state: Arc<AppState>, base: String) {
                 state.metrics.replica_report("sent", "ok");
                 busy = !report.workers.is_empty() || !answer.workers.is_empty();
                 take(&state, answer);
-                if failing {
+                if failures > 0 {
                     tracing::info!("replica exchange works again");
                 }
-                failing = false;
                 failures = 0;
             }
             Err(e) => {
                 state.metrics.replica_report("sent", "error");
-                if !failing {
+                if failures == 0 {
                     tracing::warn!(error = %e, "replica exchange failed; retrying, backing off to every 8th interval");
                 }
-                failing = true;
                 failures += 1;
                 skip = (1 << (failures - 1).min(3)) - 1;
             }
@@ -655,8 +653,8 @@ async fn farewell(state: &AppState, url: &str, failing: bool) {
     if failing {
         return;
     }
-    let mut report = state.replicas.own_report(&state.router_epoch, &[], now_ms(), true);
-    report.workers.clear();
+    // Over no worker: it names none.
+    let report = state.replicas.own_report(&state.router_epoch, &[], now_ms(), true);
     let _ = tokio::time::timeout(Duration::from_millis(500), send(state, url, &report)).await;
 }
 
