@@ -261,23 +261,27 @@ impl ZmqEndpoint {
         self.endpoints.len()
     }
 
+    /// The host and port of data-parallel rank `rank`'s endpoint: a single
+    /// base offset by the rank (as vLLM binds them), or the rank's own.
+    fn host_port(&self, rank: u32) -> (&str, u32) {
+        match self.endpoints.as_slice() {
+            [(host, port)] => (host, u32::from(*port) + rank),
+            many => {
+                let (host, port) = &many[rank as usize];
+                (host, u32::from(*port))
+            }
+        }
+    }
+
     /// The port of data-parallel rank `rank`'s endpoint.
     pub fn port_for_rank(&self, rank: u32) -> u32 {
-        match self.endpoints.as_slice() {
-            [(_, port)] => u32::from(*port) + rank,
-            many => u32::from(many[rank as usize].1),
-        }
+        self.host_port(rank).1
     }
 
     /// The endpoint of data-parallel rank `rank`.
     pub fn for_rank(&self, rank: u32) -> String {
-        match self.endpoints.as_slice() {
-            [(host, port)] => format!("tcp://{host}:{}", u32::from(*port) + rank),
-            many => {
-                let (host, port) = &many[rank as usize];
-                format!("tcp://{host}:{port}")
-            }
-        }
+        let (host, port) = self.host_port(rank);
+        format!("tcp://{host}:{port}")
     }
 }
 

@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::config::Secret;
-use crate::load::{parse_block_size, parse_load, parse_loads_by_engine, parse_prompt_tokens};
+use crate::load::{parse_block_size, parse_loads, parse_prompt_tokens};
 use crate::metrics::Metrics;
 use crate::silence::{SILENT_AFTER, SilenceWatch, Transition};
 
@@ -119,8 +119,7 @@ impl EngineView {
     /// Takes the loads from a `/metrics` page; false (the last loads stay)
     /// when it has none.
     fn set_loads(&self, text: &str) -> bool {
-        let Some(whole) = parse_load(text) else { return false };
-        let by_engine = parse_loads_by_engine(text);
+        let (Some(whole), by_engine) = parse_loads(text) else { return false };
         let ranks = self.ranks.iter().filter_map(|&r| Some((r, *by_engine.get(&r)?))).collect();
         *self.load.write() = (Some(whole), ranks);
         true

@@ -42,12 +42,6 @@ fn samples<'a>(text: &'a str, name: &'a str) -> impl Iterator<Item = (&'a str, f
     })
 }
 
-/// Parses the load from a `/metrics` body; `None` when none of the three
-/// families is present (not a vLLM, or not up yet).
-pub fn parse_load(text: &str) -> Option<Load> {
-    parse_load_of(text, None)
-}
-
 /// The `engine="N"` label of a series (vLLM numbers its data-parallel
 /// engines so), if it has one.
 fn engine_label(labels: &str) -> Option<u32> {
@@ -91,32 +85,23 @@ impl Sums {
     }
 }
 
-/// The load of data-parallel engine `engine` alone (`None`: every engine's).
-pub fn parse_load_of(text: &str, engine: Option<u32>) -> Option<Load> {
-    let mut sums = Sums::default();
-    for family in [RUNNING, WAITING, KV_USAGE] {
-        for (labels, v) in samples(text, family) {
-            if engine.is_none_or(|e| engine_label(labels) == Some(e)) {
-                sums.add(family, v);
-            }
-        }
-    }
-    sums.load()
-}
-
-/// Every data-parallel engine's own load (its `engine="N"` series) in one
-/// pass over the page: asked rank by rank, a page of 8 MiB was read three
-/// times per rank each second (1,024 ranks: gigabytes a second).
-pub fn parse_loads_by_engine(text: &str) -> BTreeMap<u32, Load> {
+/// The load from a `/metrics` body (`None` when none of the three families
+/// is present: not a vLLM, or not up yet), and every data-parallel
+/// engine's own (its `engine="N"` series), in one pass over the page: asked
+/// rank by rank, a page of 8 MiB was read three times per rank each second
+/// (1,024 ranks: gigabytes a second).
+pub fn parse_loads(text: &str) -> (Option<Load>, BTreeMap<u32, Load>) {
+    let mut whole = Sums::default();
     let mut by: BTreeMap<u32, Sums> = BTreeMap::new();
     for family in [RUNNING, WAITING, KV_USAGE] {
         for (labels, v) in samples(text, family) {
+            whole.add(family, v);
             if let Some(e) = engine_label(labels) {
                 by.entry(e).or_default().add(family, v);
             }
         }
     }
-    by.into_iter().filter_map(|(e, sums)| Some((e, sums.load()?))).collect()
+    (whole.load(), by.into_iter().filter_map(|(e, sums)| Some((e, sums.load()?))).collect())
 }
 
 /// `vllm:prompt_tokens_total` summed over engines: rises whenever the engine
@@ -151,7 +136,7 @@ vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching=
 
     #[test]
     fn sums_counts_and_averages_usage() {
-        let load = parse_load(TEXT).unwrap();
+        let load = parse_loads(TEXT).0.unwrap();
         assert_eq!((load.running, load.waiting), (5, 1));
         assert!((load.kv_usage - 0.375).abs() < 1e-9);
         assert_eq!(parse_block_size(TEXT), Some(32));
@@ -159,14 +144,13 @@ vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching=
 
     #[test]
     fn one_data_parallel_engines_load() {
-        let one = parse_load_of(TEXT, Some(1)).unwrap();
+        let (_, all) = parse_loads(TEXT);
+        let one = all[&1];
         assert_eq!((one.running, one.waiting, one.kv_usage), (2, 0, 0.25));
-        let zero = parse_load_of(TEXT, Some(0)).unwrap();
+        let zero = all[&0];
         assert_eq!((zero.running, zero.waiting, zero.kv_usage), (3, 1, 0.5));
-        assert_eq!(parse_load_of(TEXT, Some(7)), None);
-        let all = parse_loads_by_engine(TEXT);
+        assert_eq!(all.get(&7), None);
         assert_eq!(all.keys().copied().collect::<Vec<_>>(), [0, 1]);
-        assert_eq!((all[&0], all[&1]), (zero, one), "one pass gives what rank by rank gave");
     }
 
     #[test]
@@ -174,15 +158,15 @@ vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching=
         let text = format!(
             "{TEXT}vllm:num_requests_running{{engine=\"2\" oops\nvllm:num_requests_waiting NaN\nnot a sample\n"
         );
-        let load = parse_load(&text).unwrap();
+        let load = parse_loads(&text).0.unwrap();
         assert_eq!((load.running, load.waiting), (5, 1));
         assert_eq!(parse_block_size(&text), Some(32));
     }
 
     #[test]
     fn absent_metrics_are_none() {
-        assert_eq!(parse_load("# nothing\nother_metric 1\n"), None);
+        assert_eq!(parse_loads("# nothing\nother_metric 1\n").0, None);
         assert_eq!(parse_block_size("vllm:num_requests_running 1\n"), None);
-        assert_eq!(parse_load("vllm:num_requests_running 4 1700000000000\n").unwrap().running, 4);
+        assert_eq!(parse_loads("vllm:num_requests_running 4 1700000000000\n").0.unwrap().running, 4);
     }
 }
