@@ -99,8 +99,9 @@ pub fn prepare(s: &Shared, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, 
     let mut max_tokens = Vec::with_capacity(prompts.len());
     for tokens in &prompts {
         let left = u32::try_from(s.config.max_model_len.saturating_sub(tokens.len())).unwrap_or(u32::MAX);
-        max_tokens.push(asked.min(left));
-        check_length(s, tokens.len(), asked.min(left))?;
+        let n = asked.min(left);
+        check_length(s, tokens.len(), n)?;
+        max_tokens.push(n);
     }
     let include_usage = options.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
     let model = model.to_owned();
