@@ -182,9 +182,20 @@ impl Translator {
         // duplicate (two requests computing the same blocks from the root in one
         // step) looks the same and is under-counted instead: its key goes one
         // eviction early, a missed hit the next engine snapshot restores.
-        if ev.parent_block_hash.is_none() && ev.block_hashes.iter().all(|h| blocks.keys.contains_key(&h.id())) {
+        // The chain may go on past what this sidecar keyed (a multimodal
+        // block it skips, or blocks stored while its replay did not reach
+        // back): the known leading run is a re-report all the same, and the
+        // rest chains from its end. Counting the run as copies left keys no
+        // eviction removes, one more copy per such request.
+        let known = match ev.parent_block_hash {
+            None => ev.block_hashes.iter().take_while(|h| blocks.keys.contains_key(&h.id())).count(),
+            Some(_) => 0,
+        };
+        if known > 0 {
             self.counters.rereported_stores.inc();
-            return;
+            if known == n {
+                return;
+            }
         }
         let mut parent = match &ev.parent_block_hash {
             Some(p) => match blocks.keys.get(&p.id()) {
@@ -194,9 +205,10 @@ impl Translator {
                     return;
                 }
             },
-            None => None,
+            None => known.checked_sub(1).map(|last| blocks.keys[&ev.block_hashes[last].id()]),
         };
-        for (i, (hash, tokens)) in ev.block_hashes.iter().zip(ev.token_ids.chunks_exact(bs)).enumerate() {
+        let chunks = ev.block_hashes.iter().zip(ev.token_ids.chunks_exact(bs)).enumerate().skip(known);
+        for (i, (hash, tokens)) in chunks {
             let extras = ev.extra_keys.as_ref().and_then(|e| e.get(i)).and_then(|k| k.as_deref());
             let salt = match extras::classify(extras, ev.lora_name.as_deref(), parent.is_none()) {
                 Ok(salt) => salt,

@@ -67,6 +67,49 @@ fn unanchored_store_is_skipped_and_counted() {
 }
 
 #[test]
+fn events_of_another_block_size_are_keyed_at_theirs_and_counted() {
+    // The engine runs 8-token blocks where the sidecar was told 4 (DESIGN §6):
+    // each such event counts, and its keys are the engine's, chained at 8.
+    let mut t = translator();
+    let tokens: Vec<u32> = (0..16).collect();
+    let eight = |hashes: &[u64], parent, tokens: &[u32]| match stored(hashes, parent, tokens.to_vec()) {
+        KvEvent::BlockStored(ev) => KvEvent::BlockStored(BlockStored { block_size: 8, ..ev }),
+        _ => unreachable!(),
+    };
+    t.apply(Rank(0), &eight(&[1], None, &tokens[..8]), &mut NullSink);
+    t.apply(Rank(0), &eight(&[2], Some(1), &tokens[8..]), &mut NullSink);
+    assert_eq!(t.counters.block_size_mismatches.get(), 2);
+    let at_eight = block_keys(KeyRoot::new("m", None), &tokens, BlockSize::new(8).unwrap());
+    assert_eq!(keys_of(&t), at_eight.into_iter().collect());
+    // Events of the configured size are not counted.
+    t.apply(Rank(0), &stored(&[3], None, vec![0, 1, 2, 3]), &mut NullSink);
+    assert_eq!(t.counters.block_size_mismatches.get(), 2);
+}
+
+#[test]
+fn a_rereported_chain_that_goes_on_past_the_known_blocks_adds_no_copies() {
+    // vLLM's `kv_cache_report_mode: "full"` re-sends a hit's blocks from the
+    // root: here a cached prefix [1, 2] and a multimodal block after it.
+    let mut t = translator();
+    t.apply(Rank(0), &stored(&[1, 2], None, (0..8).collect()), &mut NullSink);
+    let KvEvent::BlockStored(mut ev) = stored(&[1, 2, 3], None, (0..12).collect()) else { unreachable!() };
+    ev.extra_keys = Some(vec![None, None, Some(vec![ExtraKey::Tuple])]);
+    t.apply(Rank(0), &KvEvent::BlockStored(ev), &mut NullSink);
+    assert_eq!(t.key_count(), 2);
+    t.apply(Rank(0), &removed(&[1]), &mut NullSink);
+    t.apply(Rank(0), &removed(&[2]), &mut NullSink);
+    assert_eq!(t.key_count(), 0, "each block removed once is gone");
+    // A chain re-reported past a known run keys the rest from the run's end.
+    let mut t = translator();
+    let tokens: Vec<u32> = (0..12).collect();
+    t.apply(Rank(0), &stored(&[1], None, tokens[..4].to_vec()), &mut NullSink);
+    t.apply(Rank(0), &stored(&[1, 2, 3], None, tokens.clone()), &mut NullSink);
+    assert_eq!(keys_of(&t), expected("m", None, &tokens).into_iter().collect());
+    t.apply(Rank(0), &removed(&[1]), &mut NullSink);
+    assert_eq!(t.key_count(), 2, "block 1 was one copy");
+}
+
+#[test]
 fn duplicates_are_refcounted() {
     let mut t = translator();
     t.apply(Rank(0), &stored(&[1, 2], None, (0..8).collect()), &mut NullSink);
