@@ -5,7 +5,10 @@
 
 use std::path::PathBuf;
 
-use kvroute_sidecar::decode::{decode_message, decode_payload};
+use kvroute_shared::{BlockSize, ModelName};
+use kvroute_sidecar::decode::{EventBatch, KvEvent, decode_message, decode_payload};
+use kvroute_sidecar::metrics::TranslateCounters;
+use kvroute_sidecar::translate::{NullSink, Rank, Translator};
 use proptest::prelude::*;
 use serde_json::Value;
 
@@ -23,6 +26,22 @@ fn captured_payloads() -> Vec<Vec<u8>> {
     }
     assert!(out.len() >= 16);
     out
+}
+
+/// Translates what decoded: no panic, and never more keys than blocks stored.
+fn translate(batch: &EventBatch) -> Result<(), TestCaseError> {
+    let mut t = Translator::new(ModelName::new("m"), BlockSize::new(16).unwrap(), TranslateCounters::default());
+    let rank = Rank(batch.data_parallel_rank.unwrap_or(0));
+    let mut stored = 0;
+    for event in &batch.events {
+        t.apply(rank, event, &mut NullSink);
+        if let KvEvent::BlockStored(ev) = event {
+            stored += ev.block_hashes.len();
+        }
+    }
+    prop_assert_eq!(t.keys().count(), t.key_count());
+    prop_assert!(t.key_count() <= stored, "{} keys from {} stored blocks", t.key_count(), stored);
+    Ok(())
 }
 
 proptest! {
@@ -48,7 +67,9 @@ proptest! {
         }
         let keep = cut.index(p.len() + 1);
         p.truncate(keep.max(1));
-        let _ = decode_payload(&p);
+        if let Ok(batch) = decode_payload(&p) {
+            translate(&batch)?;
+        }
     }
 
     #[test]
