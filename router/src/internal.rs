@@ -319,7 +319,8 @@ fn apply_eviction(state: &AppState, worker: &Worker, batch: &EvictionBatch) -> P
     Push::Applied(Acked { resync, clock: Some(map.index.clock()) })
 }
 
-/// Whether `batch` would leave `slot` holding more than `max` entries. Only
+/// Whether `batch` would leave `slot` holding more than `max` entries of
+/// its sidecar's, besides the router's speculative ones. Only
 /// evictions of keys it holds make room (keys made up to evict would let a
 /// pusher reach twice the cap), and only stored keys it does not hold take
 /// any: confirming its speculative entries, or a repair re-sending held keys,
@@ -330,8 +331,13 @@ fn over_cap(map: &parking_lot::RwLock<MapState>, slot: Slot, batch: &EvictionBat
     if batch.cleared {
         return stored > max;
     }
-    let held = map.read().index.counts(slot);
-    let held = held.confirmed + held.speculative;
+    let counts = map.read().index.counts(slot);
+    let held = counts.confirmed + counts.speculative;
+    // The router's own speculative entries are not the sidecar's (clients
+    // make them, and they have their own cap, `Index::MAX_SPECULATIVE`):
+    // counted against it, a worker at its engine's size refused every store
+    // once requests had been routed there.
+    let max = max.saturating_add(counts.speculative);
     if held + stored <= max {
         return false;
     }
@@ -443,6 +449,15 @@ fn apply_sync(
     let models = (!snap.models.is_empty()).then_some(snap.models.as_slice());
     let (registered, covers) = {
         let mut map = state.map.write();
+        // A stale or replayed sync changes nothing, not even the worker's
+        // address or models: a retried old sync would point the worker at
+        // an address or adapters it has left, its keys (and so the digests)
+        // untouched, until the next full sync minutes later.
+        if let Some(w) = state.workers.get(&snap.worker_id)
+            && !map.seq(w.slot).admits(snap.epoch.as_deref(), snap.seq, true)
+        {
+            return Ok((Registered { worker: w, how: Upsert::Unchanged, reclaimed: None }, Push::Stale));
+        }
         let target = snap.url.as_deref().map(|url| Target { url, dp_rank: snap.dp_rank });
         let registered = map.register_sidecar(&state.workers, &snap.worker_id, target, models, now)?;
         let w = &registered.worker;
@@ -514,7 +529,7 @@ fn apply_sync(
 
 #[cfg(test)]
 mod tests {
-    use kvroute_shared::BlockKey;
+    use kvroute_shared::{BlockKey, ModelName};
     use tokio_util::sync::CancellationToken;
 
     use super::*;
@@ -535,6 +550,56 @@ mod tests {
             hashes,
             load: None,
         }
+    }
+
+    #[test]
+    fn a_stale_sync_changes_neither_the_address_nor_the_models() {
+        let state = crate::build_state(RawConfig::default().validate().unwrap(), CancellationToken::new()).unwrap();
+        let mut now = sync_of("a", vec![BlockKey(1)]);
+        now.seq = Some(7);
+        now.url = Some("http://10.0.0.2:8000".into());
+        now.models = vec![ModelName::new("m")];
+        assert!(matches!(apply_sync(&state, &now, 2).unwrap().1, Push::Applied(_)));
+        // A retried sync from before, with the address and adapters the worker had then.
+        let mut old = sync_of("a", vec![BlockKey(1)]);
+        old.seq = Some(5);
+        old.models = vec![ModelName::new("m"), ModelName::new("lora1")];
+        assert_eq!(apply_sync(&state, &old, 2).unwrap().1, Push::Stale);
+        let w = state.workers.get(&WorkerId::new("a")).unwrap();
+        assert_eq!(w.url, "http://10.0.0.2:8000");
+        assert_eq!(w.models, [ModelName::new("m")]);
+        // The next sync in order still applies, and updates them.
+        let mut next = old.clone();
+        next.seq = Some(8);
+        assert!(matches!(apply_sync(&state, &next, 2).unwrap().1, Push::Applied(_)));
+        let w = state.workers.get(&WorkerId::new("a")).unwrap();
+        assert_eq!((w.url.as_str(), w.models.len()), ("http://10.0.0.1:8000", 2));
+    }
+
+    #[test]
+    fn the_routers_own_speculative_entries_leave_the_sidecar_its_whole_cap() {
+        let raw = RawConfig { max_sync_keys: 4, ..RawConfig::default() };
+        let state = crate::build_state(raw.validate().unwrap(), CancellationToken::new()).unwrap();
+        let held: Vec<BlockKey> = (1..=4).map(BlockKey).collect();
+        let (a, _) = apply_sync(&state, &sync_of("a", held), 2).unwrap();
+        let slot = a.worker.slot;
+        // Requests routed there: speculative entries of prompts it does not hold.
+        state.map.write().index.record_routed(slot, &[BlockKey(50), BlockKey(51)], now_ms());
+        assert_eq!(state.map.read().index.counts(slot).speculative, 2);
+        let batch = |evicted: Vec<BlockKey>, stored: Vec<BlockKey>| EvictionBatch {
+            worker_id: WorkerId::new("a"),
+            epoch: None,
+            seq: Some(2),
+            evicted_hashes: evicted,
+            stored_hashes: stored,
+            cleared: false,
+            load: None,
+            digest: None,
+        };
+        // One evicted, one stored: the engine still holds 4.
+        assert!(!over_cap(&state.map, slot, &batch(vec![BlockKey(1)], vec![BlockKey(9)]), 4));
+        // One more than its cap is still refused.
+        assert!(over_cap(&state.map, slot, &batch(vec![], vec![BlockKey(9)]), 4));
     }
 
     #[test]

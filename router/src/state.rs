@@ -51,23 +51,28 @@ impl SeqState {
     /// behind its predecessor's (a pod rescheduled on another node): its
     /// stale reply → new epoch → sync loop would never end.
     pub fn accept_as(&mut self, epoch: Option<&str>, seq: Option<u64>, is_sync: bool) -> bool {
+        if !self.admits(epoch, seq, is_sync) {
+            return false;
+        }
+        if let Some(seq) = seq {
+            self.epoch = epoch.map(str::to_owned);
+            self.seq = Some(seq);
+        }
+        true
+    }
+
+    /// Would [`SeqState::accept_as`] accept this message? Records nothing.
+    pub fn admits(&self, epoch: Option<&str>, seq: Option<u64>, is_sync: bool) -> bool {
         let Some(seq) = seq else { return true };
         if self.epoch.as_deref() == epoch && self.seq.is_some_and(|last| seq <= last) {
             return false;
         }
         // Ordered epochs (20 hex digits, draw time first). Older sidecars'
         // random epochs are not ordered.
-        if let (Some(held), Some(new)) = (self.epoch.as_deref(), epoch)
-            && !is_sync
-            && held.len() == 20
-            && new.len() == 20
-            && new < held
-        {
-            return false;
-        }
-        self.epoch = epoch.map(str::to_owned);
-        self.seq = Some(seq);
-        true
+        !matches!(
+            (self.epoch.as_deref(), epoch),
+            (Some(held), Some(new)) if !is_sync && held.len() == 20 && new.len() == 20 && new < held
+        )
     }
 }
 
