@@ -62,13 +62,20 @@ pub async fn read_in_time(state: &AppState, body: Body, limit: usize) -> Result<
 pub type BodyBudget = Option<OwnedSemaphorePermit>;
 
 /// A client's body: as [`read_in_time`], its bytes counted against
-/// `max_body_bytes_in_flight` as they arrive, shed (503) past it.
+/// `max_body_bytes_in_flight` as they arrive, shed (503) past it, and shed
+/// at once when [`READING_PER_SLOT`](crate::state::READING_PER_SLOT) ×
+/// `max_concurrent_requests` bodies are being read already.
 pub async fn read_client_in_time(
     state: &AppState,
     body: Body,
     limit: usize,
 ) -> Result<(Bytes, BodyBudget), RouterError> {
     let timeout = state.config.raw.body_read_timeout;
+    // Held while the body is read (`state::READING_PER_SLOT`).
+    let _reading = state.reading.clone().try_acquire_owned().map_err(|_| {
+        state.metrics.shed.inc();
+        RouterError::Overloaded
+    })?;
     let read = read_within(body, limit, Some(&state.body_bytes));
     let out = tokio::time::timeout(timeout, read).await.map_err(|_| RouterError::BodyTimeout { after: timeout })?;
     if matches!(out, Err(RouterError::Overloaded)) {

@@ -270,6 +270,9 @@ pub struct AppState {
     /// Random per process start: sidecars resync at once when it changes.
     pub router_epoch: String,
     pub concurrency: Arc<Semaphore>,
+    /// Client requests whose bodies are being read, before they take a
+    /// concurrency slot: [`READING_PER_SLOT`] × `max_concurrent_requests`.
+    pub reading: Arc<Semaphore>,
     /// Bytes of client bodies, from their first byte until their answer
     /// begins (`max_body_bytes_in_flight`).
     pub body_bytes: Arc<Semaphore>,
@@ -295,11 +298,23 @@ pub struct AppState {
     pub sync_slots: Arc<Semaphore>,
 }
 
+/// Client requests reading their bodies at once, per concurrency slot. A
+/// body is read before its request takes a slot (a slow sender must not
+/// hold one), and the byte budget counts only bytes that arrived: an
+/// HTTP/2 client opening streams that send headers and no body held a task
+/// and a header map per stream, 200 streams a connection on 10,000
+/// connections, none of it counted anywhere. Past this, such a request is
+/// shed (503) before its body is read.
+pub const READING_PER_SLOT: usize = 4;
+
 impl AppState {
     pub fn new(config: Config, tokenizers: Tokenizers, shutdown: CancellationToken, client: reqwest::Client) -> Self {
         let policy = config.policy.build();
         let metrics = Metrics::for_policy(policy.name());
         let concurrency = Arc::new(Semaphore::new(config.raw.max_concurrent_requests));
+        let reading = Arc::new(Semaphore::new(
+            config.raw.max_concurrent_requests.saturating_mul(READING_PER_SLOT).min(Semaphore::MAX_PERMITS),
+        ));
         let body_bytes = Arc::new(Semaphore::new(config.raw.max_body_bytes_in_flight.min(Semaphore::MAX_PERMITS)));
         let sessions = Sessions::new(config.raw.max_sessions);
         AppState {
@@ -314,6 +329,7 @@ impl AppState {
             client,
             router_epoch: format!("{:016x}", rand::random::<u64>()),
             concurrency,
+            reading,
             body_bytes,
             tokenize_slots: Arc::new(Semaphore::new(std::thread::available_parallelism().map_or(2, |n| n.get()))),
             mean_prompt_tokens: AtomicU64::new(512f64.to_bits()),

@@ -1434,6 +1434,42 @@ async fn a_client_sending_its_body_slowly_holds_no_concurrency_slot() {
     drop(tx);
 }
 
+/// Bodies are read before their requests take a concurrency slot, so the
+/// requests reading theirs are capped on their own (4 per slot): clients
+/// opening requests that send no body (HTTP/2 streams cost them a few
+/// bytes each) cannot make the router hold a task and a header map for
+/// each, uncounted.
+#[tokio::test]
+async fn requests_reading_their_bodies_are_capped() {
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let r = router(&[("w1", &w.url)], |raw| {
+        raw.max_concurrent_requests = 1;
+        raw.body_read_timeout = Duration::from_secs(60);
+    })
+    .await;
+    let mut stalled = Vec::new();
+    for _ in 0..4 {
+        let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(1);
+        tx.send(Ok(Bytes::from_static(b"{\"model\": \"m\", "))).await.unwrap();
+        let body = reqwest::Body::wrap_stream(tokio_stream_from(rx));
+        stalled.push((tx, tokio::spawn(r.http.post(format!("{}/v1/completions", r.url)).body(body).send())));
+    }
+    let shed = support::eventually("four bodies being read", || async {
+        let status = r.complete(json!({"model": "m", "prompt": "x"})).await.status();
+        (status == 503).then_some(status)
+    })
+    .await;
+    assert_eq!(shed, 503);
+    for (tx, request) in stalled {
+        drop(tx);
+        request.abort();
+    }
+    support::eventually("the readers gone", || async {
+        (r.complete(json!({"model": "m", "prompt": "x"})).await.status() == 200).then_some(())
+    })
+    .await;
+}
+
 /// A sidecar's push that never finishes arriving is refused (408) at
 /// `body_read_timeout`: the connection counts as busy while a body is read,
 /// so without a deadline a token holder trickling bytes held it and its
