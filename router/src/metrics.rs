@@ -318,7 +318,11 @@ impl Metrics {
             retries.clone(),
         );
         let shed = Counter::default();
-        registry.register("shed", "Requests refused because the router was at its concurrency limit", shed.clone());
+        registry.register(
+            "shed",
+            "Requests refused with 503 because the router was at its concurrency limit or its in-flight body budget",
+            shed.clone(),
+        );
         let speculative_expired = Counter::default();
         registry.register(
             "speculative_expired",
