@@ -20,6 +20,9 @@ pub enum RouterError {
     PayloadTooLarge { limit: usize },
     #[error("{0}")]
     NotFound(String),
+    /// A route the router serves, asked with another method.
+    #[error("method not allowed")]
+    MethodNotAllowed,
     #[error("the router is at its concurrency limit; retry shortly")]
     Overloaded,
     #[error("no healthy worker serves model {model:?}")]
@@ -68,6 +71,7 @@ impl RouterError {
             }
             RouterError::PromptTooLong { tokens: Some(_), .. } => StatusCode::BAD_REQUEST,
             RouterError::NotFound(_) | RouterError::ModelNotFound { .. } => StatusCode::NOT_FOUND,
+            RouterError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             RouterError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             RouterError::Overloaded | RouterError::NoHealthyWorker { .. } => StatusCode::SERVICE_UNAVAILABLE,
             RouterError::UpstreamFailed { .. } => StatusCode::BAD_GATEWAY,
@@ -81,7 +85,8 @@ impl RouterError {
             RouterError::BadRequest { .. }
             | RouterError::PayloadTooLarge { .. }
             | RouterError::PromptTooLong { .. }
-            | RouterError::BodyTimeout { .. } => "invalid_request_error",
+            | RouterError::BodyTimeout { .. }
+            | RouterError::MethodNotAllowed => "invalid_request_error",
             RouterError::Unauthorized | RouterError::Forbidden(_) => "authentication_error",
             RouterError::Unavailable(_) => "service_unavailable",
             RouterError::NotFound(_) => "not_found_error",

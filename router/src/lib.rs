@@ -152,6 +152,9 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route(kvroute_shared::wire::SYNC_PATH, post(internal::sync))
         .route(replicas::REPLICA_PATH, post(replicas::report))
         .fallback(passthrough::forward)
+        // A wrong method on a route of the router's own: an OpenAI-shaped
+        // 405, not axum's empty one.
+        .method_not_allowed_fallback(|| async { error::RouterError::MethodNotAllowed })
         .with_state(state)
 }
 

@@ -326,6 +326,24 @@ async fn a_stream_without_a_first_token_is_retried_elsewhere() {
     assert!(wedged.hits.load(Ordering::SeqCst) >= 1, "the wedged worker was tried");
 }
 
+/// A wrong method on one of the router's routes is an OpenAI-shaped 405.
+#[tokio::test]
+async fn a_wrong_method_is_an_openai_shaped_405() {
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let r = router(&[("w1", &w.url)], |_| {}).await;
+    for (method, path) in [
+        (reqwest::Method::GET, "/v1/chat/completions"),
+        (reqwest::Method::POST, "/v1/models"),
+        (reqwest::Method::PUT, "/v1/completions"),
+    ] {
+        let (status, body) =
+            error_of(r.http.request(method.clone(), format!("{}{path}", r.url)).send().await.unwrap()).await;
+        assert_eq!(status, 405, "{method} {path}");
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{method} {path}: {body}");
+    }
+    assert_eq!(w.hits.load(Ordering::SeqCst), 0);
+}
+
 /// The engine's other client endpoints reach a worker as they are (method,
 /// path, query, body, API key) and its answer comes back; engine control
 /// and unknown paths do not.
