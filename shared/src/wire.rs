@@ -300,9 +300,19 @@ impl DecodeError {
     }
 }
 
-/// Decodes a JSON body, naming the field that failed.
+/// Decodes a JSON body, naming the field that failed. Anything but
+/// whitespace after the value is refused (as vLLM and `serde_json::from_slice`
+/// refuse it): `{"prompt": "a"} garbage` was routed and forwarded.
 pub fn decode<T: DeserializeOwned>(body: &[u8]) -> Result<T, DecodeError> {
     let de = &mut serde_json::Deserializer::from_slice(body);
+    let value = decode_from(de)?;
+    de.end().map_err(|e| DecodeError::new(".", e.to_string()))?;
+    Ok(value)
+}
+
+fn decode_from<T: DeserializeOwned>(
+    de: &mut serde_json::Deserializer<serde_json::de::SliceRead<'_>>,
+) -> Result<T, DecodeError> {
     serde_path_to_error::deserialize(de).map_err(|e| {
         // serde_path_to_error says "?" when no field was reached (a syntax error).
         let path = match e.path().to_string() {
@@ -401,6 +411,15 @@ pub fn decode_valid<T: DeserializeOwned + Validate>(body: &[u8]) -> Result<T, De
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn anything_after_the_value_is_refused() {
+        let ok: Result<EvictionBatch, _> = decode(b"{\"worker_id\":\"w1\"} \n");
+        assert!(ok.is_ok(), "trailing whitespace is fine");
+        let e = decode::<EvictionBatch>(b"{\"worker_id\":\"w1\"} garbage").unwrap_err();
+        assert_eq!(e.field, ".", "{e}");
+        assert!(decode::<EvictionBatch>(b"{\"worker_id\":\"w1\"}{}").is_err());
+    }
 
     #[test]
     fn papers_minimal_eviction_body_is_valid() {
