@@ -143,8 +143,10 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
     // four to a token: counting them against the limit refused prompts a
     // quarter of the engine's. The byte bound above still holds; the engine
     // counts. Token ids are tokens whatever the tokenizer.
-    if (tokenizer.is_exact() || req.has_token_ids()) && tokens.len() > max {
-        return Err(RouterError::PromptTooLong { tokens: Some(tokens.len()), max });
+    // A batch's prompts each count: only the first is keyed.
+    let counted = tokens.len().max(req.longest_batched_token_ids().unwrap_or(0));
+    if (tokenizer.is_exact() || req.has_token_ids()) && counted > max {
+        return Err(RouterError::PromptTooLong { tokens: Some(counted), max });
     }
     let root = KeyRoot::new(&model, req.cache_salt());
     let keys = block_keys(root, &tokens, state.config.block_size);

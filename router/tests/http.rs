@@ -1254,6 +1254,11 @@ async fn prompts_beyond_max_prompt_tokens_are_refused_before_or_after_tokenizing
         assert_eq!(resp.status(), 413, "{path} refused before the body ended");
         drop(tx);
     }
+    // A batch's prompts each count, not only the first (which is keyed).
+    let batch = json!({"model": "m", "prompt": [[1], vec![1; 150]]});
+    let (status, body) = error_of(r.complete(batch).await).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("150 tokens"), "{body}");
     assert_eq!(r.complete(json!({"model": "m", "prompt": prompt(50)})).await.status(), 200);
     assert_eq!(w.hits.load(Ordering::SeqCst), 1, "refused prompts never reached the engine");
     // Truncated by the engine (`truncate_prompt_tokens`), it is within the

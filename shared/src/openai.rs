@@ -295,6 +295,18 @@ impl PromptRequest {
         matches!(self, PromptRequest::Completion(c) if matches!(c.prompt, Prompt::Tokens(_) | Prompt::TokenBatch(_)))
     }
 
+    /// The longest of a batch's token-id prompts (vLLM runs each as a
+    /// request of its own, and refuses any too long); `None` unless the
+    /// prompt is a batch of token ids.
+    pub fn longest_batched_token_ids(&self) -> Option<usize> {
+        match self {
+            PromptRequest::Completion(CompletionRequest { prompt: Prompt::TokenBatch(b), .. }) => {
+                b.iter().map(Vec::len).max()
+            }
+            _ => None,
+        }
+    }
+
     /// Tokens the engine will generate at most, when the request says.
     pub fn max_tokens(&self) -> Option<u32> {
         match self {

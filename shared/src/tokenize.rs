@@ -191,9 +191,11 @@ impl PromptTokenizer {
         let within = |t: &str| if t.len() > max_bytes { Err(TokenizeError::TooLong { max_bytes }) } else { Ok(()) };
         match &c.prompt {
             Prompt::Text(t) => within(t).and_then(|()| self.encode(t, special)),
+            // Each of a batch's prompts is a request of its own for vLLM: each
+            // is held to the bound, the first keyed.
             Prompt::TextBatch(ts) => {
-                let first = ts.first().map_or("", String::as_str);
-                within(first).and_then(|()| self.encode(first, special))
+                ts.iter().try_for_each(|t| within(t))?;
+                self.encode(ts.first().map_or("", String::as_str), special)
             }
             Prompt::Tokens(ids) => Ok(ids.clone()),
             Prompt::TokenBatch(b) => Ok(b.first().cloned().unwrap_or_default()),
