@@ -72,6 +72,10 @@ pub struct ChatRequest {
     pub add_special_tokens: Option<bool>,
     #[serde(default)]
     pub chat_template_kwargs: Option<Map<String, Value>>,
+    /// vLLM passes it to the template, and with it `enable_thinking`
+    /// (false for `"none"`) unless `chat_template_kwargs` sets that.
+    #[serde(default)]
+    pub reasoning_effort: Option<String>,
     #[serde(default, deserialize_with = "lax::opt_u32")]
     pub max_tokens: Option<u32>,
     #[serde(default, deserialize_with = "lax::opt_u32")]

@@ -227,6 +227,7 @@ impl PromptTokenizer {
             add_generation_prompt: c.add_generation_prompt.unwrap_or(true),
             continue_final_message: c.continue_final_message,
             kwargs: c.chat_template_kwargs.as_ref(),
+            reasoning_effort: c.reasoning_effort.as_deref(),
         };
         match self {
             PromptTokenizer::Hf(hf) => {

@@ -195,8 +195,8 @@ def _conversations() -> list:
             {"role": "user", "content": "bye"},
         ]},
         # The reasoning of a tool-calling turn after the last user message,
-        # which Qwen3's template renders: vLLM takes it as `reasoning` and
-        # ignores a client's `reasoning_content`.
+        # which Qwen3's template renders: a chat completion takes a client's
+        # `reasoning_content` as `reasoning` (vLLM's /tokenize does not).
         {"messages": [
             {"role": "user", "content": "Weather in Oslo?"},
             {"role": "assistant", "content": None, "reasoning_content": "I need the tool.", "tool_calls": [call]},
@@ -219,6 +219,22 @@ def _conversations() -> list:
             {"role": "developer", "content": "second"},
             {"role": "user", "content": "v"},
         ]},
+        # Claude Code through a gateway: vLLM drops the attribution line.
+        {"messages": [
+            {"role": "system", "content": "x-anthropic-billing-header: cc_version=2.1; cch=5e1f;\nYou are a coding agent."},
+            {"role": "user", "content": "hi"},
+        ]},
+        {"messages": [
+            {"role": "system", "content": [
+                {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=77aa;"},
+                {"type": "text", "text": "You are a coding agent."},
+            ]},
+            {"role": "user", "content": "hi"},
+        ]},
+        # The effort turns Qwen3's thinking off, unless the kwargs say otherwise.
+        {"messages": [{"role": "user", "content": "Quick one?"}], "reasoning_effort": "none"},
+        {"messages": [{"role": "user", "content": "Quick one?"}], "reasoning_effort": "none",
+         "chat_template_kwargs": {"enable_thinking": True}},
     ]
     rng = random.Random(11)
     for i in range(24):
@@ -242,13 +258,16 @@ def _conversations() -> list:
     return cases
 
 
-def test_router_token_ids_equal_vllms_own_tokenize(cluster):
+def test_router_token_ids_equal_the_engines(cluster):
     engine = cluster.engines[0]
     cases = _conversations()
     assert len(cases) >= 30
     mismatches = []
     for case in cases:
-        want = post(f"{engine.url}/tokenize", {"model": MODEL, **case}).json()["tokens"]
+        # What the engine itself prefills for the chat (its /tokenize builds
+        # another request class, which renders some messages otherwise).
+        answer = post(f"{engine.url}/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "return_token_ids": True, **case})
+        want = answer.json()["prompt_token_ids"]
         got = cluster.router.tokenize({"model": MODEL, "max_tokens": 1, **case})
         if got != want:
             mismatches.append((case, want[:40], got[:40]))

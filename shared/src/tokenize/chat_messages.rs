@@ -154,16 +154,67 @@ fn python_str(v: &Json) -> String {
     }
 }
 
+/// Claude Code's attribution line, which vLLM drops from a system
+/// message's text (its `cch` value changes every request, and kept, every
+/// request missed the cache from the first block on).
+const BILLING_HEADER: &str = "x-anthropic-billing-header";
+
+/// A system message's content without Claude Code's attribution line, as
+/// vLLM 0.32 renders it (`_strip_claude_code_billing_header`): a text that
+/// starts with it loses its first line, and is dropped if nothing is left.
+/// `None` when there is none.
+fn without_billing_header(content: Option<&Json>) -> Option<Json> {
+    let rest = |text: &str| text.split_once('\n').map_or("", |(_, rest)| rest).to_owned();
+    match content? {
+        Json::String(s) if s.starts_with(BILLING_HEADER) => {
+            let rest = rest(s);
+            Some(if rest.is_empty() { Json::Array(Vec::new()) } else { Json::String(rest) })
+        }
+        Json::Array(parts) => {
+            let headed = |p: &Json| {
+                let text = match p {
+                    Json::Object(o) if o.get("type").and_then(Json::as_str) == Some("text") => o.get("text"),
+                    Json::String(_) => Some(p),
+                    _ => None,
+                };
+                text.and_then(Json::as_str).is_some_and(|t| t.starts_with(BILLING_HEADER))
+            };
+            if !parts.iter().any(headed) {
+                return None;
+            }
+            let kept = parts.iter().filter_map(|p| {
+                if !headed(p) {
+                    return Some(p.clone());
+                }
+                let text = p.as_str().or_else(|| p["text"].as_str()).unwrap_or_default();
+                let rest = rest(text);
+                (!rest.is_empty()).then(|| match p {
+                    Json::Object(o) => {
+                        let mut o = o.clone();
+                        o.insert("text".into(), Json::String(rest));
+                        Json::Object(o)
+                    }
+                    _ => Json::String(rest),
+                })
+            });
+            Some(Json::Array(kept.collect()))
+        }
+        _ => None,
+    }
+}
+
 fn message(m: &Map<String, Json>, format: ContentFormat) -> Map<String, Json> {
     let role_value = m.get("role").cloned().unwrap_or(Json::Null);
     let role = role(m);
-    let parts: Vec<Part> = match m.get("content") {
+    let stripped = if role == "system" { without_billing_header(m.get("content")) } else { None };
+    let content = stripped.as_ref().or(m.get("content"));
+    let parts: Vec<Part> = match content {
         None | Some(Json::Null) => Vec::new(),
         Some(Json::Array(ps)) => ps.iter().filter_map(part).collect(),
         Some(other) => vec![Part::Text(other)],
     };
     let content = match format {
-        ContentFormat::String => match m.get("content") {
+        ContentFormat::String => match content {
             // The common case, as it came.
             Some(text @ Json::String(_)) => text.clone(),
             // vLLM keeps the parts that parse to something: an empty or null
@@ -193,9 +244,13 @@ fn message(m: &Map<String, Json>, format: ContentFormat) -> Map<String, Json> {
                 out.insert("tool_calls".into(), calls);
             }
             // A template may read either name; vLLM sets both from
-            // `reasoning` and ignores a client's `reasoning_content` (checked
-            // against vLLM 0.32's /tokenize in tests/vllm).
-            if let Some(r) = m.get("reasoning").filter(|r| !r.is_null()) {
+            // `reasoning`, which a chat completion takes from the older
+            // `reasoning_content` when it has none (vLLM 0.32's
+            // `_normalize_messages_before`; its /tokenize does not, so
+            // tests/vllm compares with the engine's own prompt_token_ids).
+            let reasoning =
+                [m.get("reasoning"), m.get("reasoning_content")].into_iter().flatten().find(|r| !r.is_null());
+            if let Some(r) = reasoning {
                 out.insert("reasoning".into(), r.clone());
                 out.insert("reasoning_content".into(), r.clone());
             }
@@ -481,6 +536,35 @@ mod tests {
     }
 
     #[test]
+    fn claude_codes_attribution_line_is_dropped_from_system_text() {
+        let header = "x-anthropic-billing-header: cc_version=2.1; cch=";
+        let system =
+            |content: Json| msgs(json!([{"role": "system", "content": content}, {"role": "user", "content": "u"}]));
+        for cch in ["1a2b", "9f8e"] {
+            let one = system(json!(format!("{header}{cch};\nYou are X")));
+            assert_eq!(prepare(&one, ContentFormat::String, true)[0]["content"], json!("You are X"));
+            let parts = system(
+                json!([{"type": "text", "text": format!("{header}{cch};")}, {"type": "text", "text": "You are X"}]),
+            );
+            assert_eq!(prepare(&parts, ContentFormat::String, true)[0]["content"], json!("You are X"));
+            assert_eq!(
+                prepare(&parts, ContentFormat::Parts, true)[0]["content"],
+                json!([{"type": "text", "text": "You are X"}])
+            );
+        }
+        let alone = system(json!(format!("{header}1;")));
+        assert_eq!(prepare(&alone, ContentFormat::String, true)[0]["content"], json!(""));
+        // Only a system message's, and only at the start of a text.
+        let user = msgs(json!([{"role": "user", "content": format!("{header}1;\nhi")}]));
+        assert_eq!(prepare(&user, ContentFormat::String, true)[0]["content"], json!(format!("{header}1;\nhi")));
+        let inside = system(json!(format!("Note: {header}1;\nYou are X")));
+        assert_eq!(
+            prepare(&inside, ContentFormat::String, true)[0]["content"],
+            json!(format!("Note: {header}1;\nYou are X"))
+        );
+    }
+
+    #[test]
     fn tool_turns_take_vllms_shape() {
         let m = msgs(json!([
             {"role": "assistant", "content": null, "reasoning": "hmm", "tool_calls": [
@@ -503,7 +587,13 @@ mod tests {
         );
         assert!(p[2].get("tool_calls").is_none(), "an empty list is no tool calls");
         let old_name = msgs(json!([{"role": "assistant", "content": "x", "reasoning_content": "hmm"}]));
-        assert_eq!(prepare(&old_name, ContentFormat::String, true)[0], json!({"role": "assistant", "content": "x"}));
+        assert_eq!(
+            prepare(&old_name, ContentFormat::String, true)[0],
+            json!({"role": "assistant", "content": "x", "reasoning": "hmm", "reasoning_content": "hmm"}),
+            "the older name is taken as `reasoning`"
+        );
+        let both = msgs(json!([{"role": "assistant", "content": "x", "reasoning": "new", "reasoning_content": "old"}]));
+        assert_eq!(prepare(&both, ContentFormat::String, true)[0]["reasoning_content"], json!("new"));
     }
 
     #[test]

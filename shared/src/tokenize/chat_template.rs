@@ -44,6 +44,8 @@ pub struct ChatOptions<'a> {
     pub add_generation_prompt: bool,
     pub continue_final_message: bool,
     pub kwargs: Option<&'a Map<String, Json>>,
+    /// The request's `reasoning_effort`.
+    pub reasoning_effort: Option<&'a str>,
     /// The most the rendered prompt may take, bytes (`None`:
     /// [`MAX_RENDERED_BYTES`]); past it the render stops with
     /// [`TokenizeError::TooLong`].
@@ -85,6 +87,15 @@ impl ChatTemplate {
             // what `max_messages` was checked on.
             for (k, v) in kw.iter().filter(|(k, _)| !RESERVED.contains(&k.as_str())) {
                 ctx.insert(k.clone(), v.clone());
+            }
+        }
+        // vLLM 0.32 (`ChatCompletionRequest.build_chat_params`): the effort
+        // overrides a kwarg of that name, and turns thinking off for "none"
+        // (on otherwise) unless the kwargs say which.
+        if let Some(effort) = opts.reasoning_effort {
+            ctx.insert("reasoning_effort".into(), Json::String(effort.into()));
+            if !opts.kwargs.is_some_and(|kw| kw.contains_key("enable_thinking")) {
+                ctx.insert("enable_thinking".into(), Json::Bool(effort != "none"));
             }
         }
         let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(|e| template_error(&e))?;
@@ -357,6 +368,23 @@ mod tests {
             serde_json::from_value(serde_json::json!({"messages": [1, 2, 3], "tools": ["x"], "flag": true})).unwrap();
         let out = t.render(&msgs, &ChatOptions { kwargs: Some(&kwargs), ..Default::default() }).unwrap();
         assert_eq!(out, "1 None True");
+    }
+
+    /// `reasoning_effort` reaches the template, and with it `enable_thinking`
+    /// unless the kwargs set that (vLLM 0.32's `build_chat_params`).
+    #[test]
+    fn reasoning_effort_sets_enable_thinking_unless_the_kwargs_do() {
+        let t = ChatTemplate::new("{{ reasoning_effort }} {{ enable_thinking }}".into(), Map::new()).unwrap();
+        let msgs: Vec<Map<String, Json>> = serde_json::from_value(serde_json::json!([{"role": "user"}])).unwrap();
+        let render = |effort, kwargs: Json| {
+            let kwargs: Map<String, Json> = serde_json::from_value(kwargs).unwrap();
+            let opts = ChatOptions { reasoning_effort: effort, kwargs: Some(&kwargs), ..Default::default() };
+            t.render(&msgs, &opts).unwrap()
+        };
+        assert_eq!(render(Some("none"), serde_json::json!({})), "none False");
+        assert_eq!(render(Some("low"), serde_json::json!({"reasoning_effort": "high"})), "low True");
+        assert_eq!(render(Some("none"), serde_json::json!({"enable_thinking": true})), "none True");
+        assert_eq!(render(None, serde_json::json!({})), " ");
     }
 
     /// A template that expands its input (indented JSON of nested arrays)
