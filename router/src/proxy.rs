@@ -312,9 +312,11 @@ async fn dispatch(
     let mut last_err = None;
     // Workers that failed this request in a way the request itself can cause
     // (a 5xx, a connection closed after the request was sent, a stream broken
-    // before its first chunk): charged to their health only once another
-    // worker has answered it. A request every worker refuses is the request's
-    // fault and must not eject them all one by one.
+    // before its first chunk, a first token late or no block filled in time:
+    // a JSON schema that takes the engine minutes to compile, media whose
+    // tokens the deadline does not count): charged to their health only once
+    // another worker has answered it. A request every worker refuses or is
+    // slow on is the request's doing and must not eject them all one by one.
     let mut suspects: Vec<&Arc<Worker>> = Vec::new();
     // Blocks after an image (audio, video, prompt embeddings) carry extra
     // keys the sidecar does not translate: filling them reports nothing.
@@ -392,7 +394,7 @@ async fn dispatch(
             }
             other => other.map(Began::Headers),
         };
-        let mut request_may_be_at_fault = false;
+        let request_may_be_at_fault;
         let mut server_failed = true;
         match began {
             Wait::Ejected => {
@@ -411,14 +413,17 @@ async fn dispatch(
                 break;
             }
             Wait::Stalled if !streaming => {
-                // Its engine filled no block for a whole window: wedged.
+                // Its engine filled no block for a whole window: wedged, or
+                // busy with this request's own slow start.
                 server_failed = false;
+                request_may_be_at_fault = true;
                 guard.failed("stalled");
                 state.metrics.event("stalled", 1);
                 last_err = Some(RouterError::UpstreamTimeout { worker: worker.id.clone() });
             }
             Wait::TimedOut | Wait::Stalled => {
                 server_failed = false;
+                request_may_be_at_fault = true;
                 guard.failed("first_token_timeout");
                 state.metrics.event("first_token_timeout", 1);
                 last_err = Some(RouterError::UpstreamTimeout { worker: worker.id.clone() });

@@ -1817,6 +1817,34 @@ async fn healthy(r: &TestRouter, id: &str) -> bool {
     list.iter().find(|w| w["id"] == id).unwrap_or_else(|| panic!("no {id} in {workers}"))["healthy"] == true
 }
 
+/// A stream whose first token is late on every worker tried (a JSON schema
+/// the engine takes minutes to compile, say) is the request's doing: a
+/// 504, and no worker charged. Charged at once, two such requests ejected
+/// a whole cluster.
+#[tokio::test]
+async fn a_stream_late_on_every_worker_ejects_none_of_them() {
+    let mut workers = Vec::new();
+    for id in ["a", "b", "c"] {
+        workers.push((id, fake_worker(id, Behaviour::Wedged).await));
+    }
+    let pairs: Vec<(&str, &str)> = workers.iter().map(|(id, w)| (*id, w.url.as_str())).collect();
+    let r = router(&pairs, |raw| {
+        raw.eject_after_failures = 2;
+        raw.retries = 2;
+        raw.first_token_timeout = Duration::from_millis(200);
+        raw.first_token_timeout_per_1k_tokens = Duration::ZERO;
+    })
+    .await;
+    for _ in 0..2 {
+        let resp = r.complete(json!({"model": "m", "prompt": "slow to start", "stream": true})).await;
+        assert_eq!(resp.status(), 504);
+    }
+    for (id, w) in &workers {
+        assert!(healthy(&r, id).await, "{id} was charged for the request's own slowness");
+        assert!(w.hits.load(Ordering::SeqCst) >= 1, "{id} was tried");
+    }
+}
+
 /// A request that every worker refuses (connection dropped) is the request's
 /// fault: retried, then a 502, but no worker is charged for it, so a client
 /// repeating it cannot eject the whole cluster.
