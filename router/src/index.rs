@@ -490,7 +490,8 @@ impl Index {
     /// worker's approximate keys stay prefix-closed, which `match_depths`'s
     /// bisection relies on (a parent is touched after each of its children,
     /// every time any chain through it is routed).
-    pub fn record_routed(&mut self, slot: Slot, keys: &[BlockKey], now_ms: u64) {
+    /// Returns the tick the entries carry ([`Self::withdraw_routed`]).
+    pub fn record_routed(&mut self, slot: Slot, keys: &[BlockKey], now_ms: u64) -> u64 {
         let approximate = self.is_approximate(slot);
         self.clock += 1;
         let tick = self.clock;
@@ -525,6 +526,30 @@ impl Index {
         } else {
             self.cap_speculative(slot);
         }
+        tick
+    }
+
+    /// Takes back the speculative entries [`Self::record_routed`] made at
+    /// `tick` for `keys` on `slot`, where nothing has replaced them since
+    /// (a confirmation, a later send): the engine refused the request and
+    /// computed nothing. An entry this send found already speculative (sent
+    /// there before, [`Entry::wanted_again`]) stays: the earlier send may
+    /// be computing it. Approximate entries stay too (their LRU order is
+    /// not undone).
+    pub fn withdraw_routed(&mut self, slot: Slot, keys: &[BlockKey], tick: u64) -> usize {
+        let Some(w) = self.workers.get(&slot) else { return 0 };
+        let ours: Vec<BlockKey> = keys
+            .iter()
+            .copied()
+            .filter(|k| {
+                w.marks.get(k).is_some_and(|e| e.kind() == Kind::Speculative && e.stamp() == tick && !e.wanted_again())
+            })
+            .collect();
+        let removed = ours.iter().filter(|&&k| self.remove_uncompacted(slot, k)).count();
+        if removed > 0 {
+            self.compact(slot);
+        }
+        removed
     }
 
     /// Speculative insertions a worker remembers at most (its queue's

@@ -340,13 +340,14 @@ async fn dispatch(
             continue;
         }
         tried += 1;
-        if attempt > 0 {
+        let recorded = if attempt > 0 {
             state.metrics.retries.inc();
-            routing::record_dispatch(state, worker, &plan.keys);
+            routing::record_dispatch(state, worker, &plan.keys)
         } else {
             // The router's own queueing: body, tokenize, route, admission.
             state.metrics.dispatch_delay.observe(arrived.elapsed().as_secs_f64());
-        }
+            plan.recorded
+        };
         // A streamed answer's first chunk is its first token: its time
         // measures the worker's pace against the timing model.
         let modelled = streaming
@@ -451,15 +452,21 @@ async fn dispatch(
             }
             Wait::Done(Began::Headers(Ok(upstream))) => {
                 // A 4xx is the request's: the engine's API server answered,
-                // which says nothing of its engine core producing tokens.
+                // which says nothing of its engine core producing tokens,
+                // and computed nothing.
                 if upstream.status().is_success() {
                     note_success(worker);
+                } else if upstream.status().is_client_error() {
+                    routing::withdraw(state, worker, &plan.keys, recorded);
                 }
                 suspects.iter().for_each(|w| note_failure(state, w));
                 return Ok(respond(state, upstream, guard, streaming));
             }
             Wait::Done(Began::Headers(Err(Failure { error, request_sent }))) => {
                 guard.failed(if request_sent { "closed" } else { "connect_error" });
+                if !request_sent {
+                    routing::withdraw(state, worker, &plan.keys, recorded);
+                }
                 request_may_be_at_fault = request_sent;
                 last_err = Some(error);
             }

@@ -33,6 +33,10 @@ pub struct Plan {
     /// the decision saw them.
     pub sole_router: bool,
     pub routers_counted: bool,
+    /// The tick of the speculative entries recorded for the first choice
+    /// (a live decision's), to take them back if its engine refuses the
+    /// request ([`withdraw`]).
+    pub recorded: Option<u64>,
 }
 
 impl Plan {
@@ -297,15 +301,14 @@ fn plan_against(
     // index lock: otherwise two requests of a new prefix decided at the same
     // instant (one per runtime thread) both miss, and a burst scatters. The
     // lock is held for the match and the policy, microseconds.
-    let (candidates, decision) = if live {
+    let (candidates, decision, recorded) = if live {
         let mut map = state.map.write();
         let (candidates, decision) = decide(&map.index);
-        if let Some(i) = decision.chosen() {
-            record_routed(state, &mut map, &workers[i], &keys);
-        }
-        (candidates, decision)
+        let recorded = decision.chosen().and_then(|i| record_routed(state, &mut map, &workers[i], &keys));
+        (candidates, decision, recorded)
     } else {
-        decide(&state.map.read().index)
+        let (candidates, decision) = decide(&state.map.read().index);
+        (candidates, decision, None)
     };
 
     let plan = Plan {
@@ -319,6 +322,7 @@ fn plan_against(
         exact_tokenizer,
         sole_router,
         routers_counted,
+        recorded,
     };
     if live {
         observe_decision(state, &plan);
@@ -356,11 +360,24 @@ fn overloaded(view: &RouteView<'_>, i: usize, state: &AppState) -> bool {
 /// Records that the request's blocks are being computed on `worker` (a retry
 /// on another worker than the plan's first choice, which was recorded with
 /// the decision).
-pub fn record_dispatch(state: &AppState, worker: &Worker, keys: &[BlockKey]) {
+pub fn record_dispatch(state: &AppState, worker: &Worker, keys: &[BlockKey]) -> Option<u64> {
     if keys.is_empty() {
-        return;
+        return None;
     }
-    record_routed(state, &mut state.map.write(), worker, keys);
+    record_routed(state, &mut state.map.write(), worker, keys)
+}
+
+/// Takes back the speculative entries recorded at `tick` for a request
+/// `worker`'s engine refused (a 4xx: a bad parameter, a prompt past its
+/// context): nothing was computed there. Left, a client sending prompts
+/// the engine refuses (which costs the engine nothing) filled workers'
+/// speculative entries with blocks nobody caches.
+pub fn withdraw(state: &AppState, worker: &Worker, keys: &[BlockKey], tick: Option<u64>) {
+    let Some(tick) = tick else { return };
+    let mut map = state.map.write();
+    if map.is_member(&state.workers, worker) {
+        map.index.withdraw_routed(worker.slot, keys, tick);
+    }
 }
 
 /// Records `keys` as routed to `worker` if it is still its slot's member.
@@ -371,10 +388,9 @@ pub fn record_dispatch(state: &AppState, worker: &Worker, keys: &[BlockKey]) {
 /// Nor an ejected worker (a retry's, ejected while an earlier attempt
 /// waited): its index was cleared, and entries recorded now would pull the
 /// prompt's next turn to it once re-admitted, where nothing is cached.
-fn record_routed(state: &AppState, map: &mut MapState, worker: &Worker, keys: &[BlockKey]) {
-    if !keys.is_empty() && worker.live.is_healthy() && map.is_member(&state.workers, worker) {
-        map.index.record_routed(worker.slot, keys, now_ms());
-    }
+fn record_routed(state: &AppState, map: &mut MapState, worker: &Worker, keys: &[BlockKey]) -> Option<u64> {
+    (!keys.is_empty() && worker.live.is_healthy() && map.is_member(&state.workers, worker))
+        .then(|| map.index.record_routed(worker.slot, keys, now_ms()))
 }
 
 #[cfg(test)]

@@ -1105,6 +1105,33 @@ async fn a_large_delta_is_applied_whole() {
     assert_eq!(index["workers"]["w1"]["confirmed"], 10_000, "{index}");
 }
 
+/// A request its engine refuses (a 4xx) computed nothing there: the
+/// speculative entries its routing recorded are taken back, where an
+/// answered one's stay until its sidecar confirms them.
+#[tokio::test]
+async fn a_refused_request_leaves_no_speculative_entries() {
+    let refusing = fake_worker("no", Behaviour::Status(400)).await;
+    let fine = fake_worker("ok", Behaviour::Ok).await;
+    let r = router(&[], |_| {}).await;
+    for (id, url) in [("no", &refusing.url), ("ok", &fine.url)] {
+        let sync = json!({"worker_id": id, "url": url, "hashes": []});
+        assert_eq!(r.internal("/internal/sync", sync).await.status(), 200);
+    }
+    let speculative = |index: &Value, id: &str| index["workers"][id]["speculative"].as_u64().unwrap();
+    let (mut refused, mut answered) = (0, 0);
+    for n in 0..16 {
+        let resp = r.complete(json!({"model": "m", "prompt": format!("{n:03} {}", prompt(400))})).await;
+        match resp.headers()["x-kvroute-worker"].to_str().unwrap() {
+            "no" => refused += 1,
+            _ => answered += 1,
+        }
+    }
+    assert!(refused > 0 && answered > 0, "both workers were chosen ({refused} refused, {answered} answered)");
+    let index: Value = r.http.get(format!("{}/debug/index", r.url)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(speculative(&index, "no"), 0, "{index}");
+    assert!(speculative(&index, "ok") > 0, "{index}");
+}
+
 #[tokio::test]
 async fn a_burst_of_one_new_prefix_lands_on_one_worker() {
     let w1 = fake_worker("w1", Behaviour::Ok).await;

@@ -54,6 +54,24 @@ fn cleared_then_evictions_then_stores() {
 }
 
 #[test]
+fn a_withdrawn_send_takes_back_only_its_own_entries() {
+    let mut ix = Index::new();
+    ix.apply_events(Slot(0), false, &[], &[k(1)]);
+    ix.record_routed(Slot(0), &[k(5)], 1_000); // an earlier send, computing k5
+    let tick = ix.record_routed(Slot(0), &[k(1), k(5), k(6), k(7)], 1_001);
+    ix.apply_events(Slot(0), false, &[], &[k(7)]); // confirmed since
+    assert_eq!(ix.withdraw_routed(Slot(0), &[k(1), k(5), k(6), k(7)], tick), 1, "only k6");
+    let held: Vec<BlockKey> = ix.keys_of(Slot(0)).into_iter().map(|(key, _)| key).collect();
+    assert_eq!(held.len(), 3);
+    assert!(held.contains(&k(1)) && held.contains(&k(5)) && held.contains(&k(7)), "{held:?}");
+    // A later send of the same block keeps it.
+    let first = ix.record_routed(Slot(1), &[k(9)], 2_000);
+    ix.record_routed(Slot(1), &[k(9)], 2_001);
+    assert_eq!(ix.withdraw_routed(Slot(1), &[k(9)], first), 0);
+    ix.check_consistency().unwrap();
+}
+
+#[test]
 fn sync_replaces_confirmed_and_keeps_newer_speculative() {
     let mut ix = Index::new();
     ix.apply_events(Slot(0), false, &[], &[k(1), k(2)]);
@@ -222,7 +240,9 @@ proptest! {
                 Op::Sync { slot, keys } => {
                     ix.sync(Slot(slot), &ks(keys), 50);
                 }
-                Op::Routed { slot, keys, at } => ix.record_routed(Slot(slot), &ks(keys), at),
+                Op::Routed { slot, keys, at } => {
+                    ix.record_routed(Slot(slot), &ks(keys), at);
+                }
                 Op::Expire { at } => { ix.expire_speculative(at, 30); }
                 Op::Remove { slot } => ix.remove_worker(Slot(slot)),
             }
