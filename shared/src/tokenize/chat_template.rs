@@ -171,12 +171,25 @@ fn strftime_now(format: String) -> String {
 fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
-    let _: Option<bool> = kwargs.get("ensure_ascii")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    // HF's `tojson(x, ensure_ascii=False, indent=None, separators=None,
+    // sort_keys=False)`: Kimi's templates dump tools with (',', ':').
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
     kwargs.assert_all_used()?;
+    let (item_sep, key_sep) = match separators.as_deref() {
+        Some([item, key]) => (item.clone(), key.clone()),
+        Some(_) => {
+            return Err(Error::new(ErrorKind::InvalidOperation, "tojson: separators must be (item, key)"));
+        }
+        None if indent.is_some() => (",".to_owned(), ": ".to_owned()),
+        None => (", ".to_owned(), ": ".to_owned()),
+    };
     let json =
         serde_json::to_value(value).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     let mut out = String::new();
-    python_dumps(&json, indent, sort_keys.unwrap_or(false), 0, &mut out);
+    let opts =
+        Dumps { indent, sort: sort_keys.unwrap_or(false), item_sep, key_sep, ascii: ensure_ascii.unwrap_or(false) };
+    python_dumps(&json, &opts, 0, &mut out);
     if out.len() > MAX_RENDERED_BYTES {
         let message = format!("tojson: the text exceeds {MAX_RENDERED_BYTES} bytes");
         return Err(Error::new(ErrorKind::InvalidOperation, message));
@@ -184,14 +197,43 @@ fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
     Ok(Value::from_safe_string(out))
 }
 
-fn python_dumps(v: &Json, indent: Option<usize>, sort: bool, depth: usize, out: &mut String) {
+/// `json.dumps`'s options, as a template passes them.
+struct Dumps {
+    indent: Option<usize>,
+    sort: bool,
+    item_sep: String,
+    key_sep: String,
+    /// `ensure_ascii`: every non-ASCII character as `\uXXXX`.
+    ascii: bool,
+}
+
+/// A JSON string as `json.dumps` writes it.
+fn python_string(s: &str, ascii: bool, out: &mut String) {
+    let quoted = Json::String(s.to_owned()).to_string();
+    if !ascii || s.is_ascii() {
+        out.push_str(&quoted);
+        return;
+    }
+    for c in quoted.chars() {
+        if c.is_ascii() {
+            out.push(c);
+        } else {
+            let mut units = [0u16; 2];
+            for u in c.encode_utf16(&mut units) {
+                out.push_str(&format!("\\u{u:04x}"));
+            }
+        }
+    }
+}
+
+fn python_dumps(v: &Json, opts: &Dumps, depth: usize, out: &mut String) {
     let newline = |out: &mut String, depth: usize| {
-        if let Some(n) = indent {
+        if let Some(n) = opts.indent {
             out.push('\n');
             out.extend(std::iter::repeat_n(' ', n * depth));
         }
     };
-    let item_sep = if indent.is_some() { "," } else { ", " };
+    let item_sep = opts.item_sep.as_str();
     match v {
         Json::Array(items) if !items.is_empty() => {
             out.push('[');
@@ -204,14 +246,14 @@ fn python_dumps(v: &Json, indent: Option<usize>, sort: bool, depth: usize, out: 
                     out.push_str(item_sep);
                 }
                 newline(out, depth + 1);
-                python_dumps(item, indent, sort, depth + 1, out);
+                python_dumps(item, opts, depth + 1, out);
             }
             newline(out, depth);
             out.push(']');
         }
         Json::Object(map) if !map.is_empty() => {
             let mut entries: Vec<_> = map.iter().collect();
-            if sort {
+            if opts.sort {
                 entries.sort_by(|a, b| a.0.cmp(b.0));
             }
             out.push('{');
@@ -223,14 +265,15 @@ fn python_dumps(v: &Json, indent: Option<usize>, sort: bool, depth: usize, out: 
                     out.push_str(item_sep);
                 }
                 newline(out, depth + 1);
-                out.push_str(&Json::String(k.clone()).to_string());
-                out.push_str(": ");
-                python_dumps(item, indent, sort, depth + 1, out);
+                python_string(k, opts.ascii, out);
+                out.push_str(&opts.key_sep);
+                python_dumps(item, opts, depth + 1, out);
             }
             newline(out, depth);
             out.push('}');
         }
         Json::Number(n) if n.is_f64() => out.push_str(&python_float(n.as_f64().unwrap_or_default())),
+        Json::String(s) => python_string(s, opts.ascii, out),
         // Other scalars, `[]` and `{}` print as serde_json prints them, which
         // for strings (escapes) and integers matches Python.
         other => out.push_str(&other.to_string()),
@@ -328,6 +371,21 @@ mod tests {
             out,
             "{\"b\": [1, 2.5, \"é<\"], \"a\": {}}|{\n  \"b\": [\n    1,\n    2.5,\n    \"é<\"\n  ],\n  \"a\": {}\n}"
         );
+    }
+
+    /// HF's other `tojson` arguments: `separators` (Kimi dumps its tools
+    /// with `(',', ':')`) and `ensure_ascii`; the expected strings are
+    /// Python's `json.dumps`.
+    #[test]
+    fn tojson_takes_separators_and_ensure_ascii() {
+        let args = serde_json::json!([{"role": "assistant", "tool_calls": [{"function": {"arguments": {"a": [1, 2], "é": "ü🙂"}}}]}]);
+        let x = "{% set x = messages[0].tool_calls[0].function.arguments %}";
+        let out = render(&format!("{x}{{{{ x | tojson(separators=(',', ':')) }}}}"), args.clone()).unwrap();
+        assert_eq!(out, "{\"a\":[1,2],\"é\":\"ü🙂\"}");
+        let out = render(&format!("{x}{{{{ x | tojson(ensure_ascii=True) }}}}"), args.clone()).unwrap();
+        assert_eq!(out, "{\"a\": [1, 2], \"\\u00e9\": \"\\u00fc\\ud83d\\ude42\"}");
+        let out = render(&format!("{x}{{{{ x | tojson(indent=1, separators=(',', ': ')) }}}}"), args).unwrap();
+        assert_eq!(out, "{\n \"a\": [\n  1,\n  2\n ],\n \"é\": \"ü🙂\"\n}");
     }
 
     /// Floats as Python's `repr` (hence `json.dumps`) prints them; the
