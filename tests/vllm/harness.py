@@ -94,6 +94,9 @@ class Proc:
         self.start()
 
     def start(self) -> None:
+        # A restarted process appends to the same log: what it announces
+        # is read from here on, not the previous process's lines.
+        self.log_start = self.log_path.stat().st_size
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True, cwd=ROOT
@@ -128,11 +131,15 @@ class Proc:
         self.stop(signal.SIGKILL)
 
     def announced_url(self, timeout: float = 60) -> str:
-        """The URL of this process's `listening on URL` line."""
+        """The URL of this process's `listening on URL` line (the current
+        process's, after a restart)."""
 
         def probe():
             self.check_alive()
-            for line in self.log_path.read_text(errors="replace").splitlines():
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_start)
+                lines = f.read().decode(errors="replace").splitlines()
+            for line in lines:
                 if line.startswith("listening on "):
                     return line.split(" on ", 1)[1].strip()
             return None
@@ -293,6 +300,9 @@ class Sidecar:
 
     def restart(self) -> None:
         self.proc.stop()
+        self.start()
+
+    def start(self) -> None:
         self.proc.start()
         self.url = self.proc.announced_url()
 

@@ -336,8 +336,18 @@ def test_reset_prefix_cache_clears_the_workers_entries(cluster):
 def test_sidecar_restart(cluster):
     for i in range(6):
         complete(cluster, f"Before the sidecar restart {i}. " + text(3000 + i, 150))
-    cluster.sidecars[0].restart()
+    sidecar, engine = cluster.sidecars[0], cluster.engines[0]
+    sidecar.proc.stop()
+    # Blocks the engine caches while no sidecar listens: only the new
+    # process (its replay, its snapshot) can tell the router of them.
+    before = truth(engine)
+    for i in range(4):
+        prompt = f"While the sidecar was down {i}. " + text(3100 + i, 150)
+        post(f"{engine.url}/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    assert truth(engine) - before, "the engine cached nothing new while the sidecar was down"
+    sidecar.start()  # its address read from its own announcement, not its predecessor's
     converge(cluster, "after a sidecar restart")
+    assert sidecar.metric("kvroute_sidecar_pushes_total") >= 1, "the new process answers, and pushed"
 
 
 def test_router_restart_is_whole_again(cluster):
