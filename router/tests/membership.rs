@@ -2,7 +2,8 @@
 //! (in-process, so a test can make a worker silent without waiting for the
 //! clock): a removed worker leaves nothing behind, not even metric series,
 //! and a flood of registrations neither takes a static worker's slot nor
-//! keeps a newcomer out once a flooder goes silent.
+//! keeps a newcomer out once a flooder goes silent; speculative entries
+//! nobody confirms expire.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -113,4 +114,35 @@ async fn a_registration_flood_keeps_static_workers_and_frees_silent_slots_for_ne
     assert!(state.workers.get(&WorkerId::new("fake7")).is_none());
     let index: Value = serde_json::from_str(&get(&state, "/debug/index?worker=real").await).unwrap();
     assert_eq!(index["confirmed"], json!(["00000000000000aa"]), "{index}");
+}
+
+/// The housekeeping pass expires the speculative entries nobody confirmed
+/// within `speculative_ttl` (a prefill that failed, events lost), and
+/// counts them: left, they pulled a prompt's next requests to a worker
+/// that never cached it until the next full sync, minutes later.
+#[tokio::test]
+async fn housekeeping_expires_unconfirmed_speculative_entries() {
+    let upstream = fake_worker().await;
+    let raw = RawConfig {
+        internal_token: Some(Secret::new(TOKEN)),
+        speculative_ttl: std::time::Duration::from_millis(1),
+        ..Default::default()
+    };
+    let state = build_state(raw.validate().unwrap(), CancellationToken::new()).unwrap();
+    assert_eq!(register(&state, "w", &upstream).await, StatusCode::OK);
+    let prompt = "a prompt of several blocks, none of them held anywhere. ".repeat(4);
+    let (status, body) = post(&state, "/v1/completions", json!({"model": "m", "prompt": prompt})).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let slot = state.workers.get(&WorkerId::new("w")).unwrap().slot;
+    let sent = state.map.read().index.counts(slot).speculative;
+    assert!(sent >= 10, "{sent} speculative entries");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while state.map.read().index.counts(slot).speculative > 0 {
+        assert!(std::time::Instant::now() < deadline, "never expired");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        housekeeping(&state);
+    }
+    assert_eq!(state.map.read().index.counts(slot).confirmed, 1, "the sidecar's key stays");
+    let metrics = get(&state, "/metrics").await;
+    assert!(metrics.contains(&format!("kvroute_speculative_expired_total {sent}")), "{metrics}");
 }
