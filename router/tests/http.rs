@@ -2210,8 +2210,23 @@ async fn an_engine_that_tokenizes_otherwise_is_reported() {
             t
         }
     };
+    // The chat's agree, the text's differ (a BOS the router does not add).
+    let other_bos = {
+        let same = same.clone();
+        move |body: &Value| {
+            let mut t = same(body);
+            if body.get("messages").is_none() {
+                t.insert(0, 50256);
+            }
+            t
+        }
+    };
     let series = |w: &str| format!("kvroute_worker_tokenizer_mismatch{{worker=\"{w}\"}}");
-    for (engine, want) in [(tokenizing_engine(same).await, 0), (tokenizing_engine(other_template).await, 1)] {
+    for (engine, want) in [
+        (tokenizing_engine(same).await, 0),
+        (tokenizing_engine(other_template).await, 1),
+        (tokenizing_engine(other_bos).await, 1),
+    ] {
         let r = router(&[("w", &engine)], |raw| {
             raw.tokenizer = Some(dir.clone());
             raw.health_check_interval = Duration::from_millis(50);
