@@ -794,15 +794,24 @@ async fn answers_refused_by_a_wedged_engine_are_not_progress() {
 #[tokio::test]
 async fn a_non_streamed_request_stops_counting_as_pending_prefill() {
     let hang = fake_worker("hang", Behaviour::Hang).await;
-    let r = router(&[("hang", &hang.url)], |_| {}).await;
+    // A model whose first token for 2,000 tokens comes 5 s after they are sent.
+    let r = router(&[("hang", &hang.url)], |raw| raw.predicted_ttft.prefill_us_per_token = 2_500.0).await;
     let body = json!({"model": "m", "prompt": prompt(2_000)});
     let _in_flight = tokio::spawn(r.http.post(format!("{}/v1/completions", r.url)).json(&body).send());
-    support::eventually("the request in flight, its prefill no longer pending", || async {
+    let load = || async {
         let workers: Value = r.http.get(format!("{}/admin/workers", r.url)).send().await.unwrap().json().await.unwrap();
         let load = &workers["workers"][0]["load"];
-        (load["inflight"] == 1 && load["pending_prefill_tokens"] == 0).then_some(())
+        (load["inflight"].as_u64().unwrap(), load["pending_prefill_tokens"].as_u64().unwrap())
+    };
+    // Counted while the model says its prefill is under way...
+    let pending = support::eventually("the request in flight", || async {
+        let (inflight, pending) = load().await;
+        (inflight == 1).then_some(pending)
     })
     .await;
+    assert!(pending >= 1_900, "its prompt pending: {pending}");
+    // ... and no longer once it says the first token came, the answer not yet.
+    support::eventually("its prefill no longer pending", || async { (load().await == (1, 0)).then_some(()) }).await;
 }
 
 /// A worker ejected while a request waits for its answer's headers: the
