@@ -115,6 +115,8 @@ struct Link {
     repairing: bool,
     /// Failed messages since the last accepted one.
     failures: u32,
+    /// The last attempt never reached the router (nothing listened).
+    unreachable: bool,
     /// The model list the last sync named: routers take a worker's models
     /// only from syncs, so a new one (a LoRA adapter loaded) is synced at
     /// once rather than at the next full sync, minutes later, its requests
@@ -135,6 +137,7 @@ impl Link {
             repair_due: false,
             repairing: false,
             failures: 0,
+            unreachable: false,
             synced_models: Vec::new(),
         }
     }
@@ -155,6 +158,28 @@ impl Pusher {
             self.state.require_sync(&link.target);
         }
         if self.state.needs_sync(&link.target) {
+            if link.unreachable {
+                // Nothing listened last time: knock with an empty message
+                // before copying the whole set under the state's lock and
+                // serializing it (a million keys, 19 MB, every half second
+                // for as long as a router was down). Its answer says only
+                // that the router is there; the sync's says the rest.
+                let probe = EvictionBatch {
+                    worker_id: self.worker_id.clone(),
+                    epoch: None,
+                    seq: None,
+                    evicted_hashes: Vec::new(),
+                    stored_hashes: Vec::new(),
+                    cleared: false,
+                    load,
+                    digest: None,
+                };
+                self.client
+                    .eviction(&link.target, &probe, link.protocol)
+                    .await
+                    .map_err(|e| (MessageKind::Eviction, e))?;
+                link.unreachable = false;
+            }
             let Some(content) = self.state.take_sync(&link.target) else {
                 return Ok(Round::Idle);
             };
@@ -329,6 +354,7 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
                 Err((kind, e)) => {
                     pusher.state.metrics().push_failures.get_or_create(&Pusher::labels(&link.target, kind)).inc();
                     link.failures += 1;
+                    link.unreachable = e.nothing_sent();
                     link.repairing = false;
                     // The router may be restarting: its new clock starts
                     // again, and the old one named in the next sync's

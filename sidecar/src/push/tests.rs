@@ -30,6 +30,8 @@ enum Sent {
 struct FakeRouter {
     log: Mutex<Vec<(Instant, Sent)>>,
     attempts: Mutex<Vec<Instant>>,
+    /// Attempts that were full syncs, answered or not.
+    sync_attempts: Mutex<usize>,
     failures_left: Mutex<usize>,
     /// Attempts refused as if nothing listened on the router's port.
     unreachable_left: Mutex<usize>,
@@ -60,6 +62,7 @@ impl FakeRouter {
         Arc::new(FakeRouter {
             log: Mutex::new(Vec::new()),
             attempts: Mutex::new(Vec::new()),
+            sync_attempts: Mutex::new(0),
             failures_left: Mutex::new(0),
             unreachable_left: Mutex::new(0),
             stale_left: Mutex::new(0),
@@ -78,6 +81,9 @@ impl FakeRouter {
 
     fn answer(&self, sent: Sent, protocol: u32) -> Result<InternalAck, PushError> {
         self.attempts.lock().push(Instant::now());
+        if matches!(sent, Sent::Sync(_)) {
+            *self.sync_attempts.lock() += 1;
+        }
         if protocol >= 2 && *self.v1_only.lock() {
             let detail = format!("wire protocol version {protocol} is not supported: this router speaks version 1");
             return Err(PushError::Status {
@@ -457,7 +463,12 @@ async fn an_unreachable_router_is_retried_at_least_every_half_second() {
     // The pause, then at most one fast tick.
     assert!(gaps.iter().all(|g| *g <= RECONNECT_MAX + Duration::from_millis(100)), "{gaps:?}");
     assert!(gaps[4..].iter().all(|g| *g >= RECONNECT_MAX / 2), "still backing off: {gaps:?}");
-    assert!(matches!(s.router.sent()[0], Sent::Sync(_)), "the first message it takes is a sync");
+    let sent = s.router.sent();
+    let [Sent::Eviction(probe), Sent::Sync(_), ..] = sent.as_slice() else { panic!("{sent:?}") };
+    assert!(probe.seq.is_none() && probe.stored_hashes.is_empty(), "an empty probe, then the sync: {probe:?}");
+    // Knocked with the probe: the whole set was built for the first attempt
+    // and for the one that reached the router, not for each of the 12.
+    assert_eq!(*s.router.sync_attempts.lock(), 2);
     s.cancel.cancel();
 }
 
