@@ -179,10 +179,45 @@ pub async fn read_client_body(
             RouterError::PayloadTooLarge { limit } if limit == cap => too_long(),
             e => e,
         })?;
-    if body.len() > prompt_limit && !carries_media(&body) {
+    // Media is a few long strings (base64, URLs), which parse at about their
+    // size: past the prompt's bound, what is not in them is held to it too.
+    // A media key alone let a body of 16 MiB of small values (parsed, ~30 ×
+    // its size) through.
+    if body.len() > prompt_limit && (!carries_media(&body) || outside_long_strings(&body) > prompt_limit) {
         return Err(too_long());
     }
     Ok((body, budget))
+}
+
+/// Strings at least this long count as media payloads in
+/// [`outside_long_strings`].
+const LONG_STRING: usize = 4096;
+
+/// The bytes of a JSON body outside strings of [`LONG_STRING`] bytes or
+/// more: what would parse into many small values. A linear scan; a body
+/// that is not JSON is left to the parser to refuse.
+fn outside_long_strings(body: &[u8]) -> usize {
+    let (mut outside, mut in_string, mut escaped, mut start) = (0usize, false, false, 0usize);
+    for (i, &b) in body.iter().enumerate() {
+        if !in_string {
+            if b == b'"' {
+                (in_string, start) = (true, i);
+            } else {
+                outside += 1;
+            }
+        } else if escaped {
+            escaped = false;
+        } else if b == b'\\' {
+            escaped = true;
+        } else if b == b'"' {
+            in_string = false;
+            let len = i + 1 - start;
+            if len < LONG_STRING {
+                outside += len;
+            }
+        }
+    }
+    outside
 }
 
 /// Does a body name a media content part (vLLM's part types and keys)?
@@ -969,5 +1004,22 @@ impl http_body::Body for PermitBody {
 
     fn size_hint(&self) -> http_body::SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_outside_long_strings_are_counted_escapes_and_all() {
+        let long = "A".repeat(LONG_STRING);
+        let body = format!(r#"{{"a": "{long}", "b": [1, 2], "c": "x\"y"}}"#);
+        // Everything but the long string and its quotes.
+        assert_eq!(outside_long_strings(body.as_bytes()), body.len() - (LONG_STRING + 2));
+        // An escaped quote does not end a long string early.
+        let escaped = format!(r#"["{}\"{long}"]"#, "B".repeat(10));
+        assert_eq!(outside_long_strings(escaped.as_bytes()), 2);
+        assert_eq!(outside_long_strings(b"[0,0,0]"), 7);
     }
 }

@@ -1344,6 +1344,14 @@ async fn a_chat_carrying_an_image_is_bounded_by_the_body_limit_not_the_prompts()
     let text = json!({"model": "m", "messages": [{"role": "user", "content": "hi", "pad": prompt(600_000)}]});
     let (status, _) = error_of(r.chat(text).await).await;
     assert_eq!(status, 413);
+    // Nor does naming a media key let through a body of small values
+    // (parsed, ~30 × its size): what is outside long strings is held to
+    // the prompt's bound too.
+    let small =
+        json!({"model": "m", "messages": [{"role": "user", "content": "hi", "image_url": 0, "pad": vec![0; 300_000]}]});
+    assert!(small.to_string().len() > 32_768 * 16);
+    let (status, _) = error_of(r.chat(small).await).await;
+    assert_eq!(status, 413);
     assert_eq!(w.hits.load(Ordering::SeqCst), 1);
 }
 
