@@ -284,26 +284,57 @@ fn message(m: &Map<String, Json>, format: ContentFormat) -> Map<String, Json> {
 /// An assistant turn's tool calls with each call's `arguments` an object,
 /// as tool-use templates expect (the API sends them as a JSON string): an
 /// empty, missing or unparsable one is `{}`. An empty list is no tool calls
-/// (`None`).
+/// (`None`). Each call's keys in the order vLLM's request model gives them
+/// (`id`, `function` with `arguments` then `name`, `type`, then any others
+/// as sent): a template that dumps a call with `tojson` renders them so.
 fn tool_calls(calls: &Json) -> Option<Json> {
     let Json::Array(list) = calls else { return Some(calls.clone()) };
     if list.is_empty() {
         return None;
     }
-    let mut list = list.clone();
-    for call in &mut list {
-        let Some(Json::Object(function)) = call.get_mut("function") else { continue };
-        let arguments = match function.get("arguments") {
-            Some(o @ Json::Object(m)) if !m.is_empty() => o.clone(),
-            Some(Json::String(s)) if !s.is_empty() => match serde_json::from_str::<Json>(s) {
-                Ok(o @ Json::Object(_)) => o,
-                _ => json!({}),
-            },
-            _ => json!({}),
-        };
-        function.insert("arguments".into(), arguments);
-    }
+    let list = list
+        .iter()
+        .map(|call| {
+            let Json::Object(call) = call else { return call.clone() };
+            let function = match call.get("function") {
+                Some(Json::Object(f)) => {
+                    let arguments = match f.get("arguments") {
+                        Some(o @ Json::Object(m)) if !m.is_empty() => o.clone(),
+                        Some(Json::String(s)) if !s.is_empty() => match serde_json::from_str::<Json>(s) {
+                            Ok(o @ Json::Object(_)) => o,
+                            _ => json!({}),
+                        },
+                        _ => json!({}),
+                    };
+                    Some(Json::Object(in_order(f, &["arguments", "name"], [("arguments", arguments)])))
+                }
+                _ => None,
+            };
+            Json::Object(in_order(call, &["id", "function", "type"], function.map(|f| ("function", f))))
+        })
+        .collect();
     Some(Json::Array(list))
+}
+
+/// `m`'s keys with `first` first (those present, in that order, each
+/// replaced by `with` where it names one), then the others as they were.
+fn in_order<'a>(
+    m: &Map<String, Json>,
+    first: &[&str],
+    with: impl IntoIterator<Item = (&'a str, Json)>,
+) -> Map<String, Json> {
+    let mut with: Vec<(&str, Json)> = with.into_iter().collect();
+    let mut out = Map::new();
+    for &k in first {
+        let replaced = with.iter().position(|(w, _)| *w == k).map(|i| with.swap_remove(i).1);
+        if let Some(v) = replaced.or_else(|| m.get(k).cloned()) {
+            out.insert(k.to_owned(), v);
+        }
+    }
+    for (k, v) in m.iter().filter(|(k, _)| !first.contains(&k.as_str())) {
+        out.insert(k.clone(), v.clone());
+    }
+    out
 }
 
 fn developer_as_system(mut m: Map<String, Json>) -> Map<String, Json> {
@@ -576,6 +607,15 @@ mod tests {
             {"role": "assistant", "content": "done", "tool_calls": []}
         ]));
         let p = prepare(&m, ContentFormat::Parts, true);
+        // As vLLM's request model orders a call: id, function (arguments,
+        // name, others), type, others.
+        let keys = |v: &Json| v.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+        let sent = msgs(json!([{"role": "assistant", "content": null, "tool_calls": [
+            {"type": "function", "cache": 3, "function": {"extra": 1, "name": "f", "arguments": "{}"}, "id": "c1"}
+        ]}]));
+        let call = &prepare(&sent, ContentFormat::String, true)[0]["tool_calls"][0];
+        assert_eq!(keys(call), ["id", "function", "type", "cache"]);
+        assert_eq!(keys(&call["function"]), ["arguments", "name", "extra"]);
         let args: Vec<&Json> =
             p[0]["tool_calls"].as_array().unwrap().iter().map(|c| &c["function"]["arguments"]).collect();
         assert_eq!(args, [&json!({"q": 7}), &json!({}), &json!({})]);
