@@ -450,16 +450,18 @@ async fn dispatch(
             }
             Wait::Stalled if !streaming => {
                 // Its engine filled no block for a whole window: wedged, or
-                // busy with this request's own slow start.
+                // busy with this request's own slow start. Its other
+                // requests made no progress either (progress extends the
+                // window): then the engine is wedged, charged at once.
                 server_failed = false;
-                request_may_be_at_fault = true;
+                request_may_be_at_fault = !others_waiting(worker);
                 guard.failed("stalled");
                 state.metrics.event("stalled", 1);
                 last_err = Some(RouterError::UpstreamTimeout { worker: worker.id.clone() });
             }
             Wait::TimedOut | Wait::Stalled => {
                 server_failed = false;
-                request_may_be_at_fault = true;
+                request_may_be_at_fault = !others_waiting(worker);
                 guard.failed("first_token_timeout");
                 state.metrics.event("first_token_timeout", 1);
                 last_err = Some(RouterError::UpstreamTimeout { worker: worker.id.clone() });
@@ -493,6 +495,7 @@ async fn dispatch(
                     note_success(worker);
                 } else if upstream.status().is_client_error() {
                     routing::withdraw(state, worker, &plan.keys, recorded);
+                    guard.abandon_sent();
                 }
                 suspects.iter().for_each(|w| note_failure(state, w));
                 return Ok(respond(state, upstream, guard, streaming));
@@ -947,11 +950,24 @@ impl InflightGuard {
 
     fn failed(mut self, outcome: &'static str) {
         self.failed = true;
+        self.abandon_sent();
+        self.finish(outcome);
+    }
+
+    /// The engine computes nothing of this request (it failed, or was
+    /// refused): the replicas stop counting its prefix as sent there.
+    fn abandon_sent(&self) {
         if let Some(sent) = &self.sent {
             sent.abandon();
         }
-        self.finish(outcome);
     }
+}
+
+/// Does `worker` have requests in flight besides the one whose deadline
+/// just passed? They made no progress in that window either (any would have
+/// extended it): the engine is wedged, not slow on that request alone.
+fn others_waiting(worker: &Worker) -> bool {
+    worker.live.inflight.load(Ordering::Relaxed) > 1
 }
 
 /// The `status` label of a request's duration, from its outcome: the

@@ -1889,6 +1889,30 @@ async fn a_stream_late_on_every_worker_ejects_none_of_them() {
     }
 }
 
+/// ... but a worker whose other requests made no progress either is wedged:
+/// charged at once, with no other worker to answer (`retries: 0`).
+#[tokio::test]
+async fn a_stream_late_beside_others_charges_its_worker_at_once() {
+    let wedged = fake_worker("a", Behaviour::Wedged).await;
+    let r = router(&[("a", &wedged.url)], |raw| {
+        raw.eject_after_failures = 1;
+        raw.retries = 0;
+        raw.first_token_timeout = Duration::from_secs(2);
+        raw.first_token_timeout_per_1k_tokens = Duration::ZERO;
+    })
+    .await;
+    let stream = |n: u32| r.complete(json!({"model": "m", "prompt": format!("waiting {n}"), "stream": true}));
+    let (first, second) = tokio::join!(stream(1), async {
+        eventually("the first at the engine", || async { (wedged.hits.load(Ordering::SeqCst) == 1).then_some(()) })
+            .await;
+        stream(2).await
+    });
+    assert_eq!(first.status(), StatusCode::GATEWAY_TIMEOUT);
+    // Timed out too, or given up as its worker was ejected meanwhile.
+    assert!([StatusCode::GATEWAY_TIMEOUT, StatusCode::BAD_GATEWAY].contains(&second.status()), "{}", second.status());
+    assert!(!healthy(&r, "a").await, "two requests stuck together: a wedged engine");
+}
+
 /// A request that every worker refuses (connection dropped) is the request's
 /// fault: retried, then a 502, but no worker is charged for it, so a client
 /// repeating it cannot eject the whole cluster.
