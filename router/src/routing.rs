@@ -148,7 +148,8 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
     // quarter of the engine's. The byte bound above still holds; the engine
     // counts. Token ids are tokens whatever the tokenizer.
     // A batch's prompts each count: only the first is keyed.
-    let counted = tokens.len().max(req.longest_batched_token_ids().unwrap_or(0));
+    let batched = req.longest_batched_token_ids().unwrap_or(0);
+    let counted = tokens.len().max(req.truncation().keep.map_or(batched, |keep| batched.min(keep)));
     if (tokenizer.is_exact() || req.has_token_ids()) && counted > max {
         return Err(RouterError::PromptTooLong { tokens: Some(counted), max });
     }

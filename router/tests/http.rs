@@ -1295,8 +1295,11 @@ async fn prompts_beyond_max_prompt_tokens_are_refused_before_or_after_tokenizing
     let (status, body) = error_of(r.complete(batch).await).await;
     assert_eq!(status, 400, "{body}");
     assert!(body["error"]["message"].as_str().unwrap().contains("150 tokens"), "{body}");
+    // ... as the engine keeps them (`truncate_prompt_tokens`).
+    let batch = json!({"model": "m", "prompt": [[1], vec![1; 150]], "truncate_prompt_tokens": 64});
+    assert_eq!(r.complete(batch).await.status(), 200);
     assert_eq!(r.complete(json!({"model": "m", "prompt": prompt(50)})).await.status(), 200);
-    assert_eq!(w.hits.load(Ordering::SeqCst), 1, "refused prompts never reached the engine");
+    assert_eq!(w.hits.load(Ordering::SeqCst), 2, "refused prompts never reached the engine");
     // Truncated by the engine (`truncate_prompt_tokens`), it is within the
     // limit: counted as the engine keeps it. It was a 400.
     let truncated = json!({"model": "m", "prompt": words, "truncate_prompt_tokens": 64});
