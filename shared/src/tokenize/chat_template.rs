@@ -210,12 +210,13 @@ struct Dumps {
 /// A JSON string as `json.dumps` writes it.
 fn python_string(s: &str, ascii: bool, out: &mut String) {
     let quoted = Json::String(s.to_owned()).to_string();
-    if !ascii || s.is_ascii() {
+    // Python's ASCII encoder escapes DEL too.
+    if !ascii || (s.is_ascii() && !s.contains('\x7f')) {
         out.push_str(&quoted);
         return;
     }
     for c in quoted.chars() {
-        if c.is_ascii() {
+        if c.is_ascii() && c != '\x7f' {
             out.push(c);
         } else {
             let mut units = [0u16; 2];
@@ -384,6 +385,10 @@ mod tests {
         assert_eq!(out, "{\"a\":[1,2],\"é\":\"ü🙂\"}");
         let out = render(&format!("{x}{{{{ x | tojson(ensure_ascii=True) }}}}"), args.clone()).unwrap();
         assert_eq!(out, "{\"a\": [1, 2], \"\\u00e9\": \"\\u00fc\\ud83d\\ude42\"}");
+        let del =
+            serde_json::json!([{"role": "assistant", "tool_calls": [{"function": {"arguments": {"d": "a\u{7f}b"}}}]}]);
+        let out = render(&format!("{x}{{{{ x | tojson(ensure_ascii=True) }}}}"), del).unwrap();
+        assert_eq!(out, "{\"d\": \"a\\u007fb\"}");
         let out = render(&format!("{x}{{{{ x | tojson(indent=1, separators=(',', ': ')) }}}}"), args).unwrap();
         assert_eq!(out, "{\n \"a\": [\n  1,\n  2\n ],\n \"é\": \"ü🙂\"\n}");
     }
