@@ -321,6 +321,7 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
                 Ok(Round::Idle) => break,
                 Ok(Round::Sent(kind, ack)) => {
                     backoff = BACKOFF_MIN;
+                    link.unreachable = false;
                     let again = pusher.on_ack(&mut link, kind, ack);
                     if kind == MessageKind::Sync {
                         if again {
