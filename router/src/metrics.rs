@@ -320,7 +320,7 @@ impl Metrics {
         let shed = Counter::default();
         registry.register(
             "shed",
-            "Requests refused with 503 because the router was at its concurrency limit or its in-flight body budget",
+            "Requests refused with 503: at the concurrency limit, the cap on requests reading their bodies, or the in-flight body budget",
             shed.clone(),
         );
         let speculative_expired = Counter::default();
