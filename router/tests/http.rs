@@ -1149,17 +1149,34 @@ async fn a_refused_request_leaves_no_speculative_entries() {
 
 #[tokio::test]
 async fn a_burst_of_one_new_prefix_lands_on_one_worker() {
-    let w1 = fake_worker("w1", Behaviour::Ok).await;
-    let w2 = fake_worker("w2", Behaviour::Ok).await;
-    let w3 = fake_worker("w3", Behaviour::Ok).await;
-    let r = router(&[("w1", &w1.url), ("w2", &w2.url), ("w3", &w3.url)], |_| {}).await;
-    let shared = prompt(400);
-    let mut seen = std::collections::BTreeSet::new();
-    for i in 0..6 {
-        let resp = r.complete(json!({"model": "m", "prompt": format!("{shared} question {i}")})).await;
-        seen.insert(resp.headers()["x-kvroute-worker"].to_str().unwrap().to_owned());
+    // Workers with sidecars (an exact index, where a send is a speculative
+    // entry), whose engines are still prefilling: nothing confirmed yet.
+    let mut fakes = Vec::new();
+    for id in ["w1", "w2", "w3"] {
+        fakes.push((id, fake_worker(id, Behaviour::Hang).await));
     }
-    assert_eq!(seen.len(), 1, "speculative entries keep a new prefix together: {seen:?}");
+    let r = router(&[], |_| {}).await;
+    for (id, w) in &fakes {
+        let sync = json!({"worker_id": id, "url": w.url, "hashes": []});
+        assert_eq!(r.internal("/internal/sync", sync).await.status(), 200);
+    }
+    let shared = prompt(400);
+    let first = json!({"model": "m", "prompt": format!("{shared} question 0")});
+    let _first = tokio::spawn(r.http.post(format!("{}/v1/completions", r.url)).json(&first).send());
+    let holder = eventually("the first at its engine", || async {
+        fakes.iter().find(|(_, w)| w.hits.load(Ordering::SeqCst) == 1).map(|(id, _)| *id)
+    })
+    .await;
+    // A follower, before any sidecar confirmed a block: sent to the holder
+    // for the blocks it is computing, not placed cold.
+    let follower = json!({"model": "m", "prompt": format!("{shared} question 1")});
+    let debug: Value =
+        r.http.post(format!("{}/debug/route", r.url)).json(&follower).send().await.unwrap().json().await.unwrap();
+    assert_eq!(debug["decision"]["worker"], holder, "{debug}");
+    assert_eq!(debug["decision"]["reason"], "best_cost", "{debug}");
+    let row = debug["workers"].as_array().unwrap().iter().find(|w| w["id"] == holder).unwrap();
+    assert_eq!(row["matched_blocks"], 400 / 16, "{row}");
+    assert_eq!(row["matched_kind"], "sent", "{row}");
 }
 
 #[tokio::test]
