@@ -1,4 +1,7 @@
 """The official OpenAI Python client, streaming and not, through the router."""
+import json
+import urllib.request
+
 import pytest
 
 from prerequisites import needed
@@ -56,10 +59,20 @@ def test_models(client):
     assert MODEL in [m.id for m in client.models.list().data]
 
 
-def test_repeat_sticks_to_one_worker(client):
+def test_repeat_sticks_to_one_worker(client, router_url):
     prompt = "A long shared system prompt. " * 40
     workers = set()
     for i in range(4):
         raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt + f"Q{i}", max_tokens=2)
         workers.add(raw.headers["x-kvroute-worker"])
     assert len(workers) == 1
+    # By what that worker holds, not by a hash of the first block alone: the
+    # router explains the next one as a match there.
+    (holder,) = workers
+    body = json.dumps({"model": MODEL, "prompt": prompt + "Q4"}).encode()
+    req = urllib.request.Request(f"{router_url}/debug/route", body, {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        explained = json.load(resp)
+    assert explained["decision"]["worker"] == holder, explained
+    row = next(w for w in explained["workers"] if w["id"] == holder)
+    assert row["matched_tokens"] >= len(prompt) // 2, row
