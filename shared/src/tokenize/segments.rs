@@ -106,6 +106,9 @@ impl SegmentCache {
         }
         let mut pairs: Vec<(u32, String)> = added.into_iter().map(|(id, t)| (id, t.content)).collect();
         pairs.sort();
+        if !gaps_are_independent(tokenizer, &pairs[0]) {
+            return None;
+        }
         let splitter =
             AhoCorasick::builder().match_kind(MatchKind::LeftmostLongest).build(pairs.iter().map(|(_, c)| c)).ok()?;
         let mut cache = SegmentCache {
@@ -246,6 +249,20 @@ const CHUNK_PROBES: &[&str] = &[
     "End.\nNext. Then... dots. What?! Both. Ünïcode. É accent. a. b. c. I. A.",
 ];
 
+/// Does a gap encode alone as it does between added tokens? Not for a
+/// SentencePiece-style tokenizer that prepends `▁` at the start of the text
+/// only (Metaspace's `prepend_scheme: "first"`, Llama 2, Mistral): alone,
+/// every gap after a special token got a `▁` the whole text does not have,
+/// and no key from the first special token on matched the engine's.
+fn gaps_are_independent(tokenizer: &tokenizers::Tokenizer, (id, content): &(u32, String)) -> bool {
+    let encode = |t: &str| tokenizer.encode_fast(t, false).map(|e| e.get_ids().to_vec()).ok();
+    ["Hello world", " Hello", "\nHello"].iter().all(|gap| {
+        let whole = encode(&format!("{gap}{content}{gap}"));
+        let parts = encode(gap).map(|g| [g.as_slice(), &[*id], g.as_slice()].concat());
+        whole.is_some() && whole == parts
+    })
+}
+
 fn line_chunks_are_exact(tokenizer: &tokenizers::Tokenizer) -> bool {
     let encode = |t: &str| tokenizer.encode_fast(t, false).map(|e| e.get_ids().to_vec());
     CHUNK_PROBES.iter().all(|probe| {
@@ -279,4 +296,41 @@ fn special_wrapping(tokenizer: &tokenizers::Tokenizer) -> Option<(Vec<u32>, Vec<
         }
     }
     found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A SentencePiece-style tokenizer (Metaspace, `▁` prepended at the start
+    /// of the text only) with one added token, `<s>`.
+    fn metaspace_first() -> tokenizers::Tokenizer {
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [{"id": 1, "content": "<s>", "single_word": false, "lstrip": false, "rstrip": false,
+                              "normalized": false, "special": true}],
+            "normalizer": null,
+            "pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": true},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                      "vocab": {"<unk>": 0, "<s>": 1, "▁": 2, "H": 3, "e": 4, "l": 5, "o": 6, "w": 7, "r": 8, "d": 9},
+                      "merges": []}
+        });
+        json.to_string().parse().expect("a valid tokenizer")
+    }
+
+    #[test]
+    fn a_tokenizer_whose_gaps_depend_on_their_place_is_encoded_whole() {
+        let t = metaspace_first();
+        let text = "<s>Hello<s> world";
+        let whole = t.encode_fast(text, false).unwrap().get_ids().to_vec();
+        // Alone, the gap after `<s>` would get the `▁` only the text's start gets.
+        let alone = t.encode_fast("Hello", false).unwrap().get_ids().to_vec();
+        assert_ne!(whole[1..6], alone[..], "the fixture shows the dependence");
+        match SegmentCache::new(&t) {
+            None => {}
+            Some(cache) => assert_eq!(cache.encode(&t, text).unwrap(), whole),
+        }
+    }
 }
