@@ -450,18 +450,16 @@ async fn dispatch(
             }
             Wait::Stalled if !streaming => {
                 // Its engine filled no block for a whole window: wedged, or
-                // busy with this request's own slow start. Its other
-                // requests made no progress either (progress extends the
-                // window): then the engine is wedged, charged at once.
+                // busy with this request's own slow start.
                 server_failed = false;
-                request_may_be_at_fault = !others_waiting(worker);
+                request_may_be_at_fault = true;
                 guard.failed("stalled");
                 state.metrics.event("stalled", 1);
                 last_err = Some(RouterError::UpstreamTimeout { worker: worker.id.clone() });
             }
             Wait::TimedOut | Wait::Stalled => {
                 server_failed = false;
-                request_may_be_at_fault = !others_waiting(worker);
+                request_may_be_at_fault = true;
                 guard.failed("first_token_timeout");
                 state.metrics.event("first_token_timeout", 1);
                 last_err = Some(RouterError::UpstreamTimeout { worker: worker.id.clone() });
@@ -961,13 +959,6 @@ impl InflightGuard {
             sent.abandon();
         }
     }
-}
-
-/// Does `worker` have requests in flight besides the one whose deadline
-/// just passed? They made no progress in that window either (any would have
-/// extended it): the engine is wedged, not slow on that request alone.
-fn others_waiting(worker: &Worker) -> bool {
-    worker.live.inflight.load(Ordering::Relaxed) > 1
 }
 
 /// The `status` label of a request's duration, from its outcome: the
