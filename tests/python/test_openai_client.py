@@ -67,7 +67,8 @@ def test_repeat_sticks_to_one_worker(client, router_url):
         workers.add(raw.headers["x-kvroute-worker"])
     assert len(workers) == 1
     # By what that worker holds, not by a hash of the first block alone: the
-    # router explains the next one as a match there.
+    # router explains the next one as a match there (the sim cluster keys
+    # bytes, no tokenizer: a character is a token).
     (holder,) = workers
     body = json.dumps({"model": MODEL, "prompt": prompt + "Q4"}).encode()
     req = urllib.request.Request(f"{router_url}/debug/route", body, {"content-type": "application/json"})

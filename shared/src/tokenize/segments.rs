@@ -8,8 +8,11 @@
 //!
 //! That independence holds only when every added token matches on the raw
 //! text with no side effects: not `normalized`, no `lstrip`/`rstrip`/
-//! `single_word`; and when the tokenizer neither truncates nor pads.
-//! [`SegmentCache::new`] returns `None` otherwise and callers encode whole.
+//! `single_word`; when the tokenizer neither truncates nor pads; and when no
+//! step depends on where a gap sits in the text (SentencePiece's Metaspace
+//! with `prepend_scheme: "first"`, Llama 2 and Mistral, prepends `▁` at the
+//! text's start only: checked on probes). [`SegmentCache::new`] returns
+//! `None` otherwise and callers encode whole, at more CPU per request.
 //!
 //! Completions have no special tokens to split on, so a long gap is also cut
 //! into chunks of at least [`CHUNK_BYTES`] at line starts (after a single
@@ -328,9 +331,6 @@ mod tests {
         // Alone, the gap after `<s>` would get the `▁` only the text's start gets.
         let alone = t.encode_fast("Hello", false).unwrap().get_ids().to_vec();
         assert_ne!(whole[1..6], alone[..], "the fixture shows the dependence");
-        match SegmentCache::new(&t) {
-            None => {}
-            Some(cache) => assert_eq!(cache.encode(&t, text).unwrap(), whole),
-        }
+        assert!(SegmentCache::new(&t).is_none(), "encoded whole");
     }
 }
