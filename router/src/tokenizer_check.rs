@@ -7,7 +7,11 @@
 //! naming the first token that differs, and `kvroute_worker_tokenizer_mismatch`
 //! = 1 (an alert); routing goes on. An engine that does not answer
 //! `/tokenize` (an API key the router lacks, a server without it) is not
-//! compared; one that fails is asked again a minute later. The comparison
+//! compared; one that fails is asked again a minute later. A router with no
+//! tokenizer for the model (byte-level keys) compares its bytes with the
+//! engine's text tokens: an engine with a real tokenizer differs, and says
+//! so (the most common misconfiguration: `--tokenizer` forgotten); a
+//! simulated engine keying bytes too agrees. The comparison
 //! runs in a task of its own, never in the health round (an engine whose
 //! `/tokenize` hangs would hold up every worker's probe).
 
@@ -38,10 +42,10 @@ pub enum Verdict {
     /// or the engine refused it): a template difference would not show.
     SameTextOnly,
     /// `what` (a text completion, a chat) tokenized otherwise: the first
-    /// position that differs, and the lengths.
-    Differs { what: &'static str, at: usize, ours: usize, theirs: usize },
-    /// The engine does not tokenize for the router, or the router has no
-    /// tokenizer of the model to compare (byte mode).
+    /// position that differs, and the lengths; `bytes`: the router has no
+    /// tokenizer of the model (its "tokens" are bytes).
+    Differs { what: &'static str, at: usize, ours: usize, theirs: usize, bytes: bool },
+    /// The engine does not tokenize for the router.
     NotCompared,
 }
 
@@ -102,7 +106,20 @@ pub async fn check_once(state: &AppState, worker: &Worker) {
                  the engine would not render the probe chat)"
             );
         }
-        Verdict::Differs { what, at, ours, theirs } => {
+        Verdict::Differs { what, at, ours, theirs, bytes: true } => {
+            gauge().set(1);
+            tracing::error!(
+                worker.id = %worker.id,
+                what,
+                first_difference = at,
+                router_tokens = ours,
+                engine_tokens = theirs,
+                "the router has no tokenizer for this worker's model and keys bytes, and the engine tokenizes: no \
+                 prefix ever matches there, and routing is by load alone. Give the router the engine's \
+                 tokenizer.json and chat template (--tokenizer, per model with --model-tokenizer)"
+            );
+        }
+        Verdict::Differs { what, at, ours, theirs, bytes: false } => {
             gauge().set(1);
             tracing::error!(
                 worker.id = %worker.id,
@@ -123,11 +140,11 @@ pub async fn check_once(state: &AppState, worker: &Worker) {
 pub async fn compare(state: &AppState, worker: &Worker) -> Option<Verdict> {
     let model = worker.models.first().map(|m| m.as_str().to_owned())?;
     let tokenizer = state.tokenizers.for_model(&model).clone();
-    if !tokenizer.is_exact() {
-        return Some(Verdict::NotCompared);
-    }
+    let bytes = !tokenizer.is_exact();
     let mut compared = 0;
-    for (what, endpoint, body) in probes(&model) {
+    // In byte mode only the text: a chat's plain rendering is never the
+    // engine's, whatever it tokenizes with.
+    for (what, endpoint, body) in probes(&model).into_iter().take(if bytes { 1 } else { 2 }) {
         let Ok(req) = PromptRequest::parse(endpoint, body.to_string().as_bytes()) else { continue };
         // No chat template here (the engine may have one of its own): the
         // chat is not compared.
@@ -139,7 +156,7 @@ pub async fn compare(state: &AppState, worker: &Worker) -> Option<Verdict> {
         };
         if ours != theirs {
             let at = ours.iter().zip(&theirs).take_while(|(a, b)| a == b).count();
-            return Some(Verdict::Differs { what, at, ours: ours.len(), theirs: theirs.len() });
+            return Some(Verdict::Differs { what, at, ours: ours.len(), theirs: theirs.len(), bytes });
         }
         compared += 1;
     }

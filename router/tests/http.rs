@@ -2246,6 +2246,26 @@ async fn tokenizing_engine(tokens: impl Fn(&Value) -> Vec<u32> + Clone + Send + 
     serve_engine(app).await
 }
 
+/// A router given no tokenizer keys bytes: in front of an engine that
+/// tokenizes, that is reported (the most common misconfiguration, silent
+/// before: every prefix missed); in front of one keying bytes too (kvroute-sim
+/// without a tokenizer) it is not.
+#[tokio::test]
+async fn a_router_without_a_tokenizer_in_front_of_one_that_tokenizes_is_reported() {
+    let bytes = |body: &Value| body["prompt"].as_str().map_or_else(Vec::new, |p| p.bytes().map(u32::from).collect());
+    let tokens = move |body: &Value| bytes(body).chunks(4).map(|c| c.iter().sum::<u32>()).collect::<Vec<u32>>();
+    let series = "kvroute_worker_tokenizer_mismatch{worker=\"w\"}";
+    for (engine, want) in [(tokenizing_engine(bytes).await, 0), (tokenizing_engine(tokens).await, 1)] {
+        let r = router(&[("w", &engine)], |raw| raw.health_check_interval = Duration::from_millis(50)).await;
+        let line = format!("{series} {want}");
+        eventually("the tokenizers compared", || async {
+            let text = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
+            text.contains(&line).then_some(())
+        })
+        .await;
+    }
+}
+
 /// The router compares its tokenizer and chat template with each engine's
 /// (`POST /tokenize`) once: a difference is exported (and logged as an
 /// error), agreement too; before, a router given the wrong tokenizer keyed
