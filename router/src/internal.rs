@@ -56,13 +56,34 @@ fn matches(presented: &str, token: &Secret) -> bool {
 fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<(), RouterError> {
     let p = presented(headers);
     let tokens = &state.config.worker_tokens;
-    match &state.config.raw.internal_token {
-        _ if !tokens.is_empty() => {
-            tokens.values().any(|t| matches(p, t)).then_some(()).ok_or(RouterError::Unauthorized)
-        }
-        Some(shared) => matches(p, shared).then_some(()).ok_or(RouterError::Unauthorized),
-        None => Ok(()),
+    let ok = match &state.config.raw.internal_token {
+        _ if !tokens.is_empty() => tokens.values().any(|t| matches(p, t)),
+        Some(shared) => matches(p, shared),
+        None => true,
+    };
+    if ok { Ok(()) } else { Err(refused_token(state, "unauthorized_push", "a sidecar's push")) }
+}
+
+/// When the last refused token was logged, ms.
+static LAST_REFUSED_LOG_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A push or report with no valid token: counted, and logged at most every
+/// 10 s (a sidecar with the wrong token retries every 30 s; the router said
+/// nothing, and an operator reading it saw no worker register and no
+/// reason).
+fn refused_token(state: &AppState, kind: &'static str, what: &str) -> RouterError {
+    state.metrics.event(kind, 1);
+    let now = now_ms();
+    let last = LAST_REFUSED_LOG_MS.load(Ordering::Relaxed);
+    if now.saturating_sub(last) >= 10_000
+        && LAST_REFUSED_LOG_MS.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+    {
+        tracing::warn!(
+            "{what} refused: its bearer token is not this router's internal_token (nor, with worker_tokens_file, \
+             any worker's); set the same token on both sides"
+        );
     }
+    RouterError::Unauthorized
 }
 
 /// Another replica's report (`crate::replicas`): only the shared internal
@@ -71,11 +92,11 @@ fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<(), RouterError
 /// validation refuses `replicas` then); with neither, the endpoint is open
 /// as the sidecars' are (loopback, or `allow_insecure_internal`).
 pub fn authenticate_replica(state: &AppState, headers: &HeaderMap) -> Result<(), RouterError> {
-    match &state.config.raw.internal_token {
-        Some(shared) => matches(presented(headers), shared).then_some(()).ok_or(RouterError::Unauthorized),
-        None if state.config.worker_tokens.is_empty() => Ok(()),
-        None => Err(RouterError::Unauthorized),
-    }
+    let ok = match &state.config.raw.internal_token {
+        Some(shared) => matches(presented(headers), shared),
+        None => state.config.worker_tokens.is_empty(),
+    };
+    if ok { Ok(()) } else { Err(refused_token(state, "unauthorized_report", "a replica's report")) }
 }
 
 /// After decoding: with per-worker tokens, the token must be `worker`'s own.

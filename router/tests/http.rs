@@ -964,6 +964,10 @@ async fn internal_endpoints_require_the_token() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 401);
+    // Counted on the router too: a sidecar with the wrong token is not only
+    // the sidecar's to report.
+    let metrics = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("kvroute_events_applied_total{kind=\"unauthorized_push\"} 2"), "{metrics}");
     let resp = r.internal("/internal/sync", body).await;
     assert_eq!(resp.status(), 200);
     let ack: Value = resp.json().await.unwrap();
