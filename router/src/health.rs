@@ -60,7 +60,11 @@ pub fn request_hold(k: u32) -> Duration {
 }
 
 /// A health probe failed.
-fn probe_failed(state: &AppState, worker: &Worker) {
+/// `failure`: what the probe got (a status, or the connection's error),
+/// named in the ejection's log with the URL probed: a worker registered
+/// at an address this router cannot reach (an `advertise_url` only its own
+/// host resolves, a URL ending in `/v1`) said only "health probes failed".
+fn probe_failed(state: &AppState, worker: &Worker, failure: &str) {
     let n = worker.live.probe_failures.fetch_add(1, Ordering::Relaxed) + 1;
     if n < state.config.raw.eject_after_failures {
         return;
@@ -69,7 +73,8 @@ fn probe_failed(state: &AppState, worker: &Worker) {
     // again, it is re-admitted at once.
     worker.live.held_until_ms.store(0, Ordering::Relaxed);
     if worker.live.healthy.swap(false, Ordering::Relaxed) {
-        eject(state, worker, &format!("{n} health probes failed in a row"));
+        let url = format!("{}/health", worker.url);
+        eject(state, worker, &format!("{n} health probes of {url} failed in a row, the last: {failure}"));
     }
 }
 
@@ -101,12 +106,13 @@ pub async fn run_health_checks(state: Arc<AppState>) {
 
 async fn check(state: &Arc<AppState>, worker: &Arc<Worker>) {
     let timeout = state.config.raw.health_check_timeout;
-    let ok = match state.client.get(format!("{}/health", worker.url)).timeout(timeout).send().await {
-        Ok(r) => r.status().is_success(),
-        Err(_) => false,
+    let failure = match state.client.get(format!("{}/health", worker.url)).timeout(timeout).send().await {
+        Ok(r) if r.status().is_success() => None,
+        Ok(r) => Some(format!("answered {}", r.status())),
+        Err(e) => Some(kvroute_shared::logging::error_chain(&e)),
     };
-    if !ok {
-        probe_failed(state, worker);
+    if let Some(failure) = failure {
+        probe_failed(state, worker, &failure);
         return;
     }
     if probe_answered(worker, now_ms()) {
@@ -482,10 +488,10 @@ mod tests {
         assert!(again >= now_ms() + 9_000, "held 10 s the second time");
         // One slow probe does not end the hold; the engine gone (as many
         // failed probes as ejection takes) and back is re-admitted at once.
-        probe_failed(&state, &w);
+        probe_failed(&state, &w, "refused");
         assert!(!probe_answered(&w, now_ms()), "one failed probe is not the engine gone");
         for _ in 0..n {
-            probe_failed(&state, &w);
+            probe_failed(&state, &w, "refused");
         }
         assert!(probe_answered(&w, now_ms()));
         assert_eq!(request_hold(1), Duration::from_secs(5));

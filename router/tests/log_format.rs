@@ -39,3 +39,34 @@ fn an_unknown_log_format_is_one_readable_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("possible values: text, json"), "{err}");
 }
+
+/// An ejection by failed probes names the URL probed and what the last
+/// probe got: a worker at an address this router cannot reach said only
+/// "health probes failed".
+#[test]
+fn an_ejection_names_the_url_probed_and_the_failure() {
+    // Nothing listens on port 1.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
+        .args(["--listen", "127.0.0.1:0", "--worker", "w=http://127.0.0.1:1", "--health-check-interval", "50ms"])
+        .env_remove("KVROUTE_LOG")
+        .env_remove("KVROUTE_LOG_FORMAT")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = BufReader::new(child.stdout.take().unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in out.lines().map_while(Result::ok) {
+            if line.contains("worker ejected") && tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let line = rx.recv_timeout(std::time::Duration::from_secs(60));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let line = line.expect("an ejection logged");
+    assert!(line.contains("http://127.0.0.1:1/health"), "{line}");
+    assert!(line.contains("the last:"), "{line}");
+}
