@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::config::Secret;
-use crate::load::{parse_block_size, parse_loads, parse_prompt_tokens};
+use crate::load::{parse_block_size, parse_loads, parse_prefix_caching, parse_prompt_tokens};
 use crate::metrics::Metrics;
 use crate::silence::{SILENT_AFTER, SilenceWatch, Transition};
 
@@ -83,8 +83,14 @@ impl EngineClient {
 
     /// The engine's block size from `vllm:cache_config_info`, if it says.
     pub async fn block_size(&self) -> Option<BlockSize> {
-        let text = self.metrics_text().await.ok()?;
-        parse_block_size(&text).and_then(|b| BlockSize::new(b).ok())
+        self.cache_config().await.0
+    }
+
+    /// The engine's block size and whether its prefix caching is on, from
+    /// `vllm:cache_config_info`, as far as it says.
+    pub async fn cache_config(&self) -> (Option<BlockSize>, Option<bool>) {
+        let Ok(text) = self.metrics_text().await else { return (None, None) };
+        (parse_block_size(&text).and_then(|b| BlockSize::new(b).ok()), parse_prefix_caching(&text))
     }
 }
 

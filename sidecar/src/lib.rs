@@ -71,6 +71,11 @@ pub enum RunError {
          (--engine-api-key, or KVROUTE_SIDECAR_ENGINE_API_KEY)"
     )]
     EngineRefused { url: String, status: u16 },
+    #[error(
+        "the engine runs without prefix caching (vllm:cache_config_info enable_prefix_caching=\"False\"): it \
+         reuses no cached block, so there is nothing to route by; start it with --enable-prefix-caching"
+    )]
+    PrefixCachingOff,
 }
 
 /// The `/health` and `/metrics` server's connection limits: its clients are
@@ -196,7 +201,10 @@ async fn start(
         Some(m) => m.clone(),
         None => models[0].clone(),
     };
-    let engine_block_size = engine.block_size().await;
+    let (engine_block_size, prefix_caching) = engine.cache_config().await;
+    if prefix_caching == Some(false) {
+        return Err(RunError::PrefixCachingOff);
+    }
     let block_size = match (config.block_size, engine_block_size) {
         // Keys chunked by another size than the engine's never match a
         // request: refused at start, not counted in a metric nobody reads.
@@ -204,7 +212,10 @@ async fn start(
         (Some(b), _) => b,
         (None, Some(e)) => e,
         (None, None) => {
-            warn!("engine did not report its block size; assuming 16");
+            warn!(
+                "the engine's /metrics has no vllm:cache_config_info (vLLM started with --disable-log-stats?): \
+                 assuming block size 16; pass --block-size with the engine's, or the keys may never match"
+            );
             BlockSize::DEFAULT
         }
     };

@@ -112,10 +112,27 @@ pub fn parse_prompt_tokens(text: &str) -> Option<f64> {
 
 /// The `block_size` label of `vllm:cache_config_info`.
 pub fn parse_block_size(text: &str) -> Option<u32> {
+    cache_config_label(text, "block_size").and_then(|v| v.parse().ok())
+}
+
+/// The `enable_prefix_caching` label of `vllm:cache_config_info` (Python's
+/// `True` / `False`).
+pub fn parse_prefix_caching(text: &str) -> Option<bool> {
+    match cache_config_label(text, "enable_prefix_caching")? {
+        "True" | "true" => Some(true),
+        "False" | "false" => Some(false),
+        _ => None,
+    }
+}
+
+fn cache_config_label<'a>(text: &'a str, name: &str) -> Option<&'a str> {
+    let key = format!("{name}=\"");
     samples(text, CACHE_CONFIG).find_map(|(labels, _)| {
-        let at = labels.find("block_size=\"")? + "block_size=\"".len();
+        // The label itself, not one ending in its name.
+        let at = labels.match_indices(&key).find(|(i, _)| *i == 0 || labels[..*i].ends_with([',', ' ']))?.0;
+        let at = at + key.len();
         let end = labels[at..].find('"')?;
-        labels[at..at + end].parse().ok()
+        Some(&labels[at..at + end])
     })
 }
 
@@ -140,6 +157,10 @@ vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching=
         assert_eq!((load.running, load.waiting), (5, 1));
         assert!((load.kv_usage - 0.375).abs() < 1e-9);
         assert_eq!(parse_block_size(TEXT), Some(32));
+        assert_eq!(parse_prefix_caching(TEXT), Some(true));
+        let off = "vllm:cache_config_info{block_size=\"16\",enable_prefix_caching=\"False\",kv_block_size=\"8\"} 1.0\n";
+        assert_eq!((parse_block_size(off), parse_prefix_caching(off)), (Some(16), Some(false)));
+        assert_eq!(parse_prefix_caching("vllm:num_requests_running 1\n"), None);
     }
 
     #[test]
