@@ -100,11 +100,27 @@ pub async fn check_once(state: &AppState, worker: &Worker) {
         }
         Verdict::SameTextOnly => {
             gauge().set(0);
-            tracing::info!(
-                worker.id = %worker.id,
-                "the engine tokenizes text as the router does; its chat template was not compared (none here, or \
-                 the engine would not render the probe chat)"
-            );
+            let model = worker.models.first().map_or("", |m| m.as_str());
+            let tokenizer = state.tokenizers.for_model(model);
+            if tokenizer.is_exact() && !tokenizer.has_chat_template() {
+                // The engine renders chats with a template of its own (a
+                // chat_template.jinja not copied, vLLM's --chat-template):
+                // every chat is keyed by its plain text here, which no
+                // engine caches.
+                tracing::warn!(
+                    worker.id = %worker.id,
+                    model,
+                    "the router has the model's tokenizer but no chat template: chats are keyed by their plain \
+                     text, which no engine caches, and placed by load alone. Give --tokenizer a directory with the \
+                     chat template (tokenizer_config.json's chat_template or chat_template.jinja)"
+                );
+            } else {
+                tracing::info!(
+                    worker.id = %worker.id,
+                    "the engine tokenizes text as the router does; its chat template was not compared (the engine \
+                     would not render the probe chat)"
+                );
+            }
         }
         Verdict::Differs { what, at, ours, theirs, bytes: true } => {
             gauge().set(1);
