@@ -2,18 +2,23 @@
 //! (what log shippers parse), and the peer spellings `--host`/`--port` bind.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 
-#[test]
-fn json_logs_are_one_object_per_line_and_host_port_bind() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
-        .args(["--host", "127.0.0.1", "--port", "0", "--log-format", "json"])
+/// The router binary with `args`, its log on stdout at the default level.
+fn router(args: &[&str]) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
+        .args(args)
         .env_remove("KVROUTE_LOG")
         .env_remove("KVROUTE_LOG_FORMAT")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap();
+        .unwrap()
+}
+
+#[test]
+fn json_logs_are_one_object_per_line_and_host_port_bind() {
+    let mut child = router(&["--host", "127.0.0.1", "--port", "0", "--log-format", "json"]);
     let mut out = BufReader::new(child.stdout.take().unwrap());
     let mut line = String::new();
     out.read_line(&mut line).unwrap();
@@ -46,14 +51,8 @@ fn an_unknown_log_format_is_one_readable_error() {
 #[test]
 fn an_ejection_names_the_url_probed_and_the_failure() {
     // Nothing listens on port 1.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
-        .args(["--listen", "127.0.0.1:0", "--worker", "w=http://127.0.0.1:1", "--health-check-interval", "50ms"])
-        .env_remove("KVROUTE_LOG")
-        .env_remove("KVROUTE_LOG_FORMAT")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child =
+        router(&["--listen", "127.0.0.1:0", "--worker", "w=http://127.0.0.1:1", "--health-check-interval", "50ms"]);
     let out = BufReader::new(child.stdout.take().unwrap());
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
