@@ -71,11 +71,6 @@ pub enum RunError {
          (--engine-api-key, or KVROUTE_SIDECAR_ENGINE_API_KEY)"
     )]
     EngineRefused { url: String, status: u16 },
-    #[error(
-        "the engine runs without prefix caching (vllm:cache_config_info enable_prefix_caching=\"False\"): it \
-         reuses no cached block, so there is nothing to route by; start it with --enable-prefix-caching"
-    )]
-    PrefixCachingOff,
 }
 
 /// The `/health` and `/metrics` server's connection limits: its clients are
@@ -203,7 +198,14 @@ async fn start(
     };
     let (engine_block_size, prefix_caching) = engine.cache_config().await;
     if prefix_caching == Some(false) {
-        return Err(RunError::PrefixCachingOff);
+        // Not refused: an embedding, encoder-decoder or attention-free model
+        // runs without it (vLLM turns it off), and its requests are still
+        // balanced by the router; a generative one was started without it.
+        tracing::error!(
+            "the engine runs without prefix caching (vllm:cache_config_info enable_prefix_caching=\"False\"): it \
+             reuses no cached block and publishes none, so routing to it is by load alone; for a generative model, \
+             start vLLM with --enable-prefix-caching"
+        );
     }
     let block_size = match (config.block_size, engine_block_size) {
         // Keys chunked by another size than the engine's never match a
