@@ -18,7 +18,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::Json;
 use axum::body::Body;
@@ -61,27 +61,30 @@ fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<(), RouterError
         Some(shared) => matches(p, shared),
         None => true,
     };
-    if ok { Ok(()) } else { Err(refused_token(state, "unauthorized_push", "a sidecar's push")) }
+    if ok {
+        return Ok(());
+    }
+    let fix = "its bearer token is not this router's internal_token (nor, with worker_tokens_file, any worker's): \
+               give the sidecar the router's token";
+    Err(refused_token(state, &LAST_REFUSED_PUSH_MS, "unauthorized_push", "a sidecar's push", fix))
 }
 
-/// When the last refused token was logged, ms.
-static LAST_REFUSED_LOG_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// When a refused push, and a refused report, were last logged (ms).
+static LAST_REFUSED_PUSH_MS: AtomicU64 = AtomicU64::new(0);
+static LAST_REFUSED_REPORT_MS: AtomicU64 = AtomicU64::new(0);
 
 /// A push or report with no valid token: counted, and logged at most every
-/// 10 s (a sidecar with the wrong token retries every 30 s; the router said
-/// nothing, and an operator reading it saw no worker register and no
-/// reason).
-fn refused_token(state: &AppState, kind: &'static str, what: &str) -> RouterError {
+/// 10 s per kind (a sidecar with the wrong token retries every 30 s; the
+/// router said nothing, and an operator reading it saw no worker register
+/// and no reason).
+fn refused_token(state: &AppState, last_log: &AtomicU64, kind: &'static str, what: &str, fix: &str) -> RouterError {
     state.metrics.event(kind, 1);
     let now = now_ms();
-    let last = LAST_REFUSED_LOG_MS.load(Ordering::Relaxed);
+    let last = last_log.load(Ordering::Relaxed);
     if now.saturating_sub(last) >= 10_000
-        && LAST_REFUSED_LOG_MS.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+        && last_log.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
     {
-        tracing::warn!(
-            "{what} refused: its bearer token is not this router's internal_token (nor, with worker_tokens_file, \
-             any worker's); set the same token on both sides"
-        );
+        tracing::warn!("{what} refused: {fix}");
     }
     RouterError::Unauthorized
 }
@@ -96,7 +99,12 @@ pub fn authenticate_replica(state: &AppState, headers: &HeaderMap) -> Result<(),
         Some(shared) => matches(presented(headers), shared),
         None => state.config.worker_tokens.is_empty(),
     };
-    if ok { Ok(()) } else { Err(refused_token(state, "unauthorized_report", "a replica's report")) }
+    if ok {
+        return Ok(());
+    }
+    let fix = "its bearer token is not this router's internal_token (replicas speak with the shared token only): \
+               set the same internal_token on every replica";
+    Err(refused_token(state, &LAST_REFUSED_REPORT_MS, "unauthorized_report", "a replica's report", fix))
 }
 
 /// After decoding: with per-worker tokens, the token must be `worker`'s own.

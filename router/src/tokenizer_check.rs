@@ -38,9 +38,14 @@ pub const PROBE_TEXT: &str = "kvroute checks its tokenizer: Hello, world!  12345
 pub enum Verdict {
     /// Every form the router could tokenize matched the engine's.
     Same,
-    /// The text matched; the chat was not compared (no chat template here,
-    /// or the engine refused it): a template difference would not show.
+    /// The text matched; the chat was not compared (the engine would not
+    /// render it, or the router keys bytes): a template difference would
+    /// not show.
     SameTextOnly,
+    /// The text matched, and the engine renders chats the router cannot:
+    /// it has the tokenizer but no chat template, so it keys chats by their
+    /// plain text, which no engine caches.
+    NoChatTemplateHere,
     /// `what` (a text completion, a chat) tokenized otherwise: the first
     /// position that differs, and the lengths; `bytes`: the router has no
     /// tokenizer of the model (its "tokens" are bytes).
@@ -101,26 +106,25 @@ pub async fn check_once(state: &AppState, worker: &Worker) {
         Verdict::SameTextOnly => {
             gauge().set(0);
             let model = worker.models.first().map_or("", |m| m.as_str());
-            let tokenizer = state.tokenizers.for_model(model);
-            if tokenizer.is_exact() && !tokenizer.has_chat_template() {
-                // The engine renders chats with a template of its own (a
-                // chat_template.jinja not copied, vLLM's --chat-template):
-                // every chat is keyed by its plain text here, which no
-                // engine caches.
-                tracing::warn!(
-                    worker.id = %worker.id,
-                    model,
-                    "the router has the model's tokenizer but no chat template: chats are keyed by their plain \
-                     text, which no engine caches, and placed by load alone. Give --tokenizer a directory with the \
-                     chat template (tokenizer_config.json's chat_template or chat_template.jinja)"
-                );
-            } else {
+            if state.tokenizers.for_model(model).is_exact() {
                 tracing::info!(
                     worker.id = %worker.id,
                     "the engine tokenizes text as the router does; its chat template was not compared (the engine \
                      would not render the probe chat)"
                 );
+            } else {
+                tracing::info!(worker.id = %worker.id, "the engine keys text by bytes, as this router does");
             }
+        }
+        Verdict::NoChatTemplateHere => {
+            // A chat_template.jinja not copied, vLLM's --chat-template.
+            gauge().set(1);
+            tracing::warn!(
+                worker.id = %worker.id,
+                "the engine renders chats with a template the router does not have: chats are keyed by their \
+                 plain text here, which no engine caches, and placed by load alone. Give --tokenizer a directory \
+                 with the chat template (tokenizer_config.json's chat_template or chat_template.jinja)"
+            );
         }
         Verdict::Differs { what, at, ours, theirs, bytes: true } => {
             gauge().set(1);
@@ -131,8 +135,9 @@ pub async fn check_once(state: &AppState, worker: &Worker) {
                 router_tokens = ours,
                 engine_tokens = theirs,
                 "the router has no tokenizer for this worker's model and keys bytes, and the engine tokenizes: no \
-                 prefix ever matches there, and routing is by load alone. Give the router the engine's \
-                 tokenizer.json and chat template (--tokenizer, per model with --model-tokenizer)"
+                 text or chat prompt's prefix matches there (token-id prompts are keyed exactly), and those are \
+                 routed by load alone. Give the router the engine's tokenizer.json and chat template \
+                 (--tokenizer, per model with --model-tokenizer)"
             );
         }
         Verdict::Differs { what, at, ours, theirs, bytes: false } => {
@@ -162,13 +167,19 @@ pub async fn compare(state: &AppState, worker: &Worker) -> Option<Verdict> {
     // engine's, whatever it tokenizes with.
     for (what, endpoint, body) in probes(&model).into_iter().take(if bytes { 1 } else { 2 }) {
         let Ok(req) = PromptRequest::parse(endpoint, body.to_string().as_bytes()) else { continue };
-        // No chat template here (the engine may have one of its own): the
-        // chat is not compared.
-        let Ok(ours) = tokenizer.prompt_tokens(&req) else { continue };
+        // No chat template here: the engine is asked anyway, and one that
+        // renders the chat has a template the router lacks.
+        let ours = tokenizer.prompt_tokens(&req);
         let theirs = match engine_tokens(state, worker, &body).await {
             Asked::Tokens(t) => t,
             Asked::Refused => break,
             Asked::Failed => return None,
+        };
+        let Ok(ours) = ours else {
+            if endpoint == Endpoint::ChatCompletions {
+                return Some(Verdict::NoChatTemplateHere);
+            }
+            continue;
         };
         if ours != theirs {
             let at = ours.iter().zip(&theirs).take_while(|(a, b)| a == b).count();

@@ -2270,6 +2270,53 @@ async fn a_router_without_a_tokenizer_in_front_of_one_that_tokenizes_is_reported
     }
 }
 
+/// A router with the tokenizer but no chat template keys chats by their
+/// plain text: an engine that renders chats is reported (a template file
+/// not copied); one that does not (a base model) is not.
+#[tokio::test]
+async fn an_engine_rendering_chats_the_router_cannot_is_reported() {
+    let gpt2 = kvroute_shared::testdata::tokenizer_dir("gpt2").unwrap_or_else(|why| panic!("no gpt2 tokenizer: {why}"));
+    let ours = std::sync::Arc::new(kvroute_shared::tokenize::PromptTokenizer::load(&gpt2).unwrap());
+    assert!(!ours.has_chat_template(), "the fixture has no chat template");
+    let text = move |body: &Value| {
+        let req = PromptRequest::parse(Endpoint::Completions, body.to_string().as_bytes()).unwrap();
+        ours.prompt_tokens(&req).unwrap()
+    };
+    let renders = {
+        let text = text.clone();
+        move |body: &Value| if body.get("messages").is_some() { vec![1, 2, 3] } else { text(body) }
+    };
+    let base_model = Router::new()
+        .route("/health", get(|| async { "ok" }))
+        .route("/v1/models", get(|| async { axum::Json(json!({"object": "list", "data": [{"id": "m"}]})) }))
+        .route(
+            "/tokenize",
+            post(move |axum::Json(body): axum::Json<Value>| {
+                let tokens = body.get("messages").is_none().then(|| text(&body));
+                async move {
+                    match tokens {
+                        Some(t) => axum::Json(json!({"count": 0, "max_model_len": 4096, "tokens": t})).into_response(),
+                        None => (StatusCode::BAD_REQUEST, "this model has no chat template").into_response(),
+                    }
+                }
+            }),
+        );
+    let series = "kvroute_worker_tokenizer_mismatch{worker=\"w\"}";
+    for (engine, want) in [(serve_engine(base_model).await, 0), (tokenizing_engine(renders).await, 1)] {
+        let r = router(&[("w", &engine)], |raw| {
+            raw.tokenizer = Some(gpt2.clone());
+            raw.health_check_interval = Duration::from_millis(50);
+        })
+        .await;
+        let line = format!("{series} {want}");
+        eventually("the tokenizers compared", || async {
+            let text = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
+            text.contains(&line).then_some(())
+        })
+        .await;
+    }
+}
+
 /// The router compares its tokenizer and chat template with each engine's
 /// (`POST /tokenize`) once: a difference is exported (and logged as an
 /// error), agreement too; before, a router given the wrong tokenizer keyed
