@@ -126,31 +126,24 @@ pub async fn check_once(state: &AppState, worker: &Worker) {
                  with the chat template (tokenizer_config.json's chat_template or chat_template.jinja)"
             );
         }
-        Verdict::Differs { what, at, ours, theirs, bytes: true } => {
+        Verdict::Differs { what, at, ours, theirs, bytes } => {
             gauge().set(1);
-            tracing::error!(
-                worker.id = %worker.id,
-                what,
-                first_difference = at,
-                router_tokens = ours,
-                engine_tokens = theirs,
+            let why = if bytes {
                 "the router has no tokenizer for this worker's model and keys bytes, and the engine tokenizes: no \
                  text or chat prompt's prefix matches there (token-id prompts are keyed exactly), and those are \
-                 routed by load alone. Give the router the engine's tokenizer.json and chat template \
-                 (--tokenizer, per model with --model-tokenizer)"
-            );
-        }
-        Verdict::Differs { what, at, ours, theirs, bytes: false } => {
-            gauge().set(1);
+                 routed by load alone"
+            } else {
+                "the engine tokenizes otherwise than the router: the router's block keys are not this engine's \
+                 blocks, and its prefixes never match there"
+            };
             tracing::error!(
                 worker.id = %worker.id,
                 what,
                 first_difference = at,
                 router_tokens = ours,
                 engine_tokens = theirs,
-                "the engine tokenizes otherwise than the router: the router's block keys are not this engine's \
-                 blocks, and its prefixes never match there. Give the router the engine's tokenizer.json and chat \
-                 template (--tokenizer, per model with --model-tokenizer)"
+                "{why}. Give the router the engine's tokenizer.json and chat template (--tokenizer, per model with \
+                 --model-tokenizer)"
             );
         }
         Verdict::NotCompared => {}
