@@ -2250,6 +2250,17 @@ async fn tokenizing_engine(tokens: impl Fn(&Value) -> Vec<u32> + Clone + Send + 
     serve_engine(app).await
 }
 
+/// Waits until the router has compared worker `w`'s tokenization with its
+/// engine's and exports `want` (0 agree, 1 differ).
+async fn compared_as(r: &TestRouter, want: u8) {
+    let line = format!("kvroute_worker_tokenizer_mismatch{{worker=\"w\"}} {want}");
+    eventually("the tokenizers compared", || async {
+        let text = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
+        text.contains(&line).then_some(())
+    })
+    .await;
+}
+
 /// A router given no tokenizer keys bytes: in front of an engine that
 /// tokenizes, that is reported (the most common misconfiguration, silent
 /// before: every prefix missed); in front of one keying bytes too (kvroute-sim
@@ -2258,15 +2269,9 @@ async fn tokenizing_engine(tokens: impl Fn(&Value) -> Vec<u32> + Clone + Send + 
 async fn a_router_without_a_tokenizer_in_front_of_one_that_tokenizes_is_reported() {
     let bytes = |body: &Value| body["prompt"].as_str().map_or_else(Vec::new, |p| p.bytes().map(u32::from).collect());
     let tokens = move |body: &Value| bytes(body).chunks(4).map(|c| c.iter().sum::<u32>()).collect::<Vec<u32>>();
-    let series = "kvroute_worker_tokenizer_mismatch{worker=\"w\"}";
     for (engine, want) in [(tokenizing_engine(bytes).await, 0), (tokenizing_engine(tokens).await, 1)] {
         let r = router(&[("w", &engine)], |raw| raw.health_check_interval = Duration::from_millis(50)).await;
-        let line = format!("{series} {want}");
-        eventually("the tokenizers compared", || async {
-            let text = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
-            text.contains(&line).then_some(())
-        })
-        .await;
+        compared_as(&r, want).await;
     }
 }
 
@@ -2301,19 +2306,13 @@ async fn an_engine_rendering_chats_the_router_cannot_is_reported() {
                 }
             }),
         );
-    let series = "kvroute_worker_tokenizer_mismatch{worker=\"w\"}";
     for (engine, want) in [(serve_engine(base_model).await, 0), (tokenizing_engine(renders).await, 1)] {
         let r = router(&[("w", &engine)], |raw| {
             raw.tokenizer = Some(gpt2.clone());
             raw.health_check_interval = Duration::from_millis(50);
         })
         .await;
-        let line = format!("{series} {want}");
-        eventually("the tokenizers compared", || async {
-            let text = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
-            text.contains(&line).then_some(())
-        })
-        .await;
+        compared_as(&r, want).await;
     }
 }
 
@@ -2356,7 +2355,6 @@ async fn an_engine_that_tokenizes_otherwise_is_reported() {
             t
         }
     };
-    let series = |w: &str| format!("kvroute_worker_tokenizer_mismatch{{worker=\"{w}\"}}");
     for (engine, want) in [
         (tokenizing_engine(same).await, 0),
         (tokenizing_engine(other_template).await, 1),
@@ -2367,12 +2365,7 @@ async fn an_engine_that_tokenizes_otherwise_is_reported() {
             raw.health_check_interval = Duration::from_millis(50);
         })
         .await;
-        let line = format!("{} {want}", series("w"));
-        eventually("the tokenizers compared", || async {
-            let text = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
-            text.contains(&line).then_some(())
-        })
-        .await;
+        compared_as(&r, want).await;
     }
     std::fs::remove_dir_all(&dir).ok();
 }
