@@ -81,11 +81,6 @@ impl EngineClient {
         Ok(String::from_utf8_lossy(&body).into_owned())
     }
 
-    /// The engine's block size from `vllm:cache_config_info`, if it says.
-    pub async fn block_size(&self) -> Option<BlockSize> {
-        self.cache_config().await.0
-    }
-
     /// The engine's block size and whether its prefix caching is on, from
     /// `vllm:cache_config_info`, as far as it says.
     pub async fn cache_config(&self) -> (Option<BlockSize>, Option<bool>) {
@@ -251,7 +246,7 @@ mod tests {
             Err(EngineError::TooLarge { limit, .. }) => assert_eq!(limit, MAX_ENGINE_METRICS_BYTES),
             other => panic!("{other:?}"),
         }
-        assert_eq!(client.block_size().await, None);
+        assert_eq!(client.cache_config().await, (None, None));
     }
 
     #[tokio::test]
