@@ -117,7 +117,7 @@ pub struct ServeArgs {
     /// Interval of active health checks [default: 2s].
     #[arg(long, value_name = "DURATION")]
     pub health_check_interval: Option<String>,
-    /// Other workers tried when an attempt fails before any byte was sent [default: 2].
+    /// Other workers tried when an attempt fails before any byte was sent; after two failures the request may have caused (5xx, dropped, late), no third [default: 2].
     #[arg(long)]
     pub retries: Option<u32>,
     /// Time allowed for a non-streamed answer (vLLM sends it whole) and a queued stream's first token [default: 3600s].

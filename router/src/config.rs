@@ -101,7 +101,9 @@ pub struct RawConfig {
     /// on the approximate index until its sidecar's next full sync.
     #[serde(with = "humantime_serde")]
     pub worker_expiry: Duration,
-    /// Other workers to try when an attempt fails before any byte reached the client.
+    /// Other workers to try when an attempt fails before any byte reached the
+    /// client; after two failures the request may have caused itself, none
+    /// more (`proxy::MAX_SUSPECT_ATTEMPTS`).
     pub retries: u32,
     #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,

@@ -106,12 +106,19 @@ pub fn build_state(config: Config, shutdown: CancellationToken) -> Result<Arc<Ap
     Ok(state)
 }
 
+/// An idle pooled connection to a worker is closed after this: vLLM's
+/// server closes its own after 5 s (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`), and a
+/// request written as it does fails as "closed after sending", which is
+/// retried elsewhere (its cache lost) and counted as a failure the request
+/// may have caused. Kept under it, the router closes first.
+const UPSTREAM_IDLE: std::time::Duration = std::time::Duration::from_secs(4);
+
 /// The client for workers: pooled keep-alive connections, no overall timeout
 /// (answers stream for minutes), extra CA roots for `https://` workers.
 fn upstream_client(config: &Config) -> Result<reqwest::Client, RunError> {
     let mut b = reqwest::Client::builder()
         .connect_timeout(config.raw.connect_timeout)
-        .pool_idle_timeout(std::time::Duration::from_secs(90))
+        .pool_idle_timeout(UPSTREAM_IDLE)
         .tcp_nodelay(true);
     if let Some(path) = &config.raw.tls_ca {
         let pem = std::fs::read(path).map_err(|e| RunError::Ca { path: path.clone(), message: e.to_string() })?;

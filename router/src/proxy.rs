@@ -512,6 +512,13 @@ async fn dispatch(
         }
         if request_may_be_at_fault {
             suspects.push(worker);
+            // A request that can crash an engine (vLLM's `EngineDeadError`
+            // takes down everything in flight there) was sent to 1 + retries
+            // of them: after two such failures it goes to no third.
+            if suspects.len() >= MAX_SUSPECT_ATTEMPTS {
+                state.metrics.event("retries_stopped", 1);
+                break;
+            }
         } else {
             note_failure(state, worker);
         }
@@ -526,6 +533,13 @@ async fn dispatch(
     }
     Err(err)
 }
+
+/// Attempts a request may fail in a way it can itself cause (a 5xx, a
+/// connection closed after sending, a stream broken or late before its first
+/// chunk) before it is given up, whatever `retries` allows: one more worker
+/// gets the chance another failed, and a poison request (one that crashes
+/// its engine) costs two engines their work in flight, not 1 + `retries`.
+pub const MAX_SUSPECT_ATTEMPTS: usize = 2;
 
 /// An attempt that got no response. `request_sent`: the connection was made
 /// and then closed or reset without an answer, which the request itself can
@@ -595,8 +609,8 @@ enum Wait<T> {
     Stalled,
     /// Past `first_byte_timeout`.
     TimedOut,
-    /// The worker was ejected meanwhile: nothing reached the client, so the
-    /// request is tried elsewhere.
+    /// The worker was ejected meanwhile and is not seen producing: nothing
+    /// reached the client, so the request is tried elsewhere.
     Ejected,
 }
 
@@ -687,8 +701,23 @@ impl Deadline {
     }
 }
 
+/// How lately a worker must have been seen producing for the requests it
+/// holds to outlive its ejection.
+const PRODUCING_WITHIN_MS: u64 = 5_000;
+
+/// Seen producing lately: another of this router's answers began there, or
+/// its sidecar reported blocks filled. Such a worker, ejected, was ejected
+/// for its probes (a `/health` that times out on an engine saturated with
+/// work) or for others' connections, not for the requests it is answering:
+/// those were all cancelled and run again from the start on workers as
+/// busy, for up to `first_byte_timeout` of generation each. An engine gone
+/// resets its connections; one unreachable shows no progress either.
+fn producing(worker: &Worker) -> bool {
+    now_ms().saturating_sub(worker.live.last_progress_ms.load(Ordering::Relaxed)) < PRODUCING_WITHIN_MS
+}
+
 /// Waits for `answer` within `deadline`, giving up early if the worker is
-/// ejected meanwhile. `prefill`: the attempt's guard and when its prompt is
+/// ejected meanwhile and not [`producing`]. `prefill`: the attempt's guard and when its prompt is
 /// taken as prefilled (a non-streamed answer's), released then.
 async fn watch<T>(
     worker: &Worker,
@@ -710,7 +739,7 @@ async fn watch<T>(
                     guard.release_prefill();
                 }
             }
-            _ = check.tick() => if !worker.live.is_healthy() { return Wait::Ejected },
+            _ = check.tick() => if !worker.live.is_healthy() && !producing(worker) { return Wait::Ejected },
         }
     }
 }

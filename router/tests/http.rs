@@ -293,17 +293,60 @@ async fn an_event_cut_short_is_ended_before_the_error_event() {
 async fn failures_before_the_first_byte_are_retried_elsewhere() {
     let bad = fake_worker("bad", Behaviour::Status(500)).await;
     let door = slamming_door().await;
+    let refused = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
     let good = fake_worker("good", Behaviour::Ok).await;
-    let r = router(&[("a-bad", &bad.url), ("b-door", &door), ("c-good", &good.url)], |raw| {
-        raw.policy = "round_robin".into();
-    })
-    .await;
-    for _ in 0..3 {
-        let resp = r.complete(json!({"model": "m", "prompt": "hello"})).await;
-        assert_eq!(resp.status(), 200);
-        assert_eq!(resp.headers()["x-kvroute-worker"], "c-good");
+    // A 5xx, a connection closed after sending, one refused: each retried.
+    for failing in [&bad.url, &door, &refused] {
+        let r = router(&[("a-failing", failing), ("b-good", &good.url)], |raw| {
+            raw.policy = "round_robin".into();
+        })
+        .await;
+        for _ in 0..2 {
+            let resp = r.complete(json!({"model": "m", "prompt": "hello"})).await;
+            assert_eq!(resp.status(), 200);
+            assert_eq!(resp.headers()["x-kvroute-worker"], "b-good");
+        }
     }
     assert!(bad.hits.load(Ordering::SeqCst) >= 1);
+}
+
+/// A request that two workers failed in a way it can cause itself (here a
+/// 5xx; vLLM's `EngineDeadError` answers so before the engine goes down) is
+/// sent to no third, whatever `retries` allows: a poison request crashed
+/// 1 + `retries` engines and everything in flight on them. Connection
+/// refusals, which nothing sent causes, are still retried to the limit.
+#[tokio::test]
+async fn a_request_two_workers_fail_is_sent_to_no_third() {
+    let mut workers = Vec::new();
+    for id in ["a", "b", "c", "d"] {
+        workers.push((id, fake_worker(id, Behaviour::Status(500)).await));
+    }
+    let pairs: Vec<(&str, &str)> = workers.iter().map(|(id, w)| (*id, w.url.as_str())).collect();
+    let r = router(&pairs, |raw| raw.retries = 3).await;
+    let (status, _) = error_of(r.complete(json!({"model": "m", "prompt": "poison pill"})).await).await;
+    assert_eq!(status, 502);
+    let hits: usize = workers.iter().map(|(_, w)| w.hits.load(Ordering::SeqCst)).sum();
+    assert_eq!(hits, 2, "sent to {hits} workers");
+    let refused: Vec<String> = (0..3)
+        .map(|_| {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            format!("http://{}", l.local_addr().unwrap())
+        })
+        .collect();
+    let good = fake_worker("good", Behaviour::Ok).await;
+    let mut pairs: Vec<(&str, &str)> = vec![("a", &refused[0]), ("b", &refused[1]), ("c", &refused[2])];
+    pairs.push(("d-good", &good.url));
+    let r = router(&pairs, |raw| {
+        raw.retries = 3;
+        raw.policy = "round_robin".into();
+        raw.eject_after_failures = 1_000;
+    })
+    .await;
+    let resp = r.complete(json!({"model": "m", "prompt": "hello"})).await;
+    assert_eq!(resp.headers()["x-kvroute-worker"], "d-good");
 }
 
 /// vLLM sends a stream's headers before any token: a wedged engine's stream
@@ -852,6 +895,63 @@ async fn a_request_waiting_on_a_worker_that_is_ejected_is_tried_elsewhere() {
     let resp =
         tokio::time::timeout(Duration::from_secs(20), sent).await.expect("retried once ejected").unwrap().unwrap();
     assert_eq!(resp.headers()["x-kvroute-worker"], "b-good");
+}
+
+/// ... but not a worker seen producing (another answer began there
+/// lately): ejected for its probes (a `/health` that times out on an engine
+/// saturated with work), it answers what it holds. Cancelled, each such
+/// request ran again from the start on workers as busy.
+#[tokio::test]
+async fn a_request_on_an_ejected_worker_seen_producing_waits_for_its_answer() {
+    let sick = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let release = Arc::new(tokio::sync::Notify::new());
+    let (s, rel) = (sick.clone(), release.clone());
+    let probes_while_sick = Arc::new(AtomicUsize::new(0));
+    let p = probes_while_sick.clone();
+    let completions = move |body: axum::Json<Value>| {
+        let release = rel.clone();
+        async move {
+            if body["prompt"] != "quick" {
+                release.notified().await;
+            }
+            axum::Json(json!({"choices": [{"text": "hi"}]}))
+        }
+    };
+    let app = Router::new().route("/v1/completions", post(completions)).route(
+        "/health",
+        get(move || {
+            let sick = s.load(Ordering::SeqCst);
+            // Released once the router has probed (and ejected) it ten times.
+            if sick && p.fetch_add(1, Ordering::SeqCst) == 10 {
+                release.notify_one();
+            }
+            async move { if sick { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK } }
+        }),
+    );
+    let busy = serve_engine(app).await;
+    let good = fake_worker("good", Behaviour::Ok).await;
+    let r = router(&[("a-busy", &busy), ("b-good", &good.url)], |raw| {
+        raw.policy = "round_robin".into();
+        raw.health_check_interval = Duration::from_millis(100);
+        raw.eject_after_failures = 1;
+    })
+    .await;
+    // An answer begins on a-busy (round-robin: then b-good, then a-busy).
+    let quick = r.complete(json!({"model": "m", "prompt": "quick"})).await;
+    assert_eq!(quick.headers()["x-kvroute-worker"], "a-busy");
+    assert_eq!(r.complete(json!({"model": "m", "prompt": "quick"})).await.headers()["x-kvroute-worker"], "b-good");
+    let body = json!({"model": "m", "prompt": "a long answer"});
+    let sent = tokio::spawn(r.http.post(format!("{}/v1/completions", r.url)).json(&body).send());
+    support::eventually("the request at a-busy", || async {
+        let workers: Value = r.http.get(format!("{}/admin/workers", r.url)).send().await.unwrap().json().await.unwrap();
+        (workers["workers"][0]["load"]["inflight"] == 1).then_some(())
+    })
+    .await;
+    sick.store(true, Ordering::SeqCst);
+    let resp = tokio::time::timeout(Duration::from_secs(20), sent).await.expect("answered").unwrap().unwrap();
+    assert!(probes_while_sick.load(Ordering::SeqCst) > 10, "released by the probes");
+    assert_eq!(resp.headers()["x-kvroute-worker"], "a-busy", "cancelled at the ejection and run again");
+    assert_eq!(good.hits.load(Ordering::SeqCst), 1);
 }
 
 /// Past `first_byte_timeout` a non-streamed answer is long, not lost: a
@@ -1913,10 +2013,12 @@ async fn a_stream_late_on_every_worker_ejects_none_of_them() {
         let resp = r.complete(json!({"model": "m", "prompt": "slow to start", "stream": true})).await;
         assert_eq!(resp.status(), 504);
     }
-    for (id, w) in &workers {
+    for (id, _) in &workers {
         assert!(healthy(&r, id).await, "{id} was charged for the request's own slowness");
-        assert!(w.hits.load(Ordering::SeqCst) >= 1, "{id} was tried");
     }
+    // Two workers each: late on two, a request is sent to no third.
+    let hits: usize = workers.iter().map(|(_, w)| w.hits.load(Ordering::SeqCst)).sum();
+    assert_eq!(hits, 4);
 }
 
 /// ... and a wedged engine is charged once another worker answers what it
