@@ -470,6 +470,9 @@ async fn dispatch(
                 return Ok(relay(state, status, &head, chunks, guard, true));
             }
             Wait::Done(Began::Broken) => {
+                // As for a 5xx and a closed connection, the request's
+                // speculative entries are taken back (`routing::withdraw`).
+                routing::withdraw(state, worker, &plan.keys, recorded);
                 guard.failed("broken_stream");
                 request_may_be_at_fault = true;
                 last_err = Some(RouterError::UpstreamFailed {
@@ -478,6 +481,7 @@ async fn dispatch(
                 });
             }
             Wait::Done(Began::Headers(Ok(upstream))) if upstream.status().is_server_error() => {
+                routing::withdraw(state, worker, &plan.keys, recorded);
                 guard.failed("upstream_5xx");
                 request_may_be_at_fault = true;
                 last_err = Some(RouterError::UpstreamFailed {
@@ -499,10 +503,8 @@ async fn dispatch(
                 return Ok(respond(state, upstream, guard, streaming));
             }
             Wait::Done(Began::Headers(Err(Failure { error, request_sent }))) => {
+                routing::withdraw(state, worker, &plan.keys, recorded);
                 guard.failed(if request_sent { "closed" } else { "connect_error" });
-                if !request_sent {
-                    routing::withdraw(state, worker, &plan.keys, recorded);
-                }
                 request_may_be_at_fault = request_sent;
                 last_err = Some(error);
             }

@@ -370,9 +370,13 @@ pub fn record_dispatch(state: &AppState, worker: &Worker, keys: &[BlockKey]) -> 
 
 /// Takes back the speculative entries recorded at `tick` for a request
 /// `worker`'s engine refused (a 4xx: a bad parameter, a prompt past its
-/// context): nothing was computed there. Left, a client sending prompts
-/// the engine refuses (which costs the engine nothing) filled workers'
-/// speculative entries with blocks nobody caches.
+/// context) or failed (a 5xx, a connection refused or closed, a stream
+/// broken before its first chunk): whatever it computed, its sidecar
+/// confirms. Left, a client sending prompts the engine refuses (which
+/// costs the engine nothing) filled workers' speculative entries with
+/// blocks nobody caches, and a failed request's drew the same prefix's
+/// next requests to the worker that had just failed it. A request given
+/// up for a late first token keeps them: its engine may be prefilling it.
 pub fn withdraw(state: &AppState, worker: &Worker, keys: &[BlockKey], tick: Option<u64>) {
     let Some(tick) = tick else { return };
     let mut map = state.map.write();

@@ -1224,31 +1224,32 @@ async fn a_large_delta_is_applied_whole() {
     assert_eq!(index["workers"]["w1"]["confirmed"], 10_000, "{index}");
 }
 
-/// A request its engine refuses (a 4xx) computed nothing there: the
-/// speculative entries its routing recorded are taken back, where an
-/// answered one's stay until its sidecar confirms them.
+/// A request its engine refuses (a 4xx) or fails (a 5xx, retried
+/// elsewhere) left nothing there: the speculative entries its routing
+/// recorded are taken back, where an answered one's stay until its sidecar
+/// confirms them. Left after a 5xx, they drew the same prefix's next
+/// requests back to the worker that had just failed it.
 #[tokio::test]
-async fn a_refused_request_leaves_no_speculative_entries() {
-    let refusing = fake_worker("no", Behaviour::Status(400)).await;
-    let fine = fake_worker("ok", Behaviour::Ok).await;
-    let r = router(&[], |_| {}).await;
-    for (id, url) in [("no", &refusing.url), ("ok", &fine.url)] {
-        let sync = json!({"worker_id": id, "url": url, "hashes": []});
-        assert_eq!(r.internal("/internal/sync", sync).await.status(), 200);
-    }
-    let speculative = |index: &Value, id: &str| index["workers"][id]["speculative"].as_u64().unwrap();
-    let (mut refused, mut answered) = (0, 0);
-    for n in 0..16 {
-        let resp = r.complete(json!({"model": "m", "prompt": format!("{n:03} {}", prompt(400))})).await;
-        match resp.headers()["x-kvroute-worker"].to_str().unwrap() {
-            "no" => refused += 1,
-            _ => answered += 1,
+async fn a_refused_or_failed_request_leaves_no_speculative_entries() {
+    for status in [400, 500] {
+        let failing = fake_worker("no", Behaviour::Status(status)).await;
+        let fine = fake_worker("ok", Behaviour::Ok).await;
+        // Not ejected for its 5xx (which would clear its entries anyway).
+        let r = router(&[], |raw| raw.eject_after_failures = 1_000).await;
+        for (id, url) in [("no", &failing.url), ("ok", &fine.url)] {
+            let sync = json!({"worker_id": id, "url": url, "hashes": []});
+            assert_eq!(r.internal("/internal/sync", sync).await.status(), 200);
         }
+        let speculative = |index: &Value, id: &str| index["workers"][id]["speculative"].as_u64().unwrap();
+        for n in 0..16 {
+            r.complete(json!({"model": "m", "prompt": format!("{n:03} {}", prompt(400))})).await;
+        }
+        let (failed, answered) = (failing.hits.load(Ordering::SeqCst), fine.hits.load(Ordering::SeqCst));
+        assert!(failed > 0 && answered > 0, "{status}: both workers were chosen ({failed} and {answered})");
+        let index: Value = r.http.get(format!("{}/debug/index", r.url)).send().await.unwrap().json().await.unwrap();
+        assert_eq!(speculative(&index, "no"), 0, "{status}: {index}");
+        assert!(speculative(&index, "ok") > 0, "{status}: {index}");
     }
-    assert!(refused > 0 && answered > 0, "both workers were chosen ({refused} refused, {answered} answered)");
-    let index: Value = r.http.get(format!("{}/debug/index", r.url)).send().await.unwrap().json().await.unwrap();
-    assert_eq!(speculative(&index, "no"), 0, "{index}");
-    assert!(speculative(&index, "ok") > 0, "{index}");
 }
 
 #[tokio::test]
