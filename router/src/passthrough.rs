@@ -9,9 +9,11 @@
 //!
 //! Only the client API is forwarded, by an explicit list ([`is_client_api`]):
 //! `/v1/embeddings`, `/v1/responses…`, `/v1/audio/…`, `/v1/score`,
-//! `/v1/rerank`, `/v2/rerank`, `/v1/messages`, and vLLM's `/tokenize`,
-//! `/detokenize`, `/pooling`, `/classify`, `/score`, `/rerank` and
-//! `/version`. Not `/invocations`, SageMaker's dispatcher, whose sessions
+//! `/v1/rerank`, `/v2/rerank`, `/v1/messages…`, and vLLM's `/tokenize`,
+//! `/detokenize`, `/tokenizer_info`, `/pooling`, `/classify`, `/score`,
+//! `/rerank`, `/version`, its batch of chats
+//! (`/v1/chat/completions/batch`, placed by load, not keyed) and its
+//! `…/render` and `…/derender` endpoints. Not `/invocations`, SageMaker's dispatcher, whose sessions
 //! and adapters are driven by headers not passed on. A stored response
 //! (`GET /v1/responses/{id}`, `previous_response_id`) lives on the engine
 //! that made it, which the router does not track: it may be a 404. Engine
@@ -44,9 +46,10 @@ use crate::workers::Worker;
 /// `..` and decodes `%`, so `/v1/../sleep` or `/v1/load_lora%5Fadapter`
 /// would have passed a check of the raw text and reached engine control.
 fn is_client_api(path: &str) -> bool {
-    const EXACT: [&str; 12] = [
+    const EXACT: [&str; 20] = [
         "/tokenize",
         "/detokenize",
+        "/tokenizer_info",
         "/pooling",
         "/classify",
         "/score",
@@ -57,6 +60,15 @@ fn is_client_api(path: &str) -> bool {
         "/v1/rerank",
         "/v2/rerank",
         "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/messages/render",
+        // vLLM's batch of conversations, and its render endpoints (the
+        // prompt's token ids, nothing generated).
+        "/v1/chat/completions/batch",
+        "/v1/chat/completions/render",
+        "/v1/chat/completions/derender",
+        "/v1/completions/render",
+        "/v1/completions/derender",
     ];
     // Followed by more segments (a response's id, an audio task).
     const PREFIXES: [&str; 2] = ["/v1/responses/", "/v1/audio/"];

@@ -408,6 +408,7 @@ async fn the_engines_other_endpoints_are_forwarded_and_control_ones_are_not() {
             ),
         )
         .route("/version", get(|| async { axum::Json(json!({"version": "0.32.0"})) }))
+        .route("/v1/chat/completions/batch", post(|| async { axum::Json(json!({"object": "batch"})) }))
         .route("/tokenize", post(|| async { StatusCode::INTERNAL_SERVER_ERROR }))
         .route(
             "/v1/load_lora_adapter",
@@ -432,11 +433,15 @@ async fn the_engines_other_endpoints_are_forwarded_and_control_ones_are_not() {
     assert_eq!(body, json!({"input": "hello", "auth": "Bearer client-key", "query": "x=1"}));
     let version: Value = r.http.get(format!("{}/version", r.url)).send().await.unwrap().json().await.unwrap();
     assert_eq!(version["version"], "0.32.0");
+    // vLLM's batch of chats: the router's own chat route is its prefix.
+    let batch = json!({"model": "m", "messages": [[{"role": "user", "content": "a"}]]});
+    let resp = r.http.post(format!("{}/v1/chat/completions/batch", r.url)).json(&batch).send().await.unwrap();
+    assert_eq!(resp.json::<Value>().await.unwrap(), json!({"object": "batch"}));
     let failed = r.http.post(format!("{}/tokenize", r.url)).json(&json!({"model": "m", "prompt": "x"})).send();
     assert_eq!(failed.await.unwrap().status(), 500);
     let metrics = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
     for line in [
-        "kvroute_requests_total{worker=\"w1\",outcome=\"passthrough\"} 2",
+        "kvroute_requests_total{worker=\"w1\",outcome=\"passthrough\"} 3",
         "kvroute_requests_total{worker=\"w1\",outcome=\"passthrough_5xx\"} 1",
     ] {
         assert!(metrics.contains(line), "no {line} in\n{metrics}");
