@@ -154,36 +154,34 @@ pub fn take_slot(state: &AppState) -> Result<OwnedSemaphorePermit, RouterError> 
 }
 
 /// A client's prompt-carrying body, read within `body_read_timeout` (408)
-/// and refused (413) as soon as it is longer than `max_body_bytes`, or, for
-/// a completion (`endpoint`), than any acceptable prompt's could be. A chat
+/// and refused (413) as soon as it is longer than `max_body_bytes`. A chat
 /// body may carry images, audio or video (base64) that are no prompt text,
-/// so only `max_body_bytes` holds it as it arrives: at 16 bytes a token, a
-/// 600 kB image was refused as a prompt too long for a 32k-token model.
-/// Read whole, a body past the prompt's bound that carries no media part
-/// is refused before it is parsed (parsed, a body of small objects takes
-/// ~30 × its size). Where the endpoint is not yet known (`/v1/context`,
-/// `/debug/route`), likewise.
+/// and a completion a batch of prompts, each held to the prompt's bound
+/// (16 bytes a token) on its own, or prompt embeddings: at 16 bytes a token
+/// for the whole body, a 600 kB image was refused as a prompt too long for
+/// a 32k-token model, and so were a batch of 1,024 short prompts and a
+/// tensor of embeddings, all of which vLLM serves. Read whole, a chat body
+/// past the prompt's bound that carries no media part is refused before it
+/// is parsed (parsed, a body of small objects takes ~30 × its size); where
+/// the endpoint is not yet known (`/v1/context`, `/debug/route`),
+/// likewise. A completion's body parses at about its size (`Prompt` is
+/// read without buffering, its other fields skipped).
 pub async fn read_client_body(
     state: &AppState,
     body: Body,
     endpoint: Option<Endpoint>,
 ) -> Result<(Bytes, BodyBudget), RouterError> {
     let prompt_limit = routing::prompt_body_limit(state);
-    let cap = match endpoint {
-        Some(Endpoint::Completions) => prompt_limit,
-        Some(Endpoint::ChatCompletions) | None => usize::MAX,
-    };
     let too_long = || RouterError::PromptTooLong { tokens: None, max: state.config.raw.max_prompt_tokens };
-    let (body, budget) =
-        read_client_in_time(state, body, state.config.raw.max_body_bytes.min(cap)).await.map_err(|e| match e {
-            RouterError::PayloadTooLarge { limit } if limit == cap => too_long(),
-            e => e,
-        })?;
+    let (body, budget) = read_client_in_time(state, body, state.config.raw.max_body_bytes).await?;
     // Media is a few long strings (base64, URLs), which parse at about their
     // size: past the prompt's bound, what is not in them is held to it too.
     // A media key alone let a body of 16 MiB of small values (parsed, ~30 ×
     // its size) through.
-    if body.len() > prompt_limit && (!carries_media(&body) || outside_long_strings(&body) > prompt_limit) {
+    if endpoint != Some(Endpoint::Completions)
+        && body.len() > prompt_limit
+        && (!carries_media(&body) || outside_long_strings(&body) > prompt_limit)
+    {
         return Err(too_long());
     }
     Ok((body, budget))

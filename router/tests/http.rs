@@ -1412,9 +1412,10 @@ async fn prompts_beyond_max_prompt_tokens_are_refused_before_or_after_tokenizing
     let explain =
         r.http.post(format!("{}/debug/route", r.url)).json(&json!({"model": "m", "prompt": prompt(5_000)})).send();
     assert_eq!(explain.await.unwrap().status(), 413, "/debug/route has the same limits");
-    // Refused as it arrives: a completion's body past 100 × 16 bytes that
+    // Refused as it arrives: a completion's body past `max_body_bytes` that
     // never ends is a 413, not read on until `body_read_timeout` (408).
     {
+        let r = router(&[("w1", &w.url)], |raw| raw.max_body_bytes = 1024).await;
         let path = "/v1/completions";
         let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(1);
         tx.send(Ok(Bytes::from(format!("{{\"model\": \"m\", \"prompt\": \"{}", prompt(2_000))))).await.unwrap();
@@ -1423,6 +1424,22 @@ async fn prompts_beyond_max_prompt_tokens_are_refused_before_or_after_tokenizing
         assert_eq!(resp.status(), 413, "{path} refused before the body ended");
         drop(tx);
     }
+    // A batch's prompts are each held to the prompt's bound, not the whole
+    // body: 200 prompts of 60 tokens (past 100 × 16 bytes in all) are
+    // vLLM's to serve. It was a 413.
+    let sixty = vec!["hello"; 60].join(" ");
+    let batch = json!({"model": "m", "prompt": vec![sixty.as_str(); 200]});
+    assert!(batch.to_string().len() > 100 * 16 * 30);
+    assert_eq!(r.complete(batch).await.status(), 200);
+    let ids = json!({"model": "m", "prompt": vec![vec![1; 60]; 200]});
+    assert_eq!(r.complete(ids).await.status(), 200);
+    // ... as are prompt embeddings (vLLM's `--enable-prompt-embeds`): a
+    // tensor in base64, no prompt to key. It was a 413, or a 400 without
+    // a `prompt`.
+    let embeds = json!({"model": "m", "prompt_embeds": "A".repeat(100_000)});
+    assert_eq!(r.complete(embeds).await.status(), 200);
+    let (status, body) = error_of(r.complete(json!({"model": "m", "prompt": null})).await).await;
+    assert_eq!((status, body["error"]["param"].as_str()), (400, Some("prompt")), "{body}");
     // A batch's prompts each count, not only the first (which is keyed).
     let batch = json!({"model": "m", "prompt": [[1], vec![1; 150]]});
     let (status, body) = error_of(r.complete(batch).await).await;
@@ -1432,7 +1449,7 @@ async fn prompts_beyond_max_prompt_tokens_are_refused_before_or_after_tokenizing
     let batch = json!({"model": "m", "prompt": [[1], vec![1; 150]], "truncate_prompt_tokens": 64});
     assert_eq!(r.complete(batch).await.status(), 200);
     assert_eq!(r.complete(json!({"model": "m", "prompt": prompt(50)})).await.status(), 200);
-    assert_eq!(w.hits.load(Ordering::SeqCst), 2, "refused prompts never reached the engine");
+    assert_eq!(w.hits.load(Ordering::SeqCst), 5, "refused prompts never reached the engine");
     // Truncated by the engine (`truncate_prompt_tokens`), it is within the
     // limit: counted as the engine keeps it. It was a 400.
     let truncated = json!({"model": "m", "prompt": words, "truncate_prompt_tokens": 64});

@@ -12,7 +12,13 @@ use serde_json::{Map, Value};
 use crate::wire::{DecodeError, decode};
 
 /// A completions `prompt`: vLLM accepts text, token ids, or a batch of either.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+///
+/// Read by hand ([`PromptVisitor`]), not as an untagged enum: serde buffers
+/// an untagged value whole before trying each variant, about 30 bytes a
+/// token id, so a batch near `max_body_bytes` took hundreds of megabytes
+/// to parse. Token ids are read as pydantic's lax `int` reads them (`7.0`
+/// is 7).
+#[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum Prompt {
     Text(String),
@@ -21,13 +27,154 @@ pub enum Prompt {
     TokenBatch(Vec<Vec<u32>>),
 }
 
+impl<'de> Deserialize<'de> for Prompt {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(PromptVisitor)
+    }
+}
+
+struct PromptVisitor;
+
+/// The most prompts one batch may hold: 64 × vLLM's default
+/// (`VLLM_MAX_COMPLETION_PROMPTS`, 1,024). A batch's body may be up to
+/// `max_body_bytes`, and each prompt costs its own allocation: millions of
+/// empty strings took 8 × the body's size.
+pub const MAX_BATCH: usize = 65_536;
+
+impl<'de> serde::de::Visitor<'de> for PromptVisitor {
+    type Value = Prompt;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a string, a list of token ids, or a list of strings or of token-id lists")
+    }
+
+    fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Prompt, E> {
+        Ok(Prompt::Text(s.to_owned()))
+    }
+
+    fn visit_string<E: serde::de::Error>(self, s: String) -> Result<Prompt, E> {
+        Ok(Prompt::Text(s))
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
+        use serde::de::Error;
+        // The first item decides the shape; every other must match it (an
+        // empty list is token ids, the first of vLLM's list types).
+        let mut prompt = match seq.next_element::<Item>()? {
+            None => return Ok(Prompt::Tokens(Vec::new())),
+            Some(Item::Id(id)) => Prompt::Tokens(vec![id]),
+            Some(Item::Text(t)) => Prompt::TextBatch(vec![t]),
+            Some(Item::Ids(ids)) => Prompt::TokenBatch(vec![ids]),
+        };
+        let mixed = || A::Error::custom("a list must hold token ids, strings or token-id lists, not a mix");
+        let too_many = || A::Error::custom(format!("a batch holds at most {MAX_BATCH} prompts"));
+        loop {
+            match (&mut prompt, seq.next_element::<Item>()?) {
+                (_, None) => return Ok(prompt),
+                (Prompt::Tokens(v), Some(Item::Id(id))) => v.push(id),
+                (Prompt::TextBatch(v), Some(Item::Text(_))) if v.len() == MAX_BATCH => return Err(too_many()),
+                (Prompt::TokenBatch(v), Some(Item::Ids(_))) if v.len() == MAX_BATCH => return Err(too_many()),
+                (Prompt::TextBatch(v), Some(Item::Text(t))) => v.push(t),
+                (Prompt::TokenBatch(v), Some(Item::Ids(ids))) => v.push(ids),
+                _ => return Err(mixed()),
+            }
+        }
+    }
+}
+
+/// One item of a prompt list.
+enum Item {
+    Id(u32),
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+impl<'de> Deserialize<'de> for Item {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Item;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a token id, a string or a list of token ids")
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<Item, E> {
+                TokenId::visit_u64::<E>(n).map(Item::Id)
+            }
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<Item, E> {
+                TokenId::visit_i64::<E>(n).map(Item::Id)
+            }
+            fn visit_f64<E: serde::de::Error>(self, n: f64) -> Result<Item, E> {
+                TokenId::visit_f64::<E>(n).map(Item::Id)
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Item, E> {
+                Ok(Item::Text(s.to_owned()))
+            }
+            fn visit_string<E: serde::de::Error>(self, s: String) -> Result<Item, E> {
+                Ok(Item::Text(s))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Item, A::Error> {
+                let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 16));
+                while let Some(TokenId(id)) = seq.next_element()? {
+                    ids.push(id);
+                }
+                Ok(Item::Ids(ids))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// A token id, as pydantic's lax `int` reads one: a whole number, or a
+/// float with no fraction.
+struct TokenId(u32);
+
+impl TokenId {
+    fn visit_u64<E: serde::de::Error>(n: u64) -> Result<u32, E> {
+        u32::try_from(n).map_err(|_| E::custom(format!("token id {n} is out of range")))
+    }
+    fn visit_i64<E: serde::de::Error>(n: i64) -> Result<u32, E> {
+        u32::try_from(n).map_err(|_| E::custom(format!("token id {n} is out of range")))
+    }
+    fn visit_f64<E: serde::de::Error>(n: f64) -> Result<u32, E> {
+        lax::whole(n).ok_or_else(|| E::custom(format!("token id {n} is not a whole number in range")))
+    }
+}
+
+impl<'de> Deserialize<'de> for TokenId {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = TokenId;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a token id")
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<TokenId, E> {
+                TokenId::visit_u64(n).map(TokenId)
+            }
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<TokenId, E> {
+                TokenId::visit_i64(n).map(TokenId)
+            }
+            fn visit_f64<E: serde::de::Error>(self, n: f64) -> Result<TokenId, E> {
+                TokenId::visit_f64(n).map(TokenId)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
 /// `POST /v1/completions`, as far as the prompt goes.
 #[derive(Clone, Debug, Deserialize)]
 pub struct CompletionRequest {
     /// Absent or null: the engine's served (base) model, as vLLM takes it.
     #[serde(default, deserialize_with = "null_is_empty")]
     pub model: String,
-    pub prompt: Prompt,
+    /// Absent or null with `prompt_embeds` (vLLM's `--enable-prompt-embeds`):
+    /// nothing the router can key ([`CompletionRequest::prompt`] is empty).
+    #[serde(default)]
+    pub prompt: Option<Prompt>,
+    /// Only whether it is there: base64 tensors the router does not read.
+    #[serde(default)]
+    pub prompt_embeds: Option<serde::de::IgnoredAny>,
     #[serde(default, deserialize_with = "lax::flag")]
     pub stream: bool,
     /// vLLM's per-request cache isolation; folded into the key root.
@@ -130,6 +277,12 @@ impl Truncation {
 }
 
 impl CompletionRequest {
+    /// The prompt; empty token ids for a request of prompt embeddings only.
+    pub fn prompt(&self) -> &Prompt {
+        static NONE: Prompt = Prompt::Tokens(Vec::new());
+        self.prompt.as_ref().unwrap_or(&NONE)
+    }
+
     pub fn truncation(&self) -> Truncation {
         Truncation::new(self.truncate_prompt_tokens, self.truncation_side)
     }
@@ -146,7 +299,6 @@ impl ChatRequest {
 /// `"yes"`, `1` are true. Strict types refused what the engine takes (a
 /// client sending `"max_tokens": 16.0` got the router's 400).
 mod lax {
-    use serde::Deserialize;
     use serde::de::Error;
     use serde_json::Value;
 
@@ -177,7 +329,44 @@ mod lax {
         whole(f)
     }
 
-    fn whole(f: f64) -> Option<u32> {
+    /// A scalar field's value: null, a bool, a number or a string. A list
+    /// or a map is refused at its first byte, not parsed into a `Value`
+    /// (about 30 × its size): a completion's body is let through up to
+    /// `max_body_bytes`, and a scalar field was where 16 MiB of small values
+    /// could still be built.
+    fn scalar<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Value, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Value;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a boolean, a number, a string or null")
+            }
+            fn visit_unit<E: Error>(self) -> Result<Value, E> {
+                Ok(Value::Null)
+            }
+            fn visit_none<E: Error>(self) -> Result<Value, E> {
+                Ok(Value::Null)
+            }
+            fn visit_bool<E: Error>(self, b: bool) -> Result<Value, E> {
+                Ok(Value::Bool(b))
+            }
+            fn visit_u64<E: Error>(self, n: u64) -> Result<Value, E> {
+                Ok(Value::from(n))
+            }
+            fn visit_i64<E: Error>(self, n: i64) -> Result<Value, E> {
+                Ok(Value::from(n))
+            }
+            fn visit_f64<E: Error>(self, n: f64) -> Result<Value, E> {
+                Ok(Value::from(n))
+            }
+            fn visit_str<E: Error>(self, s: &str) -> Result<Value, E> {
+                Ok(Value::from(s))
+            }
+        }
+        d.deserialize_any(V)
+    }
+
+    pub(super) fn whole(f: f64) -> Option<u32> {
         (f.fract() == 0.0 && (0.0..=f64::from(u32::MAX)).contains(&f)).then_some(f as u32)
     }
 
@@ -187,7 +376,7 @@ mod lax {
     }
 
     pub fn opt_bool<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<bool>, D::Error> {
-        match Value::deserialize(d)? {
+        match scalar(d)? {
             Value::Null => Ok(None),
             v => to_bool(&v).map(Some).ok_or_else(|| D::Error::custom(format!("expected a boolean, got {v}"))),
         }
@@ -196,7 +385,7 @@ mod lax {
     /// vLLM's `truncate_prompt_tokens` (`ge=-1`): -1 is the engine's own
     /// input limit, which the router does not know.
     pub fn opt_truncation<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
-        match Value::deserialize(d)? {
+        match scalar(d)? {
             Value::Null => Ok(None),
             Value::Number(n) if n.as_i64() == Some(-1) => Ok(Some(-1)),
             Value::String(s) if s.trim() == "-1" => Ok(Some(-1)),
@@ -207,7 +396,7 @@ mod lax {
     }
 
     pub fn opt_u32<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
-        match Value::deserialize(d)? {
+        match scalar(d)? {
             Value::Null => Ok(None),
             v => to_u32(&v).map(Some).ok_or_else(|| D::Error::custom(format!("expected a whole number, got {v}"))),
         }
@@ -247,7 +436,14 @@ impl PromptRequest {
     /// Parses a body sent to `endpoint`, naming the field at fault.
     pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Self, DecodeError> {
         let req = match endpoint {
-            Endpoint::Completions => PromptRequest::Completion(decode(body)?),
+            Endpoint::Completions => {
+                let c: CompletionRequest = decode(body)?;
+                // vLLM's 400 too (`validate_prompt_and_prompt_embeds`).
+                if c.prompt.is_none() && c.prompt_embeds.is_none() {
+                    return Err(DecodeError::new("prompt", "either prompt or prompt_embeds must be given"));
+                }
+                PromptRequest::Completion(c)
+            }
             Endpoint::ChatCompletions => {
                 let chat: ChatRequest = decode(body)?;
                 validate_messages(&chat.messages)?;
@@ -296,7 +492,7 @@ impl PromptRequest {
     /// Is the prompt given as token ids (counted as they are, whatever the
     /// tokenizer)?
     pub fn has_token_ids(&self) -> bool {
-        matches!(self, PromptRequest::Completion(c) if matches!(c.prompt, Prompt::Tokens(_) | Prompt::TokenBatch(_)))
+        matches!(self, PromptRequest::Completion(c) if matches!(c.prompt(), Prompt::Tokens(_) | Prompt::TokenBatch(_)))
     }
 
     /// The longest of a batch's token-id prompts (vLLM runs each as a
@@ -304,7 +500,7 @@ impl PromptRequest {
     /// prompt is a batch of token ids.
     pub fn longest_batched_token_ids(&self) -> Option<usize> {
         match self {
-            PromptRequest::Completion(CompletionRequest { prompt: Prompt::TokenBatch(b), .. }) => {
+            PromptRequest::Completion(CompletionRequest { prompt: Some(Prompt::TokenBatch(b)), .. }) => {
                 b.iter().map(Vec::len).max()
             }
             _ => None,
@@ -363,9 +559,16 @@ mod tests {
             (r#"{"model":"m","prompt":[1,2,3]}"#, Prompt::Tokens(vec![1, 2, 3])),
             (r#"{"model":"m","prompt":["a","b"]}"#, Prompt::TextBatch(vec!["a".into(), "b".into()])),
             (r#"{"model":"m","prompt":[[1],[2]]}"#, Prompt::TokenBatch(vec![vec![1], vec![2]])),
+            // pydantic's lax `int`: a float with no fraction is a token id.
+            (r#"{"model":"m","prompt":[1.0,2]}"#, Prompt::Tokens(vec![1, 2])),
+            (r#"{"model":"m","prompt":[[1.0],[]]}"#, Prompt::TokenBatch(vec![vec![1], vec![]])),
+            (r#"{"model":"m","prompt":[]}"#, Prompt::Tokens(vec![])),
+            // Prompt embeddings alone (vLLM's `--enable-prompt-embeds`).
+            (r#"{"model":"m","prompt_embeds":"AAAA"}"#, Prompt::Tokens(vec![])),
+            (r#"{"model":"m","prompt":null,"prompt_embeds":["AAAA"]}"#, Prompt::Tokens(vec![])),
         ] {
             match PromptRequest::parse(Endpoint::Completions, body.as_bytes()).unwrap() {
-                PromptRequest::Completion(c) => assert_eq!(c.prompt, want),
+                PromptRequest::Completion(c) => assert_eq!(c.prompt(), &want),
                 PromptRequest::Chat(_) => panic!("completion expected"),
             }
         }
@@ -430,8 +633,23 @@ mod tests {
 
     #[test]
     fn bad_requests_name_the_field() {
-        let e = PromptRequest::parse(Endpoint::Completions, br#"{"model":"m"}"#).unwrap_err();
-        assert!(e.message.contains("prompt"), "{e}");
+        for body in [&br#"{"model":"m"}"#[..], br#"{"model":"m","prompt":null,"prompt_embeds":null}"#] {
+            let e = PromptRequest::parse(Endpoint::Completions, body).unwrap_err();
+            assert_eq!(e.field, "prompt", "{e}");
+        }
+        for bad in [r#"[1,"a"]"#, r#"["a",[1]]"#, r#"[1.5]"#, r#"[-1]"#, r#"[4294967296]"#, r#"[[1,"a"]]"#, "{}", "7"] {
+            let body = format!(r#"{{"model":"m","prompt":{bad}}}"#);
+            let e = PromptRequest::parse(Endpoint::Completions, body.as_bytes()).unwrap_err();
+            assert!(e.field.starts_with("prompt"), "{bad}: {e}");
+        }
+        let batch = format!(r#"{{"model":"m","prompt":[{}"x"]}}"#, "\"\",".repeat(MAX_BATCH));
+        let e = PromptRequest::parse(Endpoint::Completions, batch.as_bytes()).unwrap_err();
+        assert!(e.message.contains("at most 65536 prompts"), "{e}");
+        // A scalar field given a list is refused at the list, not parsed into
+        // a `Value` of ~30 × its size first.
+        let e = PromptRequest::parse(Endpoint::Completions, br#"{"model":"m","prompt":"x","max_tokens":[[1],[2]]}"#)
+            .unwrap_err();
+        assert_eq!(e.field, "max_tokens");
         let e =
             PromptRequest::parse(Endpoint::Completions, br#"{"model":"m","prompt":"x","stream":"maybe"}"#).unwrap_err();
         assert_eq!(e.field, "stream");

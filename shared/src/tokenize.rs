@@ -165,7 +165,7 @@ impl PromptTokenizer {
     /// `[BOS] + the last N - 1`. Slicing the encoded prompt dropped the BOS,
     /// and every key missed. `None` where slicing is what the engine does.
     fn tokenizer_truncation(&self, c: &CompletionRequest, tokens: &[u32]) -> Result<Option<Vec<u32>>, TokenizeError> {
-        let text = match &c.prompt {
+        let text = match c.prompt() {
             Prompt::Text(t) => t.as_str(),
             Prompt::TextBatch(ts) => ts.first().map_or("", String::as_str),
             Prompt::Tokens(_) | Prompt::TokenBatch(_) => return Ok(None),
@@ -189,7 +189,7 @@ impl PromptTokenizer {
     fn completion_tokens(&self, c: &CompletionRequest, max_bytes: usize) -> Result<Vec<u32>, TokenizeError> {
         let special = c.add_special_tokens.unwrap_or(true);
         let within = |t: &str| if t.len() > max_bytes { Err(TokenizeError::TooLong { max_bytes }) } else { Ok(()) };
-        match &c.prompt {
+        match c.prompt() {
             Prompt::Text(t) => within(t).and_then(|()| self.encode(t, special)),
             // Each of a batch's prompts is a request of its own for vLLM: each
             // is held to the bound, the first keyed.

@@ -112,16 +112,16 @@ pub fn prepare(s: &Shared, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, 
 fn prompt_tokens(s: &Shared, req: &PromptRequest) -> Result<Vec<Vec<u32>>, ApiError> {
     let tokenize = |r: &PromptRequest| s.tokenizer.prompt_tokens(r).map_err(|e| ApiError::bad(e.to_string()));
     let prompts = match req {
-        PromptRequest::Completion(c) => match &c.prompt {
+        PromptRequest::Completion(c) => match c.prompt() {
             Prompt::TokenBatch(batch) => batch.clone(),
             Prompt::TextBatch(texts) => {
                 // One copy of the request without its batch, then one entry each.
-                let base = CompletionRequest { prompt: Prompt::Text(String::new()), ..c.clone() };
+                let base = CompletionRequest { prompt: None, ..c.clone() };
                 texts
                     .iter()
                     .map(|t| {
                         tokenize(&PromptRequest::Completion(CompletionRequest {
-                            prompt: Prompt::Text(t.clone()),
+                            prompt: Some(Prompt::Text(t.clone())),
                             ..base.clone()
                         }))
                     })
