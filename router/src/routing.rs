@@ -127,8 +127,14 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
     let tokenizer = state.tokenizers.for_model(&model);
     let max = state.config.raw.max_prompt_tokens;
     // A chat template can expand a small body hundreds of times: the text
-    // is held to the same bound as a body before it is tokenized.
-    let cap = max.saturating_mul(MAX_BYTES_PER_TOKEN);
+    // is held to the same bound as a body before it is tokenized. A
+    // truncated completion is not (vLLM checks no length when the request
+    // truncates): its text is in its body, held to `max_body_bytes`.
+    let truncated = req.truncation().keep.is_some() || req.truncation().to_limit;
+    let cap = match req {
+        PromptRequest::Completion(_) if truncated => usize::MAX,
+        _ => max.saturating_mul(MAX_BYTES_PER_TOKEN),
+    };
     let mut template_fallback = false;
     let tokens = match (tokenizer.prompt_tokens_within(req, cap), req) {
         (Ok(tokens), _) => tokens,
@@ -148,8 +154,13 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
     // quarter of the engine's. The byte bound above still holds; the engine
     // counts. Token ids are tokens whatever the tokenizer.
     // A batch's prompts each count: only the first is keyed.
+    // `truncate_prompt_tokens: -1` is the engine's input limit, which
+    // `max_prompt_tokens` is set to: vLLM keeps that many, and checks no
+    // length. Counted whole, such a prompt past it was a 400.
+    let truncation = req.truncation().within(max);
+    let tokens = truncation.apply(tokens);
     let batched = req.longest_batched_token_ids().unwrap_or(0);
-    let counted = tokens.len().max(req.truncation().keep.map_or(batched, |keep| batched.min(keep)));
+    let counted = tokens.len().max(truncation.keep.map_or(batched, |keep| batched.min(keep)));
     if (tokenizer.is_exact() || req.has_token_ids()) && counted > max {
         return Err(RouterError::PromptTooLong { tokens: Some(counted), max });
     }

@@ -1454,6 +1454,14 @@ async fn prompts_beyond_max_prompt_tokens_are_refused_before_or_after_tokenizing
     // limit: counted as the engine keeps it. It was a 400.
     let truncated = json!({"model": "m", "prompt": words, "truncate_prompt_tokens": 64});
     assert_eq!(r.complete(truncated).await.status(), 200);
+    // -1 is the engine's input limit (`max_prompt_tokens`): kept to it, not
+    // refused (vLLM checks no length then). It was a 400.
+    let to_limit = json!({"model": "m", "prompt": words, "truncate_prompt_tokens": -1});
+    assert_eq!(r.complete(to_limit).await.status(), 200);
+    // Nor is a truncated prompt held to 16 bytes a token: vLLM truncates
+    // any length. It was a 413.
+    let long = json!({"model": "m", "prompt": prompt(5_000), "truncate_prompt_tokens": 64});
+    assert_eq!(r.complete(long).await.status(), 200);
 }
 
 /// Without the model's tokenizer the router's "tokens" are bytes, about

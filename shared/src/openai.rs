@@ -252,11 +252,20 @@ pub struct Truncation {
     /// the engine's input limit, unknown here).
     pub keep: Option<usize>,
     pub side: Option<TruncationSide>,
+    /// -1: truncated to the engine's input limit (`max_model_len`), which
+    /// the caller knows ([`Truncation::within`]); vLLM checks no length then.
+    pub to_limit: bool,
 }
 
 impl Truncation {
     fn new(n: Option<i64>, side: Option<TruncationSide>) -> Self {
-        Truncation { keep: n.and_then(|n| usize::try_from(n).ok()), side }
+        Truncation { keep: n.and_then(|n| usize::try_from(n).ok()), side, to_limit: n == Some(-1) }
+    }
+
+    /// This truncation with -1 read as `limit` tokens, the engine's input
+    /// limit.
+    pub fn within(self, limit: usize) -> Self {
+        if self.to_limit { Truncation { keep: Some(limit), ..self } } else { self }
     }
 
     /// `tokens` as the engine keeps them (vLLM's `_token_truncation`): the
