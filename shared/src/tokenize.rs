@@ -235,7 +235,11 @@ impl PromptTokenizer {
         };
         match self {
             PromptTokenizer::Hf(hf) => {
-                let tool_use = hf.chat_tools.as_ref().filter(|_| c.tools.is_some());
+                // HF picks `tool_use` for a request with tools, the kwargs'
+                // included (they win over the request's: `render`).
+                let kw_tools =
+                    c.chat_template_kwargs.as_ref().and_then(|k| k.get("tools")).is_some_and(chat_template::set);
+                let tool_use = hf.chat_tools.as_ref().filter(|_| c.tools.is_some() || kw_tools);
                 tool_use.or(hf.chat.as_ref()).ok_or(TokenizeError::NoChatTemplate)?.render(&c.messages, &opts)
             }
             PromptTokenizer::Bytes => {

@@ -235,6 +235,12 @@ def _conversations() -> list:
         {"messages": [{"role": "user", "content": "Quick one?"}], "reasoning_effort": "none"},
         {"messages": [{"role": "user", "content": "Quick one?"}], "reasoning_effort": "none",
          "chat_template_kwargs": {"enable_thinking": True}},
+        # The kwargs' tools win over the request's none, and a null kwarg is
+        # unset (vLLM's merge_kwargs); a tool reference joins its name.
+        {"messages": [{"role": "user", "content": "Weather?"}], "chat_template_kwargs": {"tools": TOOLS}},
+        {"messages": [{"role": "user", "content": "Quick one?"}], "chat_template_kwargs": {"enable_thinking": None}},
+        {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Use it"}, {"type": "tool_reference", "name": "get_weather"}]}]},
     ]
     rng = random.Random(11)
     for i in range(24):

@@ -218,9 +218,10 @@ fn message(m: &Map<String, Json>, format: ContentFormat) -> Map<String, Json> {
             // The common case, as it came.
             Some(text @ Json::String(_)) => text.clone(),
             // vLLM keeps the parts that parse to something: an empty or null
-            // text joins nothing.
+            // text joins nothing. A tool reference joins its name (vLLM
+            // 0.32's `_parse_chat_message_content_part`); it was dropped.
             _ => joined(parts.iter().filter_map(|p| match p {
-                Part::Text(t) if !t.is_null() && t.as_str() != Some("") => Some(*t),
+                Part::Text(t) | Part::ToolReference(t) if !t.is_null() && t.as_str() != Some("") => Some(*t),
                 _ => None,
             })),
         },
@@ -550,9 +551,11 @@ mod tests {
             {"role": "assistant", "content": null, "extra": 1},
             {"role": "assistant"},
             {"role": "user", "content": [{"type": "text", "text": null}, {"type": "bogus"}]},
-            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": ""}, {"type": "thinking", "thinking": null}, "b"]}
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": ""}, {"type": "thinking", "thinking": null}, "b"]},
+            {"role": "user", "content": [{"type": "text", "text": "Use it"}, {"type": "tool_reference", "name": "get_weather"}]}
         ]));
         let s = prepare(&m, ContentFormat::String, true);
+        assert_eq!(s[5], json!({"role": "user", "content": "Use it\nget_weather"}), "a tool reference joins its name");
         assert_eq!(s[0], json!({"role": "user", "content": "a\nb"}));
         assert_eq!(s[4], json!({"role": "user", "content": "a\nb"}), "empty parts join nothing");
         assert_eq!(s[1], json!({"role": "assistant", "content": ""}), "unknown keys are not passed on");

@@ -81,11 +81,16 @@ impl ChatTemplate {
         ctx.insert("documents".into(), opts.documents.map_or(Json::Null, |d| Json::Array(d.to_vec())));
         ctx.insert("add_generation_prompt".into(), Json::Bool(opts.add_generation_prompt));
         if let Some(kw) = opts.kwargs {
-            // `apply_chat_template(messages=…, **kwargs)` refuses a second
-            // `messages` (Python: "got multiple values"): the request's own
-            // messages, tools and documents are what the engine renders, and
-            // what `max_messages` was checked on.
-            for (k, v) in kw.iter().filter(|(k, _)| !RESERVED.contains(&k.as_str())) {
+            // vLLM 0.32 (`build_chat_params`, then `ChatParams.with_defaults`
+            // through `merge_kwargs`): a kwarg that is null or "auto" is
+            // unset; the request's `add_generation_prompt` (and `messages`,
+            // which `apply_chat_template` takes once) win over the kwargs';
+            // its `documents` win where given; a kwarg's `tools` win over the
+            // request's (taken as given, not re-dumped).
+            for (k, v) in kw.iter().filter(|(k, v)| set(v) && !RESERVED.contains(&k.as_str())) {
+                if k == "documents" && opts.documents.is_some() {
+                    continue;
+                }
                 ctx.insert(k.clone(), v.clone());
             }
         }
@@ -313,7 +318,12 @@ fn python_float(f: f64) -> String {
 
 /// Template variables the request itself sets; `chat_template_kwargs` cannot
 /// replace them.
-const RESERVED: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
+const RESERVED: [&str; 2] = ["messages", "add_generation_prompt"];
+
+/// A kwarg vLLM passes on (`merge_kwargs` drops null and "auto").
+pub fn set(v: &Json) -> bool {
+    !matches!(v, Json::Null) && v.as_str() != Some("auto")
+}
 
 /// The most a template may render: ~16 M tokens, beyond any model's
 /// context. A template that indents JSON (`tojson(indent=4)` of tools) can
@@ -421,16 +431,30 @@ mod tests {
         assert_eq!(out, "{\"lr\": 1e-06, \"n\": 3}");
     }
 
-    /// `chat_template_kwargs` set the template's other variables, never the
-    /// request's own messages (which `max_messages` checked) or tools.
+    /// `chat_template_kwargs` set the template's other variables as vLLM
+    /// 0.32 merges them: never the request's own messages (which
+    /// `max_messages` checked); their `tools` win over the request's, their
+    /// `documents` only where it has none; null and "auto" are unset. The
+    /// kwargs' tools and documents were dropped, and every block missed.
     #[test]
-    fn template_kwargs_cannot_replace_the_messages() {
-        let t = ChatTemplate::new("{{ messages | length }} {{ tools }} {{ flag }}".into(), Map::new()).unwrap();
+    fn template_kwargs_merge_as_vllms() {
+        let t = ChatTemplate::new(
+            "{{ messages | length }} {{ tools }} {{ documents }} {{ flag }} {{ gone is defined }} {{ auto is defined }}"
+                .into(),
+            Map::new(),
+        )
+        .unwrap();
         let msgs: Vec<Map<String, Json>> = serde_json::from_value(serde_json::json!([{"role": "user"}])).unwrap();
-        let kwargs: Map<String, Json> =
-            serde_json::from_value(serde_json::json!({"messages": [1, 2, 3], "tools": ["x"], "flag": true})).unwrap();
-        let out = t.render(&msgs, &ChatOptions { kwargs: Some(&kwargs), ..Default::default() }).unwrap();
-        assert_eq!(out, "1 None True");
+        let kwargs: Map<String, Json> = serde_json::from_value(serde_json::json!({
+            "messages": [1, 2, 3], "tools": ["x"], "documents": ["d"], "flag": true, "gone": null, "auto": "auto"
+        }))
+        .unwrap();
+        let (tools, docs) = (vec![serde_json::json!({"type": "function"})], vec![serde_json::json!("mine")]);
+        let render = |tools: Option<&[Json]>, documents: Option<&[Json]>| {
+            t.render(&msgs, &ChatOptions { kwargs: Some(&kwargs), tools, documents, ..Default::default() }).unwrap()
+        };
+        assert_eq!(render(None, None), "1 ['x'] ['d'] True False False");
+        assert_eq!(render(Some(&tools), Some(&docs)), "1 ['x'] ['mine'] True False False");
     }
 
     /// `reasoning_effort` reaches the template, and with it `enable_thinking`
