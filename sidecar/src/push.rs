@@ -63,6 +63,19 @@ const TOO_LARGE_PAUSE: Duration = Duration::from_secs(30);
 /// ([`PushError::refused`]): each retry is a full sync it reads and decodes
 /// before refusing it again, from every sidecar, about once a second.
 const REFUSED_PAUSE: Duration = Duration::from_secs(30);
+/// The most a full sync that reached the router and failed (a 5xx: a full
+/// worker table, a router shutting down; a timeout: a router too busy to
+/// read it) waits before the next: its pause doubles from [`BACKOFF_MAX`]
+/// per such failure in a row ([`failed_sync_pause`]). Paced at one a
+/// second, every sidecar the router could not take sent it its whole key
+/// set (19 MB at a million keys) each second, for as long as that lasted.
+const FAILED_SYNC_MAX: Duration = Duration::from_secs(16);
+
+/// The pause after the `n`-th full sync in a row that reached the router
+/// and failed (before jitter).
+fn failed_sync_pause(n: u32) -> Duration {
+    BACKOFF_MAX.saturating_mul(1 << n.saturating_sub(1).min(5)).min(FAILED_SYNC_MAX)
+}
 
 /// Everything the per-router tasks share.
 #[derive(Debug)]
@@ -309,6 +322,8 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
     // accepts one gets a paced sync, not a storm of them.
     let mut refused_syncs = 0u32;
     let mut sync_backoff = BACKOFF_MIN;
+    // Full syncs in a row that reached the router and failed.
+    let mut failed_syncs = 0u32;
     loop {
         tokio::select! {
             _ = cancel.cancelled() => break,
@@ -321,6 +336,7 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
                 Ok(Round::Idle) => break,
                 Ok(Round::Sent(kind, ack)) => {
                     backoff = BACKOFF_MIN;
+                    failed_syncs = 0;
                     link.unreachable = false;
                     let again = pusher.on_ack(&mut link, kind, ack);
                     if kind == MessageKind::Sync {
@@ -381,6 +397,9 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
                     } else if e.refused() {
                         error!(router = %link.target.0, error = %kvroute_shared::logging::error_chain(&e), pause_secs = REFUSED_PAUSE.as_secs(), "the router refuses this sidecar's pushes: its configuration or token must change (the error says what); retrying after a pause");
                         pause = REFUSED_PAUSE;
+                    } else if kind == MessageKind::Sync && !e.nothing_sent() {
+                        failed_syncs += 1;
+                        pause = jitter(failed_sync_pause(failed_syncs));
                     }
                     tokio::select! {
                         _ = cancel.cancelled() => return,

@@ -294,11 +294,15 @@ async fn failures_back_off_and_recovery_starts_with_a_sync() {
             assert_eq!(pending, Some(0), "no delta kept while failing");
         }
     }
-    advance(10_000).await;
+    advance(20_000).await;
     let attempts = s.router.attempts.lock().clone();
     let gaps: Vec<Duration> = attempts.windows(2).take(4).map(|w| w[1] - w[0]).collect();
-    // Backoff 100, 200, 400, 800 ms, each jittered into its upper half.
-    for (gap, base) in gaps.iter().zip([100u64, 200, 400, 800]) {
+    // Each a full sync that reached the router and failed (503): 1, 2, 4,
+    // 8 s, each jittered into its upper half. Paced at most a second apart,
+    // a router that could not take a sidecar got its whole key set each
+    // second.
+    assert_eq!(gaps.len(), 4, "{attempts:?}");
+    for (gap, base) in gaps.iter().zip([1_000u64, 2_000, 4_000, 8_000]) {
         assert!(*gap >= Duration::from_millis(base / 2), "{gaps:?}");
     }
     let sent = s.router.sent();
@@ -333,7 +337,8 @@ async fn a_sync_refused_as_too_large_is_retried_after_a_pause() {
 
 /// A router that refuses every push for what it is or who sent it (a block
 /// size, a token: a 4xx only an operator fixes) is retried after a pause, not
-/// sent a full sync about once a second; a rate limit is retried sooner.
+/// sent a full sync about once a second; a rate limit is retried sooner,
+/// backing off to 16 s.
 #[tokio::test(start_paused = true)]
 async fn a_push_refused_for_its_configuration_is_retried_after_a_pause() {
     for (status, paused) in [(400, true), (401, true), (403, true), (429, false)] {
@@ -342,7 +347,7 @@ async fn a_push_refused_for_its_configuration_is_retried_after_a_pause() {
         let s = start_with(router, WallClock::system());
         advance(95_000).await;
         let attempts = s.router.attempts.lock().len();
-        let expected = if paused { (3..=5).contains(&attempts) } else { attempts > 20 };
+        let expected = if paused { (3..=5).contains(&attempts) } else { (8..=20).contains(&attempts) };
         assert!(expected, "{status}: {attempts} attempts in 95 s");
         // Fixed: the next attempt is taken.
         *s.router.refuse_with.lock() = None;
