@@ -567,6 +567,30 @@ mod tests {
         replay_side.abort();
     }
 
+    /// A replay keeps what it can use: past a batch that does not decode,
+    /// what follows it; past its byte cap, its newest batches. Either was
+    /// the whole replay's failure, and a sidecar started beside a busy
+    /// engine (10,000 batches of long prompts are past 256 MiB) kept nothing.
+    #[tokio::test]
+    async fn a_replay_keeps_its_newest_usable_batches() {
+        let replays = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = format!("tcp://{}", replays.local_addr().unwrap());
+        let replay_side = tokio::spawn(async move {
+            loop {
+                let (mut s, _) = accept_replay(&replays).await;
+                s.write_all(&peer::message(&[b"", b"kv", &100u64.to_be_bytes(), &payload(100)])).await.unwrap();
+                s.write_all(&peer::message(&[b"", b"kv", &101u64.to_be_bytes(), b"\xc1 not msgpack"])).await.unwrap();
+                send_replay(&mut s, (102..106u64).map(|seq| (seq, seq))).await;
+            }
+        });
+        let fetch = |cap| replay::fetch_within(&endpoint, Seq(100), Duration::from_secs(10), cap);
+        let seqs = |r: Vec<(Seq, EventBatch)>| r.into_iter().map(|(s, _)| s.0).collect::<Vec<_>>();
+        assert_eq!(seqs(fetch(usize::MAX).await.unwrap()), [102, 103, 104, 105], "what follows the hole");
+        let one = peer::message(&[b"kv", &102u64.to_be_bytes(), &payload(102)]).len();
+        assert_eq!(seqs(fetch(2 * one).await.unwrap()), [104, 105], "the newest within the cap");
+        replay_side.abort();
+    }
+
     /// Without a replay endpoint, a stream lost and back counts no failed
     /// replay (none was tried) and clears the rank once, at the loss; the
     /// reconnect cleared it again, each reset a full sync to every router.
