@@ -18,8 +18,8 @@ use crate::state::AppState;
 
 pub async fn create(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     let run = async {
-        // Read under the API's deadline and `max_body_bytes`; a completion's
-        // prompt bound is checked by `proxy` once the endpoint is known.
+        // Read under the API's deadline and `max_body_bytes`, a chat's body
+        // held to the prompt's bound as `proxy` holds it.
         // Read again (and counted again) by `proxy`: this read's share goes.
         let (body, _) = read_client_body(&state, body, None).await?;
         let ttl = session_ttl(&state, &headers)?;

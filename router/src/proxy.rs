@@ -116,7 +116,11 @@ async fn read_within(
 
 /// Parses and checks a body sent to `endpoint`.
 pub fn parse(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<PromptRequest, RouterError> {
-    let req = PromptRequest::parse(endpoint, body)?;
+    let mut req = PromptRequest::parse(endpoint, body)?;
+    // `truncate_prompt_tokens: -1` is the engine's input limit, which
+    // `max_prompt_tokens` is set to: vLLM keeps that many (as its tokenizer
+    // truncates, a Llama's BOS kept), and checks no length.
+    req.resolve_truncation(state.config.raw.max_prompt_tokens);
     if let PromptRequest::Chat(c) = &req
         && c.messages.len() > state.config.raw.max_messages
     {
@@ -163,9 +167,11 @@ pub fn take_slot(state: &AppState) -> Result<OwnedSemaphorePermit, RouterError> 
 /// tensor of embeddings, all of which vLLM serves. Read whole, a chat body
 /// past the prompt's bound that carries no media part is refused before it
 /// is parsed (parsed, a body of small objects takes ~30 × its size); where
-/// the endpoint is not yet known (`/v1/context`, `/debug/route`),
-/// likewise. A completion's body parses at about its size (`Prompt` is
-/// read without buffering, its other fields skipped).
+/// the endpoint is not yet known (`/v1/context`, `/debug/route`), the
+/// body's `messages` key says which it is. A completion's body parses to a
+/// few times its size at most (`Prompt` is read without buffering, token
+/// ids as `u32`, at most `MAX_BATCH` prompts; its other fields skipped),
+/// and each prompt's text is held to the bound before it is tokenized.
 pub async fn read_client_body(
     state: &AppState,
     body: Body,
@@ -174,11 +180,14 @@ pub async fn read_client_body(
     let prompt_limit = routing::prompt_body_limit(state);
     let too_long = || RouterError::PromptTooLong { tokens: None, max: state.config.raw.max_prompt_tokens };
     let (body, budget) = read_client_in_time(state, body, state.config.raw.max_body_bytes).await?;
+    // `/debug/route` and `/v1/context` take either body: told apart as
+    // the proxy tells them (a `messages` key), without building anything.
+    let endpoint = endpoint.unwrap_or_else(|| crate::admin::endpoint_of(&body));
     // Media is a few long strings (base64, URLs), which parse at about their
     // size: past the prompt's bound, what is not in them is held to it too.
     // A media key alone let a body of 16 MiB of small values (parsed, ~30 ×
     // its size) through.
-    if endpoint != Some(Endpoint::Completions)
+    if endpoint == Endpoint::ChatCompletions
         && body.len() > prompt_limit
         && (!carries_media(&body) || outside_long_strings(&body) > prompt_limit)
     {
@@ -351,6 +360,9 @@ async fn dispatch(
     // another worker has answered it. A request every worker refuses or is
     // slow on is the request's doing and must not eject them all one by one.
     let mut suspects: Vec<&Arc<Worker>> = Vec::new();
+    // Of them, failures by the server (a 5xx, a connection closed, a stream
+    // broken): what a request that crashes its engine looks like.
+    let mut crashes = 0;
     // Blocks after an image (audio, video, prompt embeddings) carry extra
     // keys the sidecar does not translate: filling them reports nothing.
     // Read only for non-streamed answers: a stream's body is not scanned.
@@ -514,10 +526,15 @@ async fn dispatch(
             suspects.push(worker);
             // A request that can crash an engine (vLLM's `EngineDeadError`
             // takes down everything in flight there) was sent to 1 + retries
-            // of them: after two such failures it goes to no third.
-            if suspects.len() >= MAX_SUSPECT_ATTEMPTS {
-                state.metrics.event("retries_stopped", 1);
-                break;
+            // of them: after two such failures it goes to no third. A late
+            // first token crashes nothing, and is tried on (two wedged
+            // holders of a prefix would keep its requests from the rest).
+            if server_failed {
+                crashes += 1;
+                if crashes >= MAX_SUSPECT_ATTEMPTS && tried < max_attempts {
+                    state.metrics.event("retries_stopped", 1);
+                    break;
+                }
             }
         } else {
             note_failure(state, worker);
@@ -534,11 +551,12 @@ async fn dispatch(
     Err(err)
 }
 
-/// Attempts a request may fail in a way it can itself cause (a 5xx, a
-/// connection closed after sending, a stream broken or late before its first
+/// Attempts a request may fail by the server in a way it can itself cause (a
+/// 5xx, a connection closed after sending, a stream broken before its first
 /// chunk) before it is given up, whatever `retries` allows: one more worker
 /// gets the chance another failed, and a poison request (one that crashes
 /// its engine) costs two engines their work in flight, not 1 + `retries`.
+/// A late first token is not counted: it crashes nothing.
 pub const MAX_SUSPECT_ATTEMPTS: usize = 2;
 
 /// An attempt that got no response. `request_sent`: the connection was made
@@ -844,9 +862,14 @@ fn sse_error(worker: &kvroute_shared::WorkerId) -> Bytes {
 }
 
 pub fn note_success(worker: &Worker) {
-    worker.live.consecutive_failures.store(0, Ordering::Relaxed);
-    worker.live.request_ejections.store(0, Ordering::Relaxed);
     worker.live.last_progress_ms.store(now_ms(), Ordering::Relaxed);
+    // An answer begun on an ejected worker (one kept while it was seen
+    // producing) says its older work goes on, not that it is well again:
+    // its hold would be reset, and never double.
+    if worker.live.is_healthy() {
+        worker.live.consecutive_failures.store(0, Ordering::Relaxed);
+        worker.live.request_ejections.store(0, Ordering::Relaxed);
+    }
 }
 
 /// Passive health: a request failed there. After `eject_after_failures` in a

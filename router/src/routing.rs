@@ -127,17 +127,18 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
     let tokenizer = state.tokenizers.for_model(&model);
     let max = state.config.raw.max_prompt_tokens;
     // A chat template can expand a small body hundreds of times: the text
-    // is held to the same bound as a body before it is tokenized. A
-    // truncated completion is not (vLLM checks no length when the request
-    // truncates): its text is in its body, held to `max_body_bytes`.
-    let truncated = req.truncation().keep.is_some() || req.truncation().to_limit;
-    let cap = match req {
-        PromptRequest::Completion(_) if truncated => usize::MAX,
-        _ => max.saturating_mul(MAX_BYTES_PER_TOKEN),
-    };
+    // is held to the same bound as a body before it is tokenized.
+    let cap = max.saturating_mul(MAX_BYTES_PER_TOKEN);
     let mut template_fallback = false;
     let tokens = match (tokenizer.prompt_tokens_within(req, cap), req) {
         (Ok(tokens), _) => tokens,
+        // Longer than any prompt, but truncated by the engine, which checks
+        // no length then: served, placed by load (no keys). Tokenized whole,
+        // up to `max_body_bytes` of text cost a job seconds and hundreds of
+        // megabytes.
+        (Err(TokenizeError::TooLong { .. }), PromptRequest::Completion(_)) if req.truncation().keep.is_some() => {
+            Vec::new()
+        }
         // The template cannot render it here (a construct minijinja lacks, a
         // template that refuses the conversation) or there is none (the
         // engine may have `--chat-template`): the engine decides, not the
@@ -151,16 +152,11 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
     };
     // Without the model's tokenizer the "tokens" of text are bytes, about
     // four to a token: counting them against the limit refused prompts a
-    // quarter of the engine's. The byte bound above still holds; the engine
-    // counts. Token ids are tokens whatever the tokenizer.
+    // quarter of the engine's. The byte bound above still holds (but for a
+    // truncated completion, placed by load past it); the engine counts. Token ids are tokens whatever the tokenizer.
     // A batch's prompts each count: only the first is keyed.
-    // `truncate_prompt_tokens: -1` is the engine's input limit, which
-    // `max_prompt_tokens` is set to: vLLM keeps that many, and checks no
-    // length. Counted whole, such a prompt past it was a 400.
-    let truncation = req.truncation().within(max);
-    let tokens = truncation.apply(tokens);
     let batched = req.longest_batched_token_ids().unwrap_or(0);
-    let counted = tokens.len().max(truncation.keep.map_or(batched, |keep| batched.min(keep)));
+    let counted = tokens.len().max(req.truncation().keep.map_or(batched, |keep| batched.min(keep)));
     if (tokenizer.is_exact() || req.has_token_ids()) && counted > max {
         return Err(RouterError::PromptTooLong { tokens: Some(counted), max });
     }
@@ -387,7 +383,9 @@ pub fn record_dispatch(state: &AppState, worker: &Worker, keys: &[BlockKey]) -> 
 /// costs the engine nothing) filled workers' speculative entries with
 /// blocks nobody caches, and a failed request's drew the same prefix's
 /// next requests to the worker that had just failed it. A request given
-/// up for a late first token keeps them: its engine may be prefilling it.
+/// up for a late first token keeps them: its engine may have prefilled
+/// some of it, which its sidecar confirms (the other replicas stop
+/// counting it as sent there, as for any failed attempt).
 pub fn withdraw(state: &AppState, worker: &Worker, keys: &[BlockKey], tick: Option<u64>) {
     let Some(tick) = tick else { return };
     let mut map = state.map.write();

@@ -252,20 +252,11 @@ pub struct Truncation {
     /// the engine's input limit, unknown here).
     pub keep: Option<usize>,
     pub side: Option<TruncationSide>,
-    /// -1: truncated to the engine's input limit (`max_model_len`), which
-    /// the caller knows ([`Truncation::within`]); vLLM checks no length then.
-    pub to_limit: bool,
 }
 
 impl Truncation {
     fn new(n: Option<i64>, side: Option<TruncationSide>) -> Self {
-        Truncation { keep: n.and_then(|n| usize::try_from(n).ok()), side, to_limit: n == Some(-1) }
-    }
-
-    /// This truncation with -1 read as `limit` tokens, the engine's input
-    /// limit.
-    pub fn within(self, limit: usize) -> Self {
-        if self.to_limit { Truncation { keep: Some(limit), ..self } } else { self }
+        Truncation { keep: n.and_then(|n| usize::try_from(n).ok()), side }
     }
 
     /// `tokens` as the engine keeps them (vLLM's `_token_truncation`): the
@@ -490,6 +481,18 @@ impl PromptRequest {
         }
     }
 
+    /// Reads `truncate_prompt_tokens: -1` as `limit`: vLLM truncates to the
+    /// engine's input limit (`max_model_len`), which the caller knows.
+    pub fn resolve_truncation(&mut self, limit: usize) {
+        let n = match self {
+            PromptRequest::Completion(r) => &mut r.truncate_prompt_tokens,
+            PromptRequest::Chat(r) => &mut r.truncate_prompt_tokens,
+        };
+        if *n == Some(-1) {
+            *n = Some(i64::try_from(limit).unwrap_or(i64::MAX));
+        }
+    }
+
     /// What `truncate_prompt_tokens` and `truncation_side` ask for.
     pub fn truncation(&self) -> Truncation {
         match self {
@@ -525,10 +528,10 @@ impl PromptRequest {
     }
 }
 
+/// An empty list is the template's to judge, as vLLM leaves it (a ChatML
+/// template renders it; others raise, and the router places the request by
+/// its plain text): vLLM's `messages` has no minimum.
 fn validate_messages(messages: &[Map<String, Value>]) -> Result<(), DecodeError> {
-    if messages.is_empty() {
-        return Err(DecodeError::new("messages", "must hold at least one message"));
-    }
     for (i, m) in messages.iter().enumerate() {
         match m.get("role") {
             Some(Value::String(_)) => {}
@@ -659,14 +662,17 @@ mod tests {
         let e = PromptRequest::parse(Endpoint::Completions, br#"{"model":"m","prompt":"x","max_tokens":[[1],[2]]}"#)
             .unwrap_err();
         assert_eq!(e.field, "max_tokens");
+        assert!(e.message.contains("sequence"), "refused at the list, not read whole: {e}");
         let e =
             PromptRequest::parse(Endpoint::Completions, br#"{"model":"m","prompt":"x","stream":"maybe"}"#).unwrap_err();
         assert_eq!(e.field, "stream");
         let e = PromptRequest::parse(Endpoint::Completions, br#"{"model":"m","prompt":"x","max_tokens":16.5}"#)
             .unwrap_err();
         assert_eq!(e.field, "max_tokens");
-        let e = PromptRequest::parse(Endpoint::ChatCompletions, br#"{"model":"m","messages":[]}"#).unwrap_err();
-        assert_eq!(e.field, "messages");
+        let e = PromptRequest::parse(Endpoint::ChatCompletions, br#"{"model":"m"}"#).unwrap_err();
+        assert!(e.message.contains("messages"), "{e}");
+        // No minimum (vLLM's neither): the template judges an empty list.
+        assert!(PromptRequest::parse(Endpoint::ChatCompletions, br#"{"model":"m","messages":[]}"#).is_ok());
         let e = PromptRequest::parse(
             Endpoint::ChatCompletions,
             br#"{"model":"m","messages":[{"role":"user","content":5}]}"#,

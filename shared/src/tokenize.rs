@@ -171,11 +171,7 @@ impl PromptTokenizer {
             Prompt::Tokens(_) | Prompt::TokenBatch(_) => return Ok(None),
         };
         let n = match c.truncation() {
-            Truncation { keep: Some(n), side: None, .. }
-                if n < tokens.len() && c.add_special_tokens.unwrap_or(true) =>
-            {
-                n
-            }
+            Truncation { keep: Some(n), side: None } if n < tokens.len() && c.add_special_tokens.unwrap_or(true) => n,
             _ => return Ok(None),
         };
         let plain = self.encode(text, false)?;

@@ -62,6 +62,16 @@ pub struct Prepared {
 /// server does before a request reaches the engine.
 pub fn prepare(s: &Shared, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, ApiError> {
     let req = PromptRequest::parse(endpoint, body)?;
+    // An empty conversation is the chat template's to judge; the models
+    // the sim stands in for (Qwen3's, Llama's templates) raise on it.
+    if let PromptRequest::Chat(c) = &req
+        && c.messages.is_empty()
+    {
+        return Err(ApiError::BadRequest {
+            message: "the chat template found no messages".into(),
+            param: Some("messages".into()),
+        });
+    }
     // Plain serde here: the body already parsed once, so only these options
     // can fail, and path tracking over a long token array costs real time.
     let options: EngineOptions = serde_json::from_slice(body)
