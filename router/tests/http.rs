@@ -165,6 +165,12 @@ impl TestRouter {
     }
 }
 
+/// A loopback URL nothing listens on: a port the OS gave and took back.
+fn refused_url() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("http://{}", l.local_addr().unwrap())
+}
+
 fn prompt(n: usize) -> String {
     (0..n).map(|i| char::from(b'a' + (i % 26) as u8)).collect()
 }
@@ -293,10 +299,7 @@ async fn an_event_cut_short_is_ended_before_the_error_event() {
 async fn failures_before_the_first_byte_are_retried_elsewhere() {
     let bad = fake_worker("bad", Behaviour::Status(500)).await;
     let door = slamming_door().await;
-    let refused = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("http://{}", l.local_addr().unwrap())
-    };
+    let refused = refused_url();
     let good = fake_worker("good", Behaviour::Ok).await;
     // A 5xx, a connection closed after sending, one refused: each retried.
     for failing in [&bad.url, &door, &refused] {
@@ -330,12 +333,7 @@ async fn a_request_two_workers_fail_is_sent_to_no_third() {
     assert_eq!(status, 502);
     let hits: usize = workers.iter().map(|(_, w)| w.hits.load(Ordering::SeqCst)).sum();
     assert_eq!(hits, 2, "sent to {hits} workers");
-    let refused: Vec<String> = (0..3)
-        .map(|_| {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            format!("http://{}", l.local_addr().unwrap())
-        })
-        .collect();
+    let refused: Vec<String> = (0..3).map(|_| refused_url()).collect();
     let good = fake_worker("good", Behaviour::Ok).await;
     let mut pairs: Vec<(&str, &str)> = vec![("a", &refused[0]), ("b", &refused[1]), ("c", &refused[2])];
     pairs.push(("d-good", &good.url));
@@ -1040,7 +1038,8 @@ async fn no_healthy_worker_is_a_503_and_not_ready() {
 /// once one has answered a probe: an unreachable one is not.
 #[tokio::test]
 async fn ready_waits_for_a_worker_that_answered_a_probe() {
-    let r = router(&[("gone", "http://127.0.0.1:1")], |_| {}).await;
+    let gone = refused_url();
+    let r = router(&[("gone", &gone)], |_| {}).await;
     let ready = r.http.get(format!("{}/ready", r.url)).send().await.unwrap();
     assert_eq!(ready.status(), 503);
     let body: Value = ready.json().await.unwrap();
@@ -1126,7 +1125,8 @@ async fn per_worker_tokens_confine_each_sidecar_to_its_own_worker() {
 async fn pushes_never_move_a_static_worker_and_bad_urls_are_refused() {
     let w = fake_worker("w1", Behaviour::Ok).await;
     let r = router(&[("w1", &w.url)], |_| {}).await;
-    let ack = r.internal("/internal/sync", json!({"worker_id": "w1", "url": "http://127.0.0.1:9", "hashes": []})).await;
+    let elsewhere = refused_url();
+    let ack = r.internal("/internal/sync", json!({"worker_id": "w1", "url": elsewhere, "hashes": []})).await;
     assert_eq!(ack.status(), 200);
     assert_eq!(r.complete(json!({"model": "m", "prompt": "x"})).await.status(), 200, "still the operator's URL");
     for bad in ["http://", "http://a b c", "ftp://host:1", "http://user:pw@host:1", "not a url"] {
@@ -1430,6 +1430,8 @@ async fn prompts_beyond_max_prompt_tokens_are_refused_before_or_after_tokenizing
     let sixty = vec!["hello"; 60].join(" ");
     let batch = json!({"model": "m", "prompt": vec![sixty.as_str(); 200]});
     assert!(batch.to_string().len() > 100 * 16 * 30);
+    let explain = r.http.post(format!("{}/debug/route", r.url)).json(&batch).send();
+    assert_eq!(explain.await.unwrap().status(), 200, "/debug/route has the same limits");
     assert_eq!(r.complete(batch).await.status(), 200);
     let ids = json!({"model": "m", "prompt": vec![vec![1; 60]; 200]});
     assert_eq!(r.complete(ids).await.status(), 200);
@@ -2044,12 +2046,13 @@ async fn a_stream_late_on_every_worker_ejects_none_of_them() {
         let resp = r.complete(json!({"model": "m", "prompt": "slow to start", "stream": true})).await;
         assert_eq!(resp.status(), 504);
     }
-    for (id, _) in &workers {
+    for (id, w) in &workers {
         assert!(healthy(&r, id).await, "{id} was charged for the request's own slowness");
+        assert!(w.hits.load(Ordering::SeqCst) >= 1, "{id} was tried");
     }
-    // Two workers each: late on two, a request is sent to no third.
+    // Late crashes nothing: each request was tried on all three.
     let hits: usize = workers.iter().map(|(_, w)| w.hits.load(Ordering::SeqCst)).sum();
-    assert_eq!(hits, 4);
+    assert_eq!(hits, 6);
 }
 
 /// ... and a wedged engine is charged once another worker answers what it
@@ -2103,10 +2106,7 @@ async fn a_request_every_worker_refuses_ejects_none_of_them() {
 #[tokio::test]
 async fn a_502_names_no_workers_address() {
     let door = picky_door("a").await;
-    let closed = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("http://{}", l.local_addr().unwrap())
-    };
+    let closed = refused_url();
     for url in [&door, &closed] {
         let r = router(&[("a", url)], |raw| raw.retries = 0).await;
         let (status, body) = error_of(r.complete(json!({"model": "m", "prompt": "poison pill"})).await).await;
