@@ -37,12 +37,6 @@ const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 /// after the last one were published: a lost *last* batch shows no gap until
 /// the next one arrives, which may be never.
 const IDLE_PROBE: Duration = Duration::from_secs(1);
-/// Bound on an idle probe: the live stream waits while it runs, and a
-/// replay endpoint that accepts and does not answer (a wedged engine, a port
-/// of something else) held the first batches after each idle second for
-/// the whole [`REPLAY_TIMEOUT`]. What it would find is small (a lost last
-/// batch or two); a probe cut short finds it at the next.
-const IDLE_PROBE_TIMEOUT: Duration = Duration::from_millis(500);
 /// Reconnection backoff: doubled from the first to the last.
 const RECONNECT_FIRST: Duration = Duration::from_millis(100);
 const RECONNECT_MAX: Duration = Duration::from_secs(5);
@@ -218,7 +212,7 @@ impl Stream {
     /// it as if it had arrived live (a gap in it is recovered as usual).
     async fn probe(&mut self) {
         let (Some(expected), Some(endpoint)) = (self.expected, self.source.replay.clone()) else { return };
-        match replay::fetch(&endpoint, expected, IDLE_PROBE_TIMEOUT).await {
+        match replay::fetch(&endpoint, expected, REPLAY_TIMEOUT).await {
             Ok(missed) => {
                 if !missed.is_empty() {
                     warn!(
