@@ -121,6 +121,9 @@ pub async fn debug_route(
         "model": plan.model,
         "policy": state.policy.name(),
         "tokens": plan.tokens.len(),
+        // A truncated prompt too long to tokenize here, counted as what the
+        // engine keeps of it.
+        "unkeyed_tokens": plan.unkeyed_tokens,
         "exact_tokenizer": plan.exact_tokenizer,
         "block_size": plan.block_size,
         "block_keys": plan.keys,

@@ -32,6 +32,10 @@ pub struct TokenizeArgs {
     pub tokenizer: Option<PathBuf>,
     #[arg(long, default_value_t = 16)]
     pub block_size: u32,
+    /// The router's `max_prompt_tokens` (the engine's max_model_len): what
+    /// `truncate_prompt_tokens: -1` keeps.
+    #[arg(long, default_value_t = 262_144)]
+    pub max_prompt_tokens: usize,
 }
 
 /// Flags of the server. Each one, when given, overrides the file and env.
@@ -117,7 +121,7 @@ pub struct ServeArgs {
     /// Interval of active health checks [default: 2s].
     #[arg(long, value_name = "DURATION")]
     pub health_check_interval: Option<String>,
-    /// Other workers tried when an attempt fails before any byte was sent; after two failures the request may have caused (5xx, dropped, late), no third [default: 2].
+    /// Other workers tried when an attempt fails before any byte was sent; after two server failures the request may have caused (5xx, dropped, broken), no third [default: 2].
     #[arg(long)]
     pub retries: Option<u32>,
     /// Time allowed for a non-streamed answer (vLLM sends it whole) and a queued stream's first token [default: 3600s].

@@ -102,8 +102,9 @@ pub struct RawConfig {
     #[serde(with = "humantime_serde")]
     pub worker_expiry: Duration,
     /// Other workers to try when an attempt fails before any byte reached the
-    /// client; after two failures the request may have caused itself, none
-    /// more (`proxy::MAX_SUSPECT_ATTEMPTS`).
+    /// client; after two server failures the request may have caused itself
+    /// (a 5xx, a connection dropped, a stream broken), none more
+    /// (`proxy::MAX_SUSPECT_ATTEMPTS`).
     pub retries: u32,
     #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,

@@ -93,7 +93,8 @@ fn tokenize(args: &TokenizeArgs) -> anyhow::Result<()> {
     let mut body = Vec::new();
     std::io::stdin().read_to_end(&mut body).context("reading the request body from stdin")?;
     let endpoint = kvroute_router::admin::endpoint_of(&body);
-    let req = PromptRequest::parse(endpoint, &body).map_err(|e| anyhow::anyhow!("bad request body: {e}"))?;
+    let mut req = PromptRequest::parse(endpoint, &body).map_err(|e| anyhow::anyhow!("bad request body: {e}"))?;
+    req.resolve_truncation(args.max_prompt_tokens);
     let tokenizer = match &args.tokenizer {
         Some(dir) => PromptTokenizer::load(dir)?,
         None => PromptTokenizer::Bytes,

@@ -531,8 +531,14 @@ async fn dispatch(
             // holders of a prefix would keep its requests from the rest).
             if server_failed {
                 crashes += 1;
-                if crashes >= MAX_SUSPECT_ATTEMPTS && tried < max_attempts {
-                    state.metrics.event("retries_stopped", 1);
+                if crashes >= MAX_SUSPECT_ATTEMPTS {
+                    // Counted where another attempt would have been made.
+                    let another = attempts
+                        .clone()
+                        .any(|(_, (w, _))| w.live.is_healthy() && !failed_servers.contains(&w.url.as_str()));
+                    if tried < max_attempts && another {
+                        state.metrics.event("retries_stopped", 1);
+                    }
                     break;
                 }
             }

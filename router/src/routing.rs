@@ -22,6 +22,9 @@ use crate::workers::Worker;
 pub struct Plan {
     pub model: String,
     pub tokens: Vec<u32>,
+    /// Prompt tokens the engine computes beyond `tokens`, unkeyed: a
+    /// truncated completion too long to tokenize here ([`prepare`]).
+    pub unkeyed_tokens: usize,
     pub keys: Vec<BlockKey>,
     pub block_size: usize,
     /// Candidates (healthy, serving the model), index-aligned with `candidates`.
@@ -41,12 +44,12 @@ pub struct Plan {
 
 impl Plan {
     /// Workers in the order to try them.
-    pub fn attempts(&self) -> impl Iterator<Item = (&Arc<Worker>, &Candidate)> {
+    pub fn attempts(&self) -> impl Iterator<Item = (&Arc<Worker>, &Candidate)> + Clone {
         self.decision.ranked.iter().map(|&i| (&self.workers[i], &self.candidates[i]))
     }
 
     pub fn uncached_tokens(&self, c: &Candidate) -> u64 {
-        (self.tokens.len().saturating_sub(c.matched_blocks * self.block_size)) as u64
+        (self.tokens.len().saturating_sub(c.matched_blocks * self.block_size) + self.unkeyed_tokens) as u64
     }
 }
 
@@ -69,6 +72,7 @@ fn tokenize_error(req: &PromptRequest, e: TokenizeError, max_prompt_tokens: usiz
 pub struct Prepared {
     model: String,
     tokens: Vec<u32>,
+    unkeyed_tokens: usize,
     keys: Vec<BlockKey>,
     head_hash: u64,
     prefix_hint: Option<usize>,
@@ -130,13 +134,16 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
     // is held to the same bound as a body before it is tokenized.
     let cap = max.saturating_mul(MAX_BYTES_PER_TOKEN);
     let mut template_fallback = false;
+    let mut unkeyed_tokens = 0;
     let tokens = match (tokenizer.prompt_tokens_within(req, cap), req) {
         (Ok(tokens), _) => tokens,
         // Longer than any prompt, but truncated by the engine, which checks
-        // no length then: served, placed by load (no keys). Tokenized whole,
-        // up to `max_body_bytes` of text cost a job seconds and hundreds of
-        // megabytes.
+        // no length then: served, placed by load (no keys), counted as the
+        // tokens the engine keeps (more bytes than 16 a token hold more
+        // tokens than that). Tokenized whole, up to `max_body_bytes` of text
+        // cost a job seconds and hundreds of megabytes.
         (Err(TokenizeError::TooLong { .. }), PromptRequest::Completion(_)) if req.truncation().keep.is_some() => {
+            unkeyed_tokens = req.truncation().keep.unwrap_or(0);
             Vec::new()
         }
         // The template cannot render it here (a construct minijinja lacks, a
@@ -166,7 +173,7 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
     let head_hash = BlockKey::chain(root.0, head).0;
     let prefix_hint = req.prefix_len().map(|n| n as usize);
     let exact_tokenizer = tokenizer.is_exact();
-    Ok(Prepared { model, tokens, keys, head_hash, prefix_hint, exact_tokenizer, template_fallback })
+    Ok(Prepared { model, tokens, unkeyed_tokens, keys, head_hash, prefix_hint, exact_tokenizer, template_fallback })
 }
 
 /// Parses `body` ([`crate::proxy::parse`]) and renders, tokenizes and keys
@@ -257,7 +264,7 @@ fn plan_against(
     live: bool,
 ) -> Result<Plan, RouterError> {
     let started = Instant::now();
-    let Prepared { model, tokens, keys, head_hash, prefix_hint, exact_tokenizer, .. } = prepared;
+    let Prepared { model, tokens, unkeyed_tokens, keys, head_hash, prefix_hint, exact_tokenizer, .. } = prepared;
 
     let workers = serving(snapshot, &model)?;
     let block_size = state.config.block_size.get();
@@ -287,7 +294,7 @@ fn plan_against(
             })
             .collect();
         let view = RouteView {
-            prompt_tokens: tokens.len(),
+            prompt_tokens: tokens.len() + unkeyed_tokens,
             block_size,
             keys: &keys,
             head_hash,
@@ -322,6 +329,7 @@ fn plan_against(
     let plan = Plan {
         model,
         tokens,
+        unkeyed_tokens,
         keys,
         block_size,
         workers,

@@ -61,7 +61,9 @@ pub struct Prepared {
 /// Parses, checks the model, tokenizes and checks lengths, as vLLM's OpenAI
 /// server does before a request reaches the engine.
 pub fn prepare(s: &Shared, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, ApiError> {
-    let req = PromptRequest::parse(endpoint, body)?;
+    let mut req = PromptRequest::parse(endpoint, body)?;
+    // -1: truncated to the context, as vLLM does.
+    req.resolve_truncation(s.config.max_model_len);
     // An empty conversation is the chat template's to judge; the models
     // the sim stands in for (Qwen3's, Llama's templates) raise on it.
     if let PromptRequest::Chat(c) = &req
