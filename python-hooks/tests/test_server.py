@@ -126,8 +126,10 @@ def test_install_tracks_pools_and_serves_them():
 
             self.cached_block_hash_to_block = BlockHashToBlockMap()
 
+    original = BlockPool.__init__
     install(BlockPool, endpoint="tcp://127.0.0.1:0")
     install(BlockPool, endpoint="tcp://127.0.0.1:0")  # idempotent
+    assert BlockPool.__init__.__wrapped__ is original, "wrapped twice"
     pool = BlockPool(8)
     assert pool in tracked_pools()
     h = hashlib.sha256(b"x").digest()

@@ -165,10 +165,18 @@ impl TestRouter {
     }
 }
 
-/// A loopback URL nothing listens on: a port the OS gave and took back.
-fn refused_url() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    format!("http://{}", l.local_addr().unwrap())
+/// A loopback URL that refuses connections: a port the OS gave, bound and
+/// not listening, held for as long as the value lives (released, another
+/// test's listener could take it).
+struct Refused {
+    url: String,
+    _held: tokio::net::TcpSocket,
+}
+
+fn refused_url() -> Refused {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    Refused { url: format!("http://{}", socket.local_addr().unwrap()), _held: socket }
 }
 
 fn prompt(n: usize) -> String {
@@ -302,7 +310,7 @@ async fn failures_before_the_first_byte_are_retried_elsewhere() {
     let refused = refused_url();
     let good = fake_worker("good", Behaviour::Ok).await;
     // A 5xx, a connection closed after sending, one refused: each retried.
-    for failing in [&bad.url, &door, &refused] {
+    for failing in [&bad.url, &door, &refused.url] {
         let r = router(&[("a-failing", failing), ("b-good", &good.url)], |raw| {
             raw.policy = "round_robin".into();
         })
@@ -333,9 +341,9 @@ async fn a_request_two_workers_fail_is_sent_to_no_third() {
     assert_eq!(status, 502);
     let hits: usize = workers.iter().map(|(_, w)| w.hits.load(Ordering::SeqCst)).sum();
     assert_eq!(hits, 2, "sent to {hits} workers");
-    let refused: Vec<String> = (0..3).map(|_| refused_url()).collect();
+    let refused: Vec<Refused> = (0..3).map(|_| refused_url()).collect();
     let good = fake_worker("good", Behaviour::Ok).await;
-    let mut pairs: Vec<(&str, &str)> = vec![("a", &refused[0]), ("b", &refused[1]), ("c", &refused[2])];
+    let mut pairs: Vec<(&str, &str)> = vec![("a", &refused[0].url), ("b", &refused[1].url), ("c", &refused[2].url)];
     pairs.push(("d-good", &good.url));
     let r = router(&pairs, |raw| {
         raw.retries = 3;
@@ -1039,7 +1047,7 @@ async fn no_healthy_worker_is_a_503_and_not_ready() {
 #[tokio::test]
 async fn ready_waits_for_a_worker_that_answered_a_probe() {
     let gone = refused_url();
-    let r = router(&[("gone", &gone)], |_| {}).await;
+    let r = router(&[("gone", &gone.url)], |_| {}).await;
     let ready = r.http.get(format!("{}/ready", r.url)).send().await.unwrap();
     assert_eq!(ready.status(), 503);
     let body: Value = ready.json().await.unwrap();
@@ -1126,7 +1134,7 @@ async fn pushes_never_move_a_static_worker_and_bad_urls_are_refused() {
     let w = fake_worker("w1", Behaviour::Ok).await;
     let r = router(&[("w1", &w.url)], |_| {}).await;
     let elsewhere = refused_url();
-    let ack = r.internal("/internal/sync", json!({"worker_id": "w1", "url": elsewhere, "hashes": []})).await;
+    let ack = r.internal("/internal/sync", json!({"worker_id": "w1", "url": elsewhere.url, "hashes": []})).await;
     assert_eq!(ack.status(), 200);
     assert_eq!(r.complete(json!({"model": "m", "prompt": "x"})).await.status(), 200, "still the operator's URL");
     for bad in ["http://", "http://a b c", "ftp://host:1", "http://user:pw@host:1", "not a url"] {
@@ -1463,6 +1471,12 @@ async fn prompts_beyond_max_prompt_tokens_are_refused_before_or_after_tokenizing
     // Nor is a truncated prompt held to 16 bytes a token: vLLM truncates
     // any length. It was a 413.
     let long = json!({"model": "m", "prompt": prompt(5_000), "truncate_prompt_tokens": 64});
+    let explained = r.explain(long.clone()).await;
+    assert_eq!(
+        (explained["tokens"].as_u64(), explained["unkeyed_tokens"].as_u64()),
+        (Some(0), Some(64)),
+        "{explained}"
+    );
     assert_eq!(r.complete(long).await.status(), 200);
 }
 
@@ -2107,7 +2121,7 @@ async fn a_request_every_worker_refuses_ejects_none_of_them() {
 async fn a_502_names_no_workers_address() {
     let door = picky_door("a").await;
     let closed = refused_url();
-    for url in [&door, &closed] {
+    for url in [&door, &closed.url] {
         let r = router(&[("a", url)], |raw| raw.retries = 0).await;
         let (status, body) = error_of(r.complete(json!({"model": "m", "prompt": "poison pill"})).await).await;
         assert_eq!(status, 502, "{body}");

@@ -50,9 +50,12 @@ fn an_unknown_log_format_is_one_readable_error() {
 /// "health probes failed".
 #[test]
 fn an_ejection_names_the_url_probed_and_the_failure() {
-    // Nothing listens on port 1.
-    let mut child =
-        router(&["--listen", "127.0.0.1:0", "--worker", "w=http://127.0.0.1:1", "--health-check-interval", "50ms"]);
+    // Nothing listens there: a port the OS gave, bound, not listening.
+    let held = tokio::net::TcpSocket::new_v4().unwrap();
+    held.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let gone = format!("http://{}", held.local_addr().unwrap());
+    let worker = format!("w={gone}");
+    let mut child = router(&["--listen", "127.0.0.1:0", "--worker", &worker, "--health-check-interval", "50ms"]);
     let out = BufReader::new(child.stdout.take().unwrap());
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -66,6 +69,6 @@ fn an_ejection_names_the_url_probed_and_the_failure() {
     child.kill().unwrap();
     child.wait().unwrap();
     let line = line.expect("an ejection logged");
-    assert!(line.contains("http://127.0.0.1:1/health"), "{line}");
+    assert!(line.contains(&format!("{gone}/health")), "{line}");
     assert!(line.contains("the last:"), "{line}");
 }

@@ -21,6 +21,15 @@ async fn fake_engine(models: &'static [&'static str], metrics: &'static str) -> 
     url
 }
 
+/// A loopback port that refuses connections: one the OS gave, bound and
+/// not listening, held as long as the socket lives (released, another
+/// test's listener could take it).
+fn refused_port() -> (u16, tokio::net::TcpSocket) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    (socket.local_addr().unwrap().port(), socket)
+}
+
 #[test]
 fn binary_prints_its_address_and_serves_health() {
     // The engine is served by this runtime's own thread while the test waits.
@@ -30,14 +39,17 @@ fn binary_prints_its_address_and_serves_health() {
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("sidecar.toml");
     std::fs::write(&file, "worker_id = \"w-file\"\nsync_interval = \"2s\"\nblock_size = 32\n").unwrap();
+    let held = [refused_port(), refused_port(), refused_port()];
+    let events = format!("tcp://127.0.0.1:{}", held[0].0);
+    let (router_a, router_b) = (format!("http://127.0.0.1:{}", held[1].0), format!("http://127.0.0.1:{}", held[2].0));
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-sidecar"))
         .args(["--config", file.to_str().unwrap(), "--listen", "127.0.0.1:0", "--model", "m"])
-        .args(["--events", "tcp://127.0.0.1:1", "--engine-url", &engine_url])
+        .args(["--events", &events, "--engine-url", &engine_url])
         .env("KVROUTE_SIDECAR_WORKER_ID", "w-env")
         // Numeric-looking strings stay strings; numbers parse from strings.
         .env("KVROUTE_SIDECAR_INTERNAL_TOKEN", "1e5678901234567890")
         .env("KVROUTE_SIDECAR_DATA_PARALLEL_SIZE", "2")
-        .env("KVROUTE_SIDECAR_ROUTER", "http://127.0.0.1:2,http://127.0.0.1:3")
+        .env("KVROUTE_SIDECAR_ROUTER", format!("{router_a},{router_b}"))
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -69,7 +81,7 @@ fn binary_prints_its_address_and_serves_health() {
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
             let m = reqwest::get(format!("http://{addr}/metrics")).await.unwrap().text().await.unwrap();
-            if m.contains("router=\"http://127.0.0.1:2\"") && m.contains("router=\"http://127.0.0.1:3\"") {
+            if m.contains(&format!("router=\"{router_a}\"")) && m.contains(&format!("router=\"{router_b}\"")) {
                 break;
             }
             assert!(Instant::now() < deadline, "routers from the env list not used: {m}");
@@ -101,11 +113,12 @@ fn binary_prints_its_address_and_serves_health() {
 async fn a_block_size_or_model_other_than_the_engines_is_refused_at_start() {
     let metrics = "vllm:cache_config_info{block_size=\"32\",enable_prefix_caching=\"True\"} 1.0\n";
     let engine_url = fake_engine(&["m", "sql-adapter"], metrics).await;
+    let held = [refused_port(), refused_port()];
     let raw = |model: &str, block_size| kvroute_sidecar::config::RawConfig {
         engine_url: Some(engine_url.clone()),
         model: Some(model.into()),
-        events: Some("tcp://127.0.0.1:1".into()),
-        router: vec!["http://127.0.0.1:1".into()],
+        events: Some(format!("tcp://127.0.0.1:{}", held[0].0)),
+        router: vec![format!("http://127.0.0.1:{}", held[1].0)],
         block_size,
         ..Default::default()
     };

@@ -236,6 +236,18 @@ async fn reset_is_refused_while_a_request_holds_blocks() {
         assert!(std::time::Instant::now() < deadline, "reset still refused after the client left");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    // Freed by the client's leaving, not by the stream's end.
+    // Left to run, it generates exactly 20,000.
+    let generated = generation_tokens(&sim).await;
+    assert!(generated < 20_000.0, "{generated} of 20,000 tokens generated: not cancelled");
+}
+
+/// `vllm:generation_tokens_total` of rank 0.
+async fn generation_tokens(sim: &common::Running) -> f64 {
+    let (_, text) = sim.get("/metrics").await;
+    let prefix = "vllm:generation_tokens_total{engine=\"0\",model_name=\"m\"} ";
+    let line = text.lines().find_map(|l| l.strip_prefix(prefix)).unwrap_or_else(|| panic!("no {prefix}in\n{text}"));
+    line.parse().expect("a number")
 }
 
 #[tokio::test]
@@ -332,6 +344,11 @@ async fn timed_mode_streams_and_frees_blocks_when_the_client_leaves() {
         assert!(std::time::Instant::now() < deadline, "abandoned stream still running:\n{text}");
         tokio::task::yield_now().await;
     }
+    // Ended by the client's leaving: at this pace the whole stream takes
+    // about 2 s, and would free its blocks too, after exactly 30,004 tokens
+    // (with the first request's 4).
+    let generated = generation_tokens(&sim).await;
+    assert!(generated < 30_004.0, "{generated} of 30,004 tokens generated: not cancelled");
 }
 
 #[tokio::test]

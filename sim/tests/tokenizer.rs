@@ -21,7 +21,9 @@ async fn qwen3_chat_matches_the_hf_goldens() {
     config.tokenizer = Some(dir);
     let sim = start(config).await;
     let text = std::fs::read_to_string(goldens).expect("goldens");
-    for line in text.lines().take(5) {
+    let lines: Vec<&str> = text.lines().take(5).collect();
+    assert_eq!(lines.len(), 5, "the goldens file holds fewer than 5 conversations");
+    for line in lines {
         let g: Value = serde_json::from_str(line).expect("json");
         let body = json!({
             "model": "qwen3-8b",

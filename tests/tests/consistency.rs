@@ -44,7 +44,13 @@ async fn after_traffic_the_map_equals_the_engines_cache_exactly() {
     }
     assert!(held < created.len(), "engines hold {held} of {} blocks: they must have evicted", created.len());
 
-    // /reset_prefix_cache (vLLM's AllBlocksCleared): the worker's entries go.
+    // /reset_prefix_cache (vLLM's AllBlocksCleared): the worker's entries go
+    // (it held some: else "gone" held from the start).
+    eventually("w1's entries confirmed before the reset", WAIT, || {
+        let (c, r) = (c.clone(), r.clone());
+        async move { (!confirmed(&c, &r, "w1").await.is_empty()).then_some(()) }
+    })
+    .await;
     let resp = c.post(&format!("{}/reset_prefix_cache", engines[0]), json!({})).await;
     assert!(resp.status().is_success());
     // Like vLLM, the engine publishes AllBlocksCleared with its next step.

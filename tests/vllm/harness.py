@@ -54,7 +54,10 @@ _rng = __import__("random").Random()
 
 
 def free_port(span: int = 1) -> int:
-    """A port P in 20000–32000 with P … P+span-1 all free right now."""
+    """A port P in 20000–32000 with P … P+span-1 all free right now: below
+    the ephemeral range, so that while vLLM loads its model (tens of
+    seconds before it binds) no `bind(0)` elsewhere, nor a client's own
+    source port, takes it. Bound and released here: nothing is fixed."""
     for _ in range(1000):
         p = _rng.randrange(20000, 32000 - span)
         try:

@@ -15,7 +15,7 @@ import random
 import pytest
 import requests
 
-from harness import BLOCK_SIZE, MODEL, ROOT, Engine, Proc, binary, eventually, truth
+from harness import BLOCK_SIZE, MODEL, ROOT, Engine, Proc, binary, eventually, free_port, truth
 
 CONVERGE = 30.0  # seconds: a sync every 5 s, pushes every 100 ms
 
@@ -313,7 +313,7 @@ def test_a_sidecar_that_hears_nothing_says_so(cluster):
             "--engine-url", engine.url,
             "--events", f"tcp://127.0.0.1:{engine.events}",
             "--topic", "no-such-topic",
-            "--router", "http://127.0.0.1:9",  # nothing listens: pushes fail, that is fine here
+            "--router", f"http://127.0.0.1:{free_port()}",  # nothing listens: pushes fail, that is fine here
             "--internal-token", "real-vllm-tier-internal-token",
             "--listen", "127.0.0.1:0",
         ],
@@ -334,12 +334,17 @@ def test_a_sidecar_that_hears_nothing_says_so(cluster):
 
 
 def test_reset_prefix_cache_clears_the_workers_entries(cluster):
-    engine = cluster.engines[0]
-    complete(cluster, "Before the reset. " + text(5, 100))
+    engine, worker = cluster.engines[0], cluster.sidecars[0].worker_id
+    # Sent to the engine itself: routed, it may have gone to the other one,
+    # and entries that were never there "went" at once.
+    body = {"model": MODEL, "prompt": "Before the reset. " + text(5, 100), "max_tokens": 2, "ignore_eos": True}
+    post(f"{engine.url}/v1/completions", body)
     converge(cluster, "before the reset")
+    assert cluster.router.confirmed(worker), f"{worker} held nothing: its entries' going would prove nothing"
     resp = post(f"{engine.url}/reset_prefix_cache", {})
     assert resp.json().get("success") is True, resp.text
-    eventually("w1's entries gone after the reset", CONVERGE, lambda: True if not cluster.router.confirmed("w1") else None)
+    eventually(f"{worker}'s entries gone after the reset", CONVERGE,
+               lambda: True if not cluster.router.confirmed(worker) else None)
     converge(cluster, "after a reset", allow_empty=True)
 
 

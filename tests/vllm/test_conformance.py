@@ -90,9 +90,9 @@ class Pair:
                 binary("kvroute-sim")
                 # vLLM cannot report a port it chose itself (its API socket and
                 # its ZMQ event, replay and snapshot endpoints all take a
-                # number), so harness.free_port binds port 0, reads the port,
-                # closes it and passes the number on; the sim binds port 0
-                # itself and prints what it got.
+                # number), so harness.free_port binds a random free port below
+                # the ephemeral range, closes it and passes the number on; the
+                # sim binds port 0 itself and prints what it got.
                 self.vllm = ConformanceEngine(NUM_BLOCKS)
                 self.sim = SimEngine(NUM_BLOCKS)
                 print(f"\nlogs: {self.vllm.proc.log_path}, {self.sim.proc.log_path}")
@@ -163,6 +163,7 @@ def test_one_at_a_time_everything_is_equal(pair):
     print(f"\nsequential: {len(reqs)} requests, cached tokens vLLM {hits} / sim {sum(b for _, b in cached)}, "
           f"{len(differ)} requests differ")
     assert not differ, f"cached_tokens differ (request, vLLM, sim): {differ[:10]}"
+    assert hits > 0, "vLLM cached nothing: the comparison proved nothing"
     deltas = [tuple(x - y for x, y in zip(after[k], before[k])) for k in (0, 1)]
     assert deltas[0] == deltas[1], f"(hits, queries) from /metrics: vLLM {deltas[0]}, sim {deltas[1]}"
 
@@ -307,6 +308,7 @@ def test_eight_in_flight_totals_agree(pair):
           f"vLLM {hits_a} / sim {hits_b} ({(hits_b - hits_a) / max(hits_a, 1):+.2%}), {same} requests equal, "
           f"queries {queries}, /metrics hits {metric_hits}, preemptions so far {preempted}")
     assert queries[0] == queries[1]
+    assert hits_a > 0, "vLLM cached nothing: the comparison proved nothing"
     # 2 %: vLLM against itself differs by up to 1.0 % here (batching follows
     # timing), so two engines may differ by about twice that. At 1 % a
     # clean-clone CI run failed on 2026-11-23 at -1.08 % (earlier runs:

@@ -384,9 +384,17 @@ impl Harness {
         }
     }
 
+    /// One series' value; panics when the scrape fails or the series is
+    /// absent (read as 0, a renamed series passed every `== 0` check).
     pub async fn metric(&self, series: &str) -> f64 {
-        let text = self.metrics().await;
-        text.lines().find_map(|l| l.strip_prefix(series).and_then(|rest| rest.trim().parse().ok())).unwrap_or(0.0)
+        let url = format!("http://{}/metrics", self.sidecar);
+        let resp = self.http.get(url).send().await.unwrap_or_else(|e| panic!("scraping the sidecar: {e}"));
+        let text = resp.text().await.unwrap_or_else(|e| panic!("reading the sidecar's metrics: {e}"));
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')).and_then(|v| v.trim().parse().ok())
+            })
+            .unwrap_or_else(|| panic!("no {series} in the sidecar's metrics:\n{text}"))
     }
 
     pub async fn health(&self) -> Option<Value> {
@@ -413,7 +421,12 @@ impl Harness {
         let mut probes = 0u32;
         loop {
             self.publisher.publish(vec![probe()]).await;
-            if self.metric("kvroute_sidecar_events_total{kind=\"unknown\"}").await >= 1.0 {
+            // A scrape may fail while it starts: read leniently here.
+            let counted = self.metrics().await.lines().any(|l| {
+                let v = l.strip_prefix("kvroute_sidecar_events_total{kind=\"unknown\"} ");
+                v.and_then(|v| v.parse::<f64>().ok()).is_some_and(|v| v >= 1.0)
+            });
+            if counted {
                 break;
             }
             probes += 1;
