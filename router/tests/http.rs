@@ -874,6 +874,33 @@ async fn a_non_streamed_request_stops_counting_as_pending_prefill() {
     }
 }
 
+/// A round-robin router probing every 100 ms that ejects a worker at its
+/// first failed probe.
+async fn ejecting_at_its_first_failed_probe(workers: &[(&str, &str)]) -> TestRouter {
+    router(workers, |raw| {
+        raw.policy = "round_robin".into();
+        raw.health_check_interval = Duration::from_millis(100);
+        raw.eject_after_failures = 1;
+    })
+    .await
+}
+
+/// Sends a completion of `prompt` and waits until it is in flight at the
+/// router's first worker; its response, when it comes.
+async fn held_at_the_first_worker(
+    r: &TestRouter,
+    prompt: &str,
+) -> tokio::task::JoinHandle<reqwest::Result<reqwest::Response>> {
+    let body = json!({"model": "m", "prompt": prompt});
+    let sent = tokio::spawn(r.http.post(format!("{}/v1/completions", r.url)).json(&body).send());
+    support::eventually("the request at the first worker", || async {
+        let workers: Value = r.http.get(format!("{}/admin/workers", r.url)).send().await.unwrap().json().await.unwrap();
+        (workers["workers"][0]["load"]["inflight"] == 1).then_some(())
+    })
+    .await;
+    sent
+}
+
 /// A worker ejected while a request waits for its answer's headers: the
 /// request is tried elsewhere at once (nothing reached the client).
 #[tokio::test]
@@ -889,19 +916,8 @@ async fn a_request_waiting_on_a_worker_that_is_ejected_is_tried_elsewhere() {
     );
     let hang = serve_engine(app).await;
     let good = fake_worker("good", Behaviour::Ok).await;
-    let r = router(&[("a-hang", &hang), ("b-good", &good.url)], |raw| {
-        raw.policy = "round_robin".into();
-        raw.health_check_interval = Duration::from_millis(100);
-        raw.eject_after_failures = 1;
-    })
-    .await;
-    let body = json!({"model": "m", "prompt": "hello"});
-    let sent = tokio::spawn(r.http.post(format!("{}/v1/completions", r.url)).json(&body).send());
-    support::eventually("the request at a-hang", || async {
-        let workers: Value = r.http.get(format!("{}/admin/workers", r.url)).send().await.unwrap().json().await.unwrap();
-        (workers["workers"][0]["load"]["inflight"] == 1).then_some(())
-    })
-    .await;
+    let r = ejecting_at_its_first_failed_probe(&[("a-hang", &hang), ("b-good", &good.url)]).await;
+    let sent = held_at_the_first_worker(&r, "hello").await;
     sick.store(true, Ordering::SeqCst);
     let resp =
         tokio::time::timeout(Duration::from_secs(20), sent).await.expect("retried once ejected").unwrap().unwrap();
@@ -941,23 +957,12 @@ async fn a_request_on_an_ejected_worker_seen_producing_waits_for_its_answer() {
     );
     let busy = serve_engine(app).await;
     let good = fake_worker("good", Behaviour::Ok).await;
-    let r = router(&[("a-busy", &busy), ("b-good", &good.url)], |raw| {
-        raw.policy = "round_robin".into();
-        raw.health_check_interval = Duration::from_millis(100);
-        raw.eject_after_failures = 1;
-    })
-    .await;
+    let r = ejecting_at_its_first_failed_probe(&[("a-busy", &busy), ("b-good", &good.url)]).await;
     // An answer begins on a-busy (round-robin: then b-good, then a-busy).
     let quick = r.complete(json!({"model": "m", "prompt": "quick"})).await;
     assert_eq!(quick.headers()["x-kvroute-worker"], "a-busy");
     assert_eq!(r.complete(json!({"model": "m", "prompt": "quick"})).await.headers()["x-kvroute-worker"], "b-good");
-    let body = json!({"model": "m", "prompt": "a long answer"});
-    let sent = tokio::spawn(r.http.post(format!("{}/v1/completions", r.url)).json(&body).send());
-    support::eventually("the request at a-busy", || async {
-        let workers: Value = r.http.get(format!("{}/admin/workers", r.url)).send().await.unwrap().json().await.unwrap();
-        (workers["workers"][0]["load"]["inflight"] == 1).then_some(())
-    })
-    .await;
+    let sent = held_at_the_first_worker(&r, "a long answer").await;
     sick.store(true, Ordering::SeqCst);
     let resp = tokio::time::timeout(Duration::from_secs(20), sent).await.expect("answered").unwrap().unwrap();
     assert!(probes_while_sick.load(Ordering::SeqCst) > 10, "released by the probes");
