@@ -148,8 +148,9 @@ pub struct RawConfig {
     pub max_body_bytes_in_flight: usize,
     pub max_messages: usize,
     /// Longest prompt accepted, in tokens (set it to the engines'
-    /// `--max-model-len`); longer ones get a 400, bodies too large to hold an
-    /// acceptable prompt a 413 before any tokenizing.
+    /// `--max-model-len`); longer ones get a 400, a prompt (or a chat body
+    /// naming no media) too large in bytes to be one a 413 before any
+    /// tokenizing; a truncated completion is placed by load instead.
     pub max_prompt_tokens: usize,
     pub max_concurrent_requests: usize,
     /// Blocks an approximately indexed worker is assumed to hold when its

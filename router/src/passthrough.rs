@@ -9,7 +9,8 @@
 //!
 //! Only the client API is forwarded, by an explicit list ([`is_client_api`]):
 //! `/v1/embeddings`, `/v1/responses…`, `/v1/audio/…`, `/v1/score`,
-//! `/v1/rerank`, `/v2/rerank`, `/v1/messages…`, and vLLM's `/tokenize`,
+//! `/v1/rerank`, `/v2/rerank`, `/v1/messages` (and its `/count_tokens`,
+//! `/render`), and vLLM's `/tokenize`,
 //! `/detokenize`, `/tokenizer_info`, `/pooling`, `/classify`, `/score`,
 //! `/rerank`, `/version`, its batch of chats
 //! (`/v1/chat/completions/batch`, placed by load, not keyed) and its

@@ -2,7 +2,8 @@
 //!
 //! The client's body is forwarded byte for byte. An attempt that fails before
 //! any byte reached the client (connect error, timeout, 5xx) is retried on the
-//! next worker of the plan; once bytes flowed, a failure ends a streaming
+//! next worker of the plan, up to `retries` and at most until a second server
+//! failure ([`MAX_SUSPECT_ATTEMPTS`]); once bytes flowed, a failure ends a streaming
 //! answer with an SSE error event (a non-streaming one is cut). Dropping the
 //! response (client gone) drops the upstream request, which vLLM aborts.
 

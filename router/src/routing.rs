@@ -89,9 +89,10 @@ pub struct Prepared {
 /// JSON escapes can double a character.
 const MAX_BYTES_PER_TOKEN: usize = 16;
 
-/// The largest body that can hold an acceptable prompt: a larger one is
-/// refused as it arrives ([`crate::proxy::admit`]), before it is buffered
-/// whole or tokenized.
+/// The most bytes an acceptable prompt can take: a completion's prompt
+/// past it is refused before it is tokenized (or, truncated, placed by
+/// load), and so is a chat body naming no media, once read
+/// ([`crate::proxy::read_client_body`]).
 pub fn prompt_body_limit(state: &AppState) -> usize {
     state.config.raw.max_prompt_tokens.saturating_mul(MAX_BYTES_PER_TOKEN)
 }

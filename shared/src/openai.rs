@@ -13,7 +13,7 @@ use crate::wire::{DecodeError, decode};
 
 /// A completions `prompt`: vLLM accepts text, token ids, or a batch of either.
 ///
-/// Read by hand ([`PromptVisitor`]), not as an untagged enum: serde buffers
+/// Read by hand (`PromptVisitor`), not as an untagged enum: serde buffers
 /// an untagged value whole before trying each variant, about 30 bytes a
 /// token id, so a batch near `max_body_bytes` took hundreds of megabytes
 /// to parse. Token ids are read as pydantic's lax `int` reads them (`7.0`
@@ -248,8 +248,9 @@ pub enum TruncationSide {
 /// What a request's `truncate_prompt_tokens` keeps of its prompt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Truncation {
-    /// How many tokens reach the engine; `None` for all (no limit, or -1:
-    /// the engine's input limit, unknown here).
+    /// How many tokens reach the engine; `None` for all (no limit, or -1
+    /// not yet read as the engine's input limit:
+    /// [`PromptRequest::resolve_truncation`]).
     pub keep: Option<usize>,
     pub side: Option<TruncationSide>,
 }
@@ -383,7 +384,8 @@ mod lax {
     }
 
     /// vLLM's `truncate_prompt_tokens` (`ge=-1`): -1 is the engine's own
-    /// input limit, which the router does not know.
+    /// input limit, which the caller supplies
+    /// ([`super::PromptRequest::resolve_truncation`]).
     pub fn opt_truncation<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
         match scalar(d)? {
             Value::Null => Ok(None),
