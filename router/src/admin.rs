@@ -95,8 +95,8 @@ pub async fn debug_route(
     let session = crate::proxy::session_of(&state, &headers)?;
     // Same limits as a real request: body deadline, concurrency slot, prompt
     // size, tokenizing off the runtime.
-    let crate::proxy::Admitted { body, budget: _budget, slot: _permit } = admit(&state, body, None).await?;
-    let (_, prepared) = routing::parse_and_prepare(&state, endpoint_of(&body), &body).await?;
+    let crate::proxy::Admitted { body, endpoint, budget: _budget, slot: _permit } = admit(&state, body, None).await?;
+    let (_, prepared) = routing::parse_and_prepare(&state, endpoint, &body).await?;
     let template_fallback = prepared.template_fallback;
     let pinned = session.and_then(|(id, _)| state.sessions.peek(&id, Instant::now()));
     let plan = routing::plan(&state, prepared, pinned.as_ref(), false)?;

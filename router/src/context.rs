@@ -11,7 +11,6 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 
-use crate::admin::endpoint_of;
 use crate::error::RouterError;
 use crate::proxy::{proxy, read_client_body, session_ttl};
 use crate::state::AppState;
@@ -21,10 +20,10 @@ pub async fn create(State(state): State<Arc<AppState>>, headers: HeaderMap, body
         // Read under the API's deadline and `max_body_bytes`, a chat's body
         // held to the prompt's bound as `proxy` holds it.
         // Read again (and counted again) by `proxy`: this read's share goes.
-        let (body, _) = read_client_body(&state, body, None).await?;
+        let (body, endpoint, _) = read_client_body(&state, body, None).await?;
         let ttl = session_ttl(&state, &headers)?;
         let id = format!("ctx-{:032x}", rand::random::<u128>());
-        proxy(&state, endpoint_of(&body), &headers, Body::from(body), Some((id, ttl))).await
+        proxy(&state, endpoint, &headers, Body::from(body), Some((id, ttl))).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
 }

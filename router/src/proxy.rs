@@ -133,10 +133,12 @@ pub fn parse(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Prompt
     Ok(req)
 }
 
-/// A request admitted: its body, the body's budget and a concurrency slot.
+/// A request admitted: its body, the endpoint it is for, the body's budget
+/// and a concurrency slot.
 #[derive(Debug)]
 pub struct Admitted {
     pub body: Bytes,
+    pub endpoint: Endpoint,
     pub budget: BodyBudget,
     pub slot: OwnedSemaphorePermit,
 }
@@ -146,8 +148,8 @@ pub struct Admitted {
 /// send slowly must not hold the slots real requests need) and refused as
 /// soon as it is too long ([`read_client_body`]); then a slot.
 pub async fn admit(state: &AppState, body: Body, endpoint: Option<Endpoint>) -> Result<Admitted, RouterError> {
-    let (body, budget) = read_client_body(state, body, endpoint).await?;
-    Ok(Admitted { body, budget, slot: take_slot(state)? })
+    let (body, endpoint, budget) = read_client_body(state, body, endpoint).await?;
+    Ok(Admitted { body, endpoint, budget, slot: take_slot(state)? })
 }
 
 /// One of `max_concurrent_requests`, or the request is shed (503).
@@ -173,11 +175,12 @@ pub fn take_slot(state: &AppState) -> Result<OwnedSemaphorePermit, RouterError> 
 /// few times its size at most (`Prompt` is read without buffering, token
 /// ids as `u32`, at most `MAX_BATCH` prompts; its other fields skipped),
 /// and each prompt's text is held to the bound before it is tokenized.
+/// Returns the endpoint too: `endpoint`, or the one the body names.
 pub async fn read_client_body(
     state: &AppState,
     body: Body,
     endpoint: Option<Endpoint>,
-) -> Result<(Bytes, BodyBudget), RouterError> {
+) -> Result<(Bytes, Endpoint, BodyBudget), RouterError> {
     let prompt_limit = routing::prompt_body_limit(state);
     let too_long = || RouterError::PromptTooLong { tokens: None, max: state.config.raw.max_prompt_tokens };
     let (body, budget) = read_client_in_time(state, body, state.config.raw.max_body_bytes).await?;
@@ -194,7 +197,7 @@ pub async fn read_client_body(
     {
         return Err(too_long());
     }
-    Ok((body, budget))
+    Ok((body, endpoint, budget))
 }
 
 /// Strings at least this long count as media payloads in
@@ -310,7 +313,7 @@ async fn proxy_from(
     new_session: Option<(String, Duration)>,
     arrived: Instant,
 ) -> Result<Response, RouterError> {
-    let Admitted { body, budget, slot: _permit } = admit(state, body, Some(endpoint)).await?;
+    let Admitted { body, budget, slot: _permit, .. } = admit(state, body, Some(endpoint)).await?;
     let session = match new_session {
         Some(s) => Some(s),
         None => session_of(state, headers)?,

@@ -136,35 +136,37 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
     let cap = max.saturating_mul(MAX_BYTES_PER_TOKEN);
     let mut template_fallback = false;
     let mut unkeyed_tokens = 0;
-    let tokens = match (tokenizer.prompt_tokens_within(req, cap), req) {
-        (Ok(tokens), _) => tokens,
+    let truncation = req.truncation();
+    let tokens = match (tokenizer.prompt_tokens_within(req, cap), req, truncation.keep) {
+        (Ok(tokens), ..) => tokens,
         // Longer than any prompt, but truncated by the engine, which checks
         // no length then: served, placed by load (no keys), counted as the
         // tokens the engine keeps (more bytes than 16 a token hold more
         // tokens than that). Tokenized whole, up to `max_body_bytes` of text
         // cost a job seconds and hundreds of megabytes.
-        (Err(TokenizeError::TooLong { .. }), PromptRequest::Completion(_)) if req.truncation().keep.is_some() => {
-            unkeyed_tokens = req.truncation().keep.unwrap_or(0);
+        (Err(TokenizeError::TooLong { .. }), PromptRequest::Completion(_), Some(keep)) => {
+            unkeyed_tokens = keep;
             Vec::new()
         }
         // The template cannot render it here (a construct minijinja lacks, a
         // template that refuses the conversation) or there is none (the
         // engine may have `--chat-template`): the engine decides, not the
         // router. Placed by its plain text, which no engine caches.
-        (Err(e @ (TokenizeError::Template { .. } | TokenizeError::NoChatTemplate)), PromptRequest::Chat(chat)) => {
+        (Err(e @ (TokenizeError::Template { .. } | TokenizeError::NoChatTemplate)), PromptRequest::Chat(chat), _) => {
             template_fallback = true;
             tracing::debug!(error = %e, "the chat template did not render: placed by the messages' plain text");
             tokenizer.plain_chat_tokens(chat, cap).map_err(|e| tokenize_error(req, e, max))?
         }
-        (Err(e), _) => return Err(tokenize_error(req, e, max)),
+        (Err(e), ..) => return Err(tokenize_error(req, e, max)),
     };
     // Without the model's tokenizer the "tokens" of text are bytes, about
     // four to a token: counting them against the limit refused prompts a
     // quarter of the engine's. The byte bound above still holds (but for a
-    // truncated completion, placed by load past it); the engine counts. Token ids are tokens whatever the tokenizer.
+    // truncated completion, placed by load past it); the engine counts.
+    // Token ids are tokens whatever the tokenizer.
     // A batch's prompts each count: only the first is keyed.
     let batched = req.longest_batched_token_ids().unwrap_or(0);
-    let counted = tokens.len().max(req.truncation().keep.map_or(batched, |keep| batched.min(keep)));
+    let counted = tokens.len().max(truncation.keep.map_or(batched, |keep| batched.min(keep)));
     if (tokenizer.is_exact() || req.has_token_ids()) && counted > max {
         return Err(RouterError::PromptTooLong { tokens: Some(counted), max });
     }
