@@ -390,11 +390,7 @@ impl Harness {
         let url = format!("http://{}/metrics", self.sidecar);
         let resp = self.http.get(url).send().await.unwrap_or_else(|e| panic!("scraping the sidecar: {e}"));
         let text = resp.text().await.unwrap_or_else(|e| panic!("reading the sidecar's metrics: {e}"));
-        text.lines()
-            .find_map(|l| {
-                l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')).and_then(|v| v.trim().parse().ok())
-            })
-            .unwrap_or_else(|| panic!("no {series} in the sidecar's metrics:\n{text}"))
+        series_value(&text, series).unwrap_or_else(|| panic!("no {series} in the sidecar's metrics:\n{text}"))
     }
 
     pub async fn health(&self) -> Option<Value> {
@@ -422,11 +418,8 @@ impl Harness {
         loop {
             self.publisher.publish(vec![probe()]).await;
             // A scrape may fail while it starts: read leniently here.
-            let counted = self.metrics().await.lines().any(|l| {
-                let v = l.strip_prefix("kvroute_sidecar_events_total{kind=\"unknown\"} ");
-                v.and_then(|v| v.parse::<f64>().ok()).is_some_and(|v| v >= 1.0)
-            });
-            if counted {
+            let text = self.metrics().await;
+            if series_value(&text, "kvroute_sidecar_events_total{kind=\"unknown\"}").is_some_and(|v| v >= 1.0) {
                 break;
             }
             probes += 1;
@@ -496,4 +489,9 @@ where
         assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// The value of `series` (a name with its labels) in a `/metrics` page.
+fn series_value(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
 }
