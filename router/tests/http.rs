@@ -21,7 +21,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
 mod support;
-use support::{TOKEN, TestRouter, eventually, router, serve_engine};
+use support::{Refused, TOKEN, TestRouter, eventually, refused_url, router, serve_engine};
 
 /// How a fake worker answers completions.
 #[derive(Clone)]
@@ -163,20 +163,6 @@ impl TestRouter {
     async fn explain(&self, body: Value) -> Value {
         self.http.post(format!("{}/debug/route", self.url)).json(&body).send().await.unwrap().json().await.unwrap()
     }
-}
-
-/// A loopback URL that refuses connections: a port the OS gave, bound and
-/// not listening, held for as long as the value lives (released, another
-/// test's listener could take it).
-struct Refused {
-    url: String,
-    _held: tokio::net::TcpSocket,
-}
-
-fn refused_url() -> Refused {
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
-    Refused { url: format!("http://{}", socket.local_addr().unwrap()), _held: socket }
 }
 
 fn prompt(n: usize) -> String {

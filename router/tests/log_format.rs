@@ -4,6 +4,10 @@
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 
+// Its in-process router is not used here: only `refused_url`.
+#[allow(dead_code)]
+mod support;
+
 /// The router binary with `args`, its log on stdout at the default level.
 fn router(args: &[&str]) -> Child {
     Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
@@ -51,10 +55,8 @@ fn an_unknown_log_format_is_one_readable_error() {
 #[test]
 fn an_ejection_names_the_url_probed_and_the_failure() {
     // Nothing listens there: a port the OS gave, bound, not listening.
-    let held = tokio::net::TcpSocket::new_v4().unwrap();
-    held.bind("127.0.0.1:0".parse().unwrap()).unwrap();
-    let gone = format!("http://{}", held.local_addr().unwrap());
-    let worker = format!("w={gone}");
+    let gone = support::refused_url();
+    let worker = format!("w={}", gone.url);
     let mut child = router(&["--listen", "127.0.0.1:0", "--worker", &worker, "--health-check-interval", "50ms"]);
     let out = BufReader::new(child.stdout.take().unwrap());
     let (tx, rx) = std::sync::mpsc::channel();
@@ -69,6 +71,6 @@ fn an_ejection_names_the_url_probed_and_the_failure() {
     child.kill().unwrap();
     child.wait().unwrap();
     let line = line.expect("an ejection logged");
-    assert!(line.contains(&format!("{gone}/health")), "{line}");
+    assert!(line.contains(&format!("{}/health", gone.url)), "{line}");
     assert!(line.contains("the last:"), "{line}");
 }

@@ -70,3 +70,19 @@ pub async fn serve_engine(app: axum::Router) -> String {
     tokio::spawn(async move { axum::serve(listener, app).await });
     url
 }
+
+/// A loopback URL that refuses connections: a port the OS gave, bound and
+/// not listening, held for as long as the value lives (released, another
+/// test's listener could take it).
+#[allow(dead_code)] // not every test file needs it
+pub struct Refused {
+    pub url: String,
+    _held: tokio::net::TcpSocket,
+}
+
+#[allow(dead_code)] // not every test file needs it
+pub fn refused_url() -> Refused {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    Refused { url: format!("http://{}", socket.local_addr().unwrap()), _held: socket }
+}
