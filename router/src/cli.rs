@@ -323,9 +323,18 @@ impl ServeArgs {
         for (key, path) in [("tls_cert", &self.tls_cert), ("tls_key", &self.tls_key), ("tls_ca", &self.tls_ca)] {
             set(key, path.as_ref().map(|p| p.display().to_string().into()))?;
         }
+        // `--model-tokenizer` pairs go in after the rest is read, not as
+        // override paths: a path's keys are `[A-Za-z0-9_-]`, and served
+        // model names hold `/` and `.` (`Qwen/Qwen2.5-7B` failed to parse,
+        // `qwen2.5-7b` became a nested table).
+        let mut model_tokenizers = Vec::new();
         for spec in &self.model_tokenizers {
-            let (model, dir) = spec.split_once('=').ok_or_else(|| CliError::ModelTokenizer(spec.clone()))?;
-            set(&format!("tokenizers.{model}"), Some(dir.to_owned().into()))?;
+            match spec.split_once('=') {
+                Some((model, dir)) if !model.is_empty() && !dir.is_empty() => {
+                    model_tokenizers.push((model.to_owned(), PathBuf::from(dir)));
+                }
+                _ => return Err(CliError::ModelTokenizer(spec.clone())),
+            }
         }
         for kv in &self.sets {
             match kv.split_once('=') {
@@ -335,7 +344,9 @@ impl ServeArgs {
                 _ => return Err(CliError::Set(kv.clone())),
             }
         }
-        Ok(b.build()?.try_deserialize()?)
+        let mut raw: RawConfig = b.build()?.try_deserialize()?;
+        raw.tokenizers.extend(model_tokenizers);
+        Ok(raw)
     }
 }
 
@@ -356,6 +367,21 @@ mod tests {
         assert!(matches!(parse(&["retries"]), Err(CliError::Set(_))));
         assert!(matches!(parse(&["predicted_ttft..x=1"]), Err(CliError::Set(_))));
         assert!(parse(&["predicted_ttft.room_ration=0"]).is_err(), "an unknown key is refused");
+    }
+
+    #[test]
+    fn model_tokenizers_take_served_model_names_as_they_are() {
+        let parse = |specs: &[&str]| {
+            let argv = ["kvroute-router"].into_iter().chain(specs.iter().flat_map(|s| ["--model-tokenizer", s]));
+            Cli::try_parse_from(argv).unwrap().serve.load(Vec::new())
+        };
+        let raw = parse(&["Qwen/Qwen2.5-7B-Instruct=/models/qwen", "llama-3.1-8b=/models/llama=v2"]).unwrap();
+        let dirs: Vec<(&str, &str)> =
+            raw.tokenizers.iter().map(|(m, d)| (m.as_str(), d.to_str().unwrap())).collect();
+        assert_eq!(dirs, [("Qwen/Qwen2.5-7B-Instruct", "/models/qwen"), ("llama-3.1-8b", "/models/llama=v2")]);
+        for bad in ["qwen", "=/models/qwen", "qwen="] {
+            assert!(matches!(parse(&[bad]), Err(CliError::ModelTokenizer(_))), "{bad}");
+        }
     }
 
     #[test]
