@@ -376,8 +376,7 @@ mod tests {
             Cli::try_parse_from(argv).unwrap().serve.load(Vec::new())
         };
         let raw = parse(&["Qwen/Qwen2.5-7B-Instruct=/models/qwen", "llama-3.1-8b=/models/llama=v2"]).unwrap();
-        let dirs: Vec<(&str, &str)> =
-            raw.tokenizers.iter().map(|(m, d)| (m.as_str(), d.to_str().unwrap())).collect();
+        let dirs: Vec<(&str, &str)> = raw.tokenizers.iter().map(|(m, d)| (m.as_str(), d.to_str().unwrap())).collect();
         assert_eq!(dirs, [("Qwen/Qwen2.5-7B-Instruct", "/models/qwen"), ("llama-3.1-8b", "/models/llama=v2")]);
         for bad in ["qwen", "=/models/qwen", "qwen="] {
             assert!(matches!(parse(&[bad]), Err(CliError::ModelTokenizer(_))), "{bad}");

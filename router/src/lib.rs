@@ -115,8 +115,14 @@ const UPSTREAM_IDLE: std::time::Duration = std::time::Duration::from_secs(4);
 
 /// The client for workers: pooled keep-alive connections, no overall timeout
 /// (answers stream for minutes), extra CA roots for `https://` workers.
+/// It reaches workers directly, whatever `HTTP_PROXY`/`HTTPS_PROXY`/
+/// `ALL_PROXY` say: set for a host's outbound traffic and not excluded for
+/// pod addresses, they sent prompts (and the client's `Authorization`)
+/// through the proxy, which may buffer a stream, and made a refused
+/// connection the proxy's 502, charged to the worker as its own failure.
 fn upstream_client(config: &Config) -> Result<reqwest::Client, RunError> {
     let mut b = reqwest::Client::builder()
+        .no_proxy()
         .connect_timeout(config.raw.connect_timeout)
         .pool_idle_timeout(UPSTREAM_IDLE)
         .tcp_nodelay(true);

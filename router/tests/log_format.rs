@@ -74,3 +74,37 @@ fn an_ejection_names_the_url_probed_and_the_failure() {
     assert!(line.contains(&format!("{}/health", gone.url)), "{line}");
     assert!(line.contains("the last:"), "{line}");
 }
+
+/// Workers are reached directly, whatever the proxy variables say: a host's
+/// `HTTP_PROXY`, not excluded for pod addresses, sent the probes and
+/// prompts through the proxy.
+#[test]
+fn workers_are_reached_directly_whatever_the_proxy_variables_say() {
+    let worker = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let proxy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    for (name, listener) in [("worker", worker.try_clone().unwrap()), ("proxy", proxy.try_clone().unwrap())] {
+        let tx = tx.clone();
+        // Each answers nothing: which one the first probe reaches is all.
+        std::thread::spawn(move || {
+            if listener.accept().is_ok() {
+                let _ = tx.send(name);
+            }
+        });
+    }
+    let proxy_url = format!("http://{}", proxy.local_addr().unwrap());
+    let worker_arg = format!("w=http://{}", worker.local_addr().unwrap());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
+        .args(["--listen", "127.0.0.1:0", "--worker", &worker_arg, "--health-check-interval", "50ms"])
+        .envs(["HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "ALL_PROXY", "all_proxy"].map(|k| (k, &proxy_url)))
+        .env_remove("NO_PROXY")
+        .env_remove("no_proxy")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let first = rx.recv_timeout(std::time::Duration::from_secs(60));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_eq!(first, Ok("worker"));
+}

@@ -169,3 +169,40 @@ async fn a_block_size_or_model_other_than_the_engines_is_refused_at_start() {
     stop.send(()).unwrap();
     running.await.unwrap().expect("a matching block size and model start and stop cleanly");
 }
+
+/// The engine (and the routers) are reached directly, whatever the proxy
+/// variables say: a host's `HTTP_PROXY`, not excluded for pod addresses,
+/// sent the sidecar's requests through the proxy.
+#[test]
+fn the_engine_is_reached_directly_whatever_the_proxy_variables_say() {
+    let engine = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let proxy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    for (name, listener) in [("engine", engine.try_clone().unwrap()), ("proxy", proxy.try_clone().unwrap())] {
+        let tx = tx.clone();
+        // Each answers nothing: which one the first request reaches is all.
+        std::thread::spawn(move || {
+            if listener.accept().is_ok() {
+                let _ = tx.send(name);
+            }
+        });
+    }
+    let held = [refused_port(), refused_port()];
+    let proxy_url = format!("http://{}", proxy.local_addr().unwrap());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-sidecar"))
+        .args(["--listen", "127.0.0.1:0", "--worker-id", "w", "--model", "m"])
+        .args(["--events", &format!("tcp://127.0.0.1:{}", held[0].0)])
+        .args(["--router", &format!("http://127.0.0.1:{}", held[1].0)])
+        .args(["--engine-url", &format!("http://{}", engine.local_addr().unwrap())])
+        .envs(["HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "ALL_PROXY", "all_proxy"].map(|k| (k, &proxy_url)))
+        .env_remove("NO_PROXY")
+        .env_remove("no_proxy")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let first = rx.recv_timeout(Duration::from_secs(60));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_eq!(first, Ok("engine"));
+}
