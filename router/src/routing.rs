@@ -137,6 +137,14 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
     let mut template_fallback = false;
     let mut unkeyed_tokens = 0;
     let truncation = req.truncation();
+    // vLLM refuses a truncation past its input limit (`max_prompt_tokens`
+    // here): any number was taken as the tokens a truncated prompt keeps,
+    // added to the worker's pending prefill (up to 2⁶³, which wrapped the
+    // counter and made the replicas refuse this router's whole report).
+    if let Some(keep) = truncation.keep.filter(|keep| *keep > max) {
+        let message = format!("truncate_prompt_tokens={keep} cannot be greater than the prompt limit, {max} tokens");
+        return Err(RouterError::bad_request("truncate_prompt_tokens", message));
+    }
     let tokens = match (tokenizer.prompt_tokens_within(req, cap), req, truncation.keep) {
         (Ok(tokens), ..) => tokens,
         // Longer than any prompt, but truncated by the engine, which checks

@@ -1469,6 +1469,13 @@ async fn prompts_beyond_max_prompt_tokens_are_refused_before_or_after_tokenizing
         "{explained}"
     );
     assert_eq!(r.complete(long).await.status(), 200);
+    // A truncation past the limit is vLLM's 400, not a count of tokens
+    // added to the worker's pending prefill (up to 2⁶³).
+    for keep in [101, i64::MAX] {
+        let over = json!({"model": "m", "prompt": prompt(5_000), "truncate_prompt_tokens": keep});
+        let (status, body) = error_of(r.complete(over).await).await;
+        assert_eq!((status, body["error"]["param"].as_str()), (400, Some("truncate_prompt_tokens")), "{body}");
+    }
 }
 
 /// Without the model's tokenizer the router's "tokens" are bytes, about
