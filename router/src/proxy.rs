@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use bytes::BytesMut;
 use futures::StreamExt;
 use http_body_util::BodyExt;
 use kvroute_shared::openai::{Endpoint, PromptRequest};
@@ -814,35 +815,47 @@ fn relay(
     let idle = state.config.raw.idle_timeout;
     let outcome = if status.is_success() { "ok" } else { "upstream_4xx" };
     let stream = futures::stream::unfold(
-        Relay { chunks, guard, sse, at_event_end: true, done: false, outcome },
+        Relay { chunks, guard, sse, held: EventHold::default(), done: false, outcome },
         move |mut st| async move {
-            if st.done {
-                return None;
-            }
-            match tokio::time::timeout(idle, st.chunks.next()).await {
-                Ok(Some(Ok(chunk))) => {
-                    st.guard.first_byte(status_class(st.outcome));
-                    if !chunk.is_empty() {
-                        st.at_event_end = chunk.ends_with(b"\n\n") || chunk.ends_with(b"\r\n\r\n");
+            loop {
+                if st.done {
+                    return None;
+                }
+                match tokio::time::timeout(idle, st.chunks.next()).await {
+                    Ok(Some(Ok(chunk))) => {
+                        st.guard.first_byte(status_class(st.outcome));
+                        if !st.sse {
+                            return Some((Ok(chunk), st));
+                        }
+                        if let Some(whole) = st.held.whole_events(&chunk) {
+                            return Some((Ok(whole), st));
+                        }
                     }
-                    Some((Ok(chunk), st))
-                }
-                Ok(None) => {
-                    st.guard.finish(st.outcome);
-                    None
-                }
-                Ok(Some(Err(_))) | Err(_) => {
-                    st.done = true;
-                    st.guard.finish("broken_stream");
-                    note_failure(&st.guard.state, &st.guard.worker);
-                    if st.sse {
-                        // An event cut short is ended first, so the error is
-                        // an event of its own, not glued to a partial line.
-                        let event = sse_error(&st.guard.worker.id);
-                        let event = if st.at_event_end { event } else { [&b"\n\n"[..], &event].concat().into() };
-                        Some((Ok(event), st))
-                    } else {
-                        Some((Err(std::io::Error::other("upstream stream broke")), st))
+                    Ok(None) => {
+                        st.done = true;
+                        st.guard.finish(st.outcome);
+                        // What the engine ended with, as it sent it.
+                        let rest = st.held.partial.split().freeze();
+                        return (!rest.is_empty()).then_some((Ok(rest), st));
+                    }
+                    Ok(Some(Err(_))) | Err(_) => {
+                        st.done = true;
+                        st.guard.finish("broken_stream");
+                        note_failure(&st.guard.state, &st.guard.worker);
+                        if st.sse {
+                            // An event cut short is dropped: ended by a blank
+                            // line it reached the client as an event whose
+                            // data is cut JSON, and the client's parser failed
+                            // on it before it read the error event.
+                            st.held.partial.clear();
+                            let event = sse_error(&st.guard.worker.id);
+                            // Past the hold's bound, a cut event was sent:
+                            // ended first, the error is an event of its own.
+                            let event =
+                                if st.held.sent_mid_event { [&b"\n\n"[..], &event].concat().into() } else { event };
+                            return Some((Ok(event), st));
+                        }
+                        return Some((Err(std::io::Error::other("upstream stream broke")), st));
                     }
                 }
             }
@@ -858,10 +871,47 @@ struct Relay {
     chunks: ChunkStream,
     guard: InflightGuard,
     sse: bool,
-    /// The chunks so far end at an event's end (a blank line).
-    at_event_end: bool,
+    held: EventHold,
     done: bool,
     outcome: &'static str,
+}
+
+/// An event stream's bytes past its last whole event, held until the event
+/// ends (vLLM writes whole events, so this is normally empty).
+#[derive(Default)]
+struct EventHold {
+    partial: BytesMut,
+    /// What was sent ends inside an event (one past the hold's bound).
+    sent_mid_event: bool,
+}
+
+/// An event longer than this is passed on before it ends, not held: a
+/// stream's first chunk with `prompt_logprobs` can be megabytes.
+const MAX_HELD_EVENT_BYTES: usize = 8 << 20;
+
+impl EventHold {
+    /// `chunk` added to the held bytes: the whole events among them, if any,
+    /// taken out to be sent (all of them past [`MAX_HELD_EVENT_BYTES`]).
+    fn whole_events(&mut self, chunk: &[u8]) -> Option<Bytes> {
+        // A blank line that ends in `chunk` starts at most 3 bytes before it.
+        let from = self.partial.len().saturating_sub(3);
+        self.partial.extend_from_slice(chunk);
+        let (end, mid_event) = match last_event_end(&self.partial[from..]) {
+            Some(end) => (from + end, false),
+            None if self.partial.len() > MAX_HELD_EVENT_BYTES => (self.partial.len(), true),
+            None => return None,
+        };
+        self.sent_mid_event = mid_event;
+        Some(self.partial.split_to(end).freeze())
+    }
+}
+
+/// Where the last event in `buf` ends: just past its last blank line
+/// (`\n\n` or `\r\n\r\n`, the endings vLLM's server writes).
+fn last_event_end(buf: &[u8]) -> Option<usize> {
+    let lf = buf.windows(2).rposition(|w| w == b"\n\n").map(|i| i + 2);
+    let crlf = buf.windows(4).rposition(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    lf.max(crlf)
 }
 
 /// The SSE event that ends a stream whose upstream failed mid-answer.
@@ -1079,6 +1129,20 @@ impl http_body::Body for PermitBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn events_are_passed_on_whole_and_a_long_one_before_it_ends() {
+        let mut held = EventHold::default();
+        assert_eq!(held.whole_events(b"data: 1\r\n"), None);
+        assert_eq!(held.whole_events(b"\r\ndata: 2\n").as_deref(), Some(&b"data: 1\r\n\r\n"[..]));
+        assert_eq!(held.whole_events(b"\ndata: 3\n\ndata").as_deref(), Some(&b"data: 2\n\ndata: 3\n\n"[..]));
+        assert!(!held.sent_mid_event);
+        let long = vec![b'x'; MAX_HELD_EVENT_BYTES];
+        assert_eq!(held.whole_events(&long).map(|b| b.len()), Some(MAX_HELD_EVENT_BYTES + 4));
+        assert!(held.sent_mid_event && held.partial.is_empty());
+        assert_eq!(held.whole_events(b"\n\n").as_deref(), Some(&b"\n\n"[..]));
+        assert!(!held.sent_mid_event);
+    }
 
     #[test]
     fn bytes_outside_long_strings_are_counted_escapes_and_all() {
