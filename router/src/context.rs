@@ -12,18 +12,22 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 
 use crate::error::RouterError;
-use crate::proxy::{proxy, read_client_body, session_ttl};
+use crate::proxy::{proxy, read_client_body, refused, session_ttl};
 use crate::state::AppState;
 
 pub async fn create(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    let arrived = Instant::now();
     let run = async {
         // Read under the API's deadline and `max_body_bytes`, a chat's body
         // held to the prompt's bound as `proxy` holds it.
         // Read again (and counted again) by `proxy`: this read's share goes.
-        let (body, endpoint, _) = read_client_body(&state, body, None).await?;
-        let ttl = session_ttl(&state, &headers)?;
+        let read = async {
+            let (body, endpoint, _) = read_client_body(&state, body, None).await?;
+            Ok((body, endpoint, session_ttl(&state, &headers)?))
+        };
+        let (body, endpoint, ttl) = read.await.inspect_err(|e| refused(&state, e, arrived))?;
         let id = format!("ctx-{:032x}", rand::random::<u128>());
-        proxy(&state, endpoint, &headers, Body::from(body), Some((id, ttl))).await
+        proxy(&state, endpoint, &headers, Body::from(body), Some((id, ttl)), arrived).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
 }

@@ -8,7 +8,7 @@
 //! response (client gone) drops the upstream request, which vLLM aborts.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
@@ -278,32 +278,60 @@ pub fn session_ttl(state: &AppState, headers: &HeaderMap) -> Result<Duration, Ro
 
 /// `POST /v1/completions` and `/v1/chat/completions`.
 pub async fn handle(state: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
-    match proxy(&state, endpoint, &headers, body, None).await {
+    match proxy(&state, endpoint, &headers, body, None, Instant::now()).await {
         Ok(resp) => resp,
         Err(e) => e.into_response(),
     }
 }
 
-/// Proxies one request; `new_session` names a session to create for it
-/// (`POST /v1/context`).
+/// Proxies one request that `arrived` then; `new_session` names a session
+/// to create for it (`POST /v1/context`).
 pub async fn proxy(
     state: &Arc<AppState>,
     endpoint: Endpoint,
     headers: &HeaderMap,
     body: Body,
     new_session: Option<(String, Duration)>,
+    arrived: Instant,
 ) -> Result<Response, RouterError> {
-    let arrived = Instant::now();
-    let result = proxy_from(state, endpoint, headers, body, new_session, arrived).await;
+    let unrecorded = Unrecorded { state, arrived, dispatched: AtomicBool::new(false) };
+    let result = proxy_from(state, endpoint, headers, body, new_session, &unrecorded).await;
     // An answer's duration is observed by its guard when the answer ends,
     // every attempt failing by `dispatch`; a refusal ends here.
+    unrecorded.dispatched.store(true, Ordering::Relaxed);
     if let Err(e) = &result
         && !matches!(e, RouterError::UpstreamFailed { .. } | RouterError::UpstreamTimeout { .. })
     {
-        let status = if e.status().is_client_error() { "4xx" } else { "5xx" };
-        state.metrics.request_finished(NO_WORKER, status, arrived.elapsed().as_secs_f64());
+        refused(state, e, arrived);
     }
     result
+}
+
+/// A request refused before a worker was chosen, as `request_duration`
+/// records it.
+pub fn refused(state: &AppState, e: &RouterError, arrived: Instant) {
+    let status = if e.status().is_client_error() { "4xx" } else { "5xx" };
+    state.metrics.request_finished(NO_WORKER, status, arrived.elapsed().as_secs_f64());
+}
+
+/// A request not yet given to a worker: if its client leaves now (while it
+/// waits for a tokenizer, a slot, its body), it is recorded as ended by
+/// `error` with no worker. Such requests were in no request metric: under a
+/// saturated tokenizer pool the slowest (the clients that gave up) were
+/// missing from `dispatch_delay` and `request_duration`.
+struct Unrecorded<'a> {
+    state: &'a AppState,
+    arrived: Instant,
+    /// Given to a worker (whose guard records it) or ended here.
+    dispatched: AtomicBool,
+}
+
+impl Drop for Unrecorded<'_> {
+    fn drop(&mut self) {
+        if !self.dispatched.load(Ordering::Relaxed) {
+            self.state.metrics.request_finished(NO_WORKER, "error", self.arrived.elapsed().as_secs_f64());
+        }
+    }
 }
 
 async fn proxy_from(
@@ -312,7 +340,7 @@ async fn proxy_from(
     headers: &HeaderMap,
     body: Body,
     new_session: Option<(String, Duration)>,
-    arrived: Instant,
+    unrecorded: &Unrecorded<'_>,
 ) -> Result<Response, RouterError> {
     let Admitted { body, budget, slot: _permit, .. } = admit(state, body, Some(endpoint)).await?;
     let session = match new_session {
@@ -325,7 +353,7 @@ async fn proxy_from(
     }
     let pinned = session.as_ref().and_then(|(id, _)| state.sessions.get(id, Instant::now()));
     let plan = routing::plan(state, prepared, pinned.as_ref(), true)?;
-    let mut resp = dispatch(state, endpoint, headers, body, &plan, stream, arrived).await?;
+    let mut resp = dispatch(state, endpoint, headers, body, &plan, stream, unrecorded).await?;
     // The body is gone with the attempts: its answer has begun.
     drop(budget);
     if let Some((id, ttl)) = session {
@@ -353,8 +381,9 @@ async fn dispatch(
     body: Bytes,
     plan: &Plan,
     streaming: bool,
-    arrived: Instant,
+    unrecorded: &Unrecorded<'_>,
 ) -> Result<Response, RouterError> {
+    let arrived = unrecorded.arrived;
     let max_attempts = 1 + state.config.raw.retries as usize;
     let mut last_err = None;
     // Workers that failed this request in a way the request itself can cause
@@ -390,6 +419,8 @@ async fn dispatch(
             continue;
         }
         tried += 1;
+        // From here its attempts' guards record it.
+        unrecorded.dispatched.store(true, Ordering::Relaxed);
         let recorded = if attempt > 0 {
             state.metrics.retries.inc();
             routing::record_dispatch(state, worker, &plan.keys)
@@ -1129,6 +1160,35 @@ impl http_body::Body for PermitBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A client that leaves while its request waits for a tokenizer (before
+    /// a worker is chosen) is recorded: such requests were in no request
+    /// metric, and under a saturated pool they are the slowest.
+    #[tokio::test]
+    async fn a_request_whose_client_leaves_before_dispatch_is_recorded() {
+        let raw = crate::config::RawConfig::default().validate().unwrap();
+        let state = crate::build_state(raw, tokio_util::sync::CancellationToken::new()).unwrap();
+        let busy = state.tokenize_slots.clone().acquire_many_owned(state.tokenize_slots.available_permits() as u32);
+        let busy = busy.await.unwrap();
+        let waiting = tokio::spawn({
+            let state = state.clone();
+            async move {
+                let body = Body::from(r#"{"model": "m", "prompt": "hello"}"#);
+                proxy(&state, Endpoint::Completions, &HeaderMap::new(), body, None, Instant::now()).await.is_ok()
+            }
+        });
+        // Read, admitted, and waiting for a tokenizer slot (this runtime
+        // runs one task at a time).
+        while state.concurrency.available_permits() == state.config.raw.max_concurrent_requests {
+            tokio::task::yield_now().await;
+        }
+        waiting.abort();
+        assert!(waiting.await.is_err(), "it was cancelled while it waited");
+        drop(busy);
+        let gone =
+            "kvroute_request_duration_seconds_count{policy=\"predicted_ttft\",worker=\"none\",status=\"error\"} 1";
+        assert!(state.metrics.encode().contains(gone), "{}", state.metrics.encode());
+    }
 
     #[test]
     fn events_are_passed_on_whole_and_a_long_one_before_it_ends() {
