@@ -207,9 +207,11 @@ pub async fn parse_and_prepare(
 ) -> Result<(bool, Prepared), RouterError> {
     let (st, body) = (state.clone(), body.clone());
     on_tokenizer_pool(state, move || {
+        let started = Instant::now();
         let req = crate::proxy::parse(&st, endpoint, &body)?;
         let stream = req.stream();
         let prepared = prepare(&st, &req);
+        st.metrics.tokenize_seconds.observe(started.elapsed().as_secs_f64());
         drop(req);
         if body.len() >= RELEASE_MEMORY_AFTER_BYTES {
             release_free_memory();

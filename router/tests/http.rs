@@ -1998,6 +1998,10 @@ async fn metrics_are_exported() {
         "kvroute_matched_prefix_ratio_bucket",
         "kvroute_index_entries",
         "kvroute_routing_duration_seconds_count 2",
+        "kvroute_tokenize_duration_seconds_count 2",
+        // Buckets past the first-token deadline (60 s) and `first_byte_timeout` (1 h).
+        "kvroute_upstream_ttft_seconds_bucket{policy=\"predicted_ttft\",le=\"327.68\",worker=\"w1\",status=\"2xx\"} 1",
+        "kvroute_request_duration_seconds_bucket{policy=\"predicted_ttft\",le=\"5242.88\",worker=\"w1\",status=\"2xx\"} 2",
         "kvroute_dispatch_delay_seconds_count 2",
         "kvroute_upstream_ttft_seconds_count{policy=\"predicted_ttft\",worker=\"w1\",status=\"2xx\"} 1",
         "kvroute_worker_inflight{worker=\"w1\"} 0",
