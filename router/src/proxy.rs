@@ -812,10 +812,18 @@ fn respond(state: &AppState, upstream: reqwest::Response, guard: InflightGuard, 
 }
 
 /// The engine's answer headers a client gets (content type, caching, its
-/// request id), and `x-kvroute-worker`.
+/// request id, when to retry a 429 or 503 it passes on, how to
+/// authenticate after a 401), and `x-kvroute-worker`.
 pub fn answer_headers(head: &reqwest::header::HeaderMap, worker: &Worker) -> HeaderMap {
     let mut headers = HeaderMap::new();
-    for name in [header::CONTENT_TYPE, header::CACHE_CONTROL, HeaderName::from_static("x-request-id")] {
+    let passed = [
+        header::CONTENT_TYPE,
+        header::CACHE_CONTROL,
+        HeaderName::from_static("x-request-id"),
+        header::RETRY_AFTER,
+        header::WWW_AUTHENTICATE,
+    ];
+    for name in passed {
         if let Some(v) = head.get(name.as_str()).and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok()) {
             headers.insert(name, v);
         }

@@ -62,7 +62,10 @@ async fn fake_worker(name: &'static str, behaviour: Behaviour) -> Fake {
             h.fetch_add(1, Ordering::SeqCst);
             match behaviour {
                 Behaviour::Ok => axum::Json(json!({"worker": name, "choices": [{"text": "hi"}]})).into_response(),
-                Behaviour::Status(s) => (StatusCode::from_u16(s).unwrap(), "upstream says no").into_response(),
+                Behaviour::Status(s) => {
+                    let status = StatusCode::from_u16(s).unwrap();
+                    (status, [("retry-after", "7"), ("www-authenticate", "Bearer")], "upstream says no").into_response()
+                }
                 Behaviour::Hang => futures::future::pending::<Response>().await,
                 Behaviour::Wedged => Response::builder()
                     .header("content-type", "text/event-stream")
@@ -1001,12 +1004,18 @@ async fn all_workers_failing_is_a_502_and_hanging_is_a_504() {
     assert_eq!(status, 504);
 }
 
+/// An engine's 4xx reaches the client as it was, with the headers that say
+/// when to come back (`retry-after` on a 429) and how to authenticate.
 #[tokio::test]
 async fn client_errors_pass_through_untouched() {
-    let w = fake_worker("w", Behaviour::Status(422)).await;
+    let w = fake_worker("w", Behaviour::Status(429)).await;
     let r = router(&[("w", &w.url)], |_| {}).await;
     let resp = r.complete(json!({"model": "m", "prompt": "x"})).await;
-    assert_eq!(resp.status(), 422);
+    assert_eq!(resp.status(), 429);
+    assert_eq!(
+        (resp.headers().get("retry-after"), resp.headers().get("www-authenticate")),
+        (Some(&"7".parse().unwrap()), Some(&"Bearer".parse().unwrap()))
+    );
     assert_eq!(w.hits.load(Ordering::SeqCst), 1, "4xx is not retried");
 }
 
