@@ -375,8 +375,21 @@ impl RawConfig {
         if !(1.0..=10.0).contains(&self.consistent_hash_load_factor) {
             return Err(invalid("consistent_hash_load_factor", "must be between 1.0 and 10.0"));
         }
-        if self.cache_aware.placement_factor < 1.0 || self.cache_aware.load_weight < 0.0 {
-            return Err(invalid("cache_aware", "placement_factor must be ≥ 1 and load_weight ≥ 0"));
+        // NaN passes every `<` check: each float is also held finite.
+        let c = &self.cache_aware;
+        if !([c.load_weight, c.spill_slack].iter().all(|v| *v >= 0.0 && v.is_finite())
+            && [c.spill_factor, c.imbalance_rel, c.placement_factor].iter().all(|v| *v >= 1.0 && v.is_finite())
+            && (0.0..=1.0).contains(&c.min_match_ratio))
+        {
+            return Err(invalid(
+                "cache_aware",
+                "load_weight and spill_slack must be finite and ≥ 0, spill_factor, imbalance_rel and \
+                 placement_factor finite and ≥ 1, min_match_ratio within 0..=1",
+            ));
+        }
+        let p = &self.prefix_threshold;
+        if !((0.0..=1.0).contains(&p.threshold) && p.balance_rel >= 1.0 && p.balance_rel.is_finite()) {
+            return Err(invalid("prefix_threshold", "threshold must be within 0..=1, balance_rel finite and ≥ 1"));
         }
         let t = &self.predicted_ttft;
         if !(t.prefill_us_per_token > 0.0 && t.step_overhead_us >= 0.0 && t.decode_us_per_seq >= 0.0)
@@ -398,6 +411,12 @@ impl RawConfig {
                 t.pace_weight,
                 t.pace_band,
                 t.room_ratio,
+                t.near_best_us,
+                t.spill_slack,
+                t.kv_knee,
+                t.stick_slack_tokens,
+                t.stick_recompute_weight,
+                t.stick_unique_weight,
             ]
             .iter()
             .all(|v| *v >= 0.0 && v.is_finite())
@@ -406,8 +425,8 @@ impl RawConfig {
                 "predicted_ttft",
                 "costs must be ≥ 0 (prefill_us_per_token > 0), max_batched_tokens ≥ 1, \
                  spill_factor and stick_factor ≥ 1, stick_ratio within 0..=1, room_reserve within 0..1, \
-                 the pull, burst, imposed-delay, pace and room parameters finite and ≥ 0 (imposed_cap_us \
-                 may be inf)",
+                 the slacks, kv_knee, stick weights and the pull, burst, imposed-delay, pace and room \
+                 parameters finite and ≥ 0 (imposed_cap_us may be inf)",
             ));
         }
         if self.max_connections == 0 {
@@ -583,9 +602,28 @@ mod tests {
             PredictedTtftParams { imposed_cap_us: f64::NAN, ..Default::default() },
             PredictedTtftParams { room_ratio: -1.0, ..Default::default() },
             PredictedTtftParams { room_reserve: 1.0, ..Default::default() },
+            PredictedTtftParams { kv_knee: f64::NAN, ..Default::default() },
+            PredictedTtftParams { stick_slack_tokens: -1.0, ..Default::default() },
+            PredictedTtftParams { stick_unique_weight: f64::INFINITY, ..Default::default() },
         ] {
             let e = RawConfig { predicted_ttft: bad, ..Default::default() }.validate().unwrap_err();
             assert!(e.to_string().contains("`predicted_ttft`"), "{e}");
+        }
+        // Every policy's table: NaN passed the `< 0` checks.
+        for bad in [
+            CacheAwareParams { load_weight: f64::NAN, ..Default::default() },
+            CacheAwareParams { min_match_ratio: 1.5, ..Default::default() },
+            CacheAwareParams { spill_factor: 0.5, ..Default::default() },
+        ] {
+            let e = RawConfig { cache_aware: bad, ..Default::default() }.validate().unwrap_err();
+            assert!(e.to_string().contains("`cache_aware`"), "{e}");
+        }
+        for bad in [
+            PrefixThresholdParams { threshold: 1.5, ..Default::default() },
+            PrefixThresholdParams { balance_rel: f64::NAN, ..Default::default() },
+        ] {
+            let e = RawConfig { prefix_threshold: bad, ..Default::default() }.validate().unwrap_err();
+            assert!(e.to_string().contains("`prefix_threshold`"), "{e}");
         }
         // No cap is a setting, not a mistake.
         let uncapped = PredictedTtftParams { imposed_cap_us: f64::INFINITY, ..Default::default() };
