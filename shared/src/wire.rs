@@ -81,6 +81,13 @@ pub fn check_http_url(url: &str) -> Result<String, String> {
     {
         return Err("credentials, queries and fragments are not allowed".into());
     }
+    // The OpenAI base URL a client is given ends in `/v1`; these are the
+    // server's own, to which `/v1/…`, `/health`, `/metrics` or `/internal/…`
+    // are added: taken as it was, every probe was a 404 and the worker was
+    // ejected with nothing but "answered 404" to say why.
+    if parsed.path().trim_end_matches('/').rsplit('/').next() == Some("v1") {
+        return Err("the server's base URL, without the OpenAI API's /v1 (which is added to it)".into());
+    }
     Ok(url.trim_end_matches('/').to_owned())
 }
 
@@ -501,6 +508,16 @@ mod tests {
         assert!(sync(at(MAX_URL_LEN)).is_ok());
         assert_eq!(sync(at(MAX_URL_LEN + 1)).unwrap_err().field, "url");
         assert!(check_http_url(&at(MAX_URL_LEN + 1)).is_err());
+    }
+
+    #[test]
+    fn a_base_url_is_the_servers_not_the_openai_apis() {
+        for url in ["http://vllm:8000/v1", "http://vllm:8000/v1/", "https://gw/team/v1"] {
+            assert!(check_http_url(url).unwrap_err().contains("/v1"), "{url}");
+        }
+        // A path of its own (a gateway's prefix, vLLM's --root-path) is kept.
+        assert_eq!(check_http_url("http://gw/team-a/").as_deref(), Ok("http://gw/team-a"));
+        assert_eq!(check_http_url("http://gw/v1x").as_deref(), Ok("http://gw/v1x"));
     }
 
     #[test]
