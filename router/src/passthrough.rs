@@ -134,7 +134,8 @@ async fn run(
             }
             Ok(Err(e)) => {
                 // Tried on the next worker only when nothing was sent.
-                let Failure { error, request_sent } = Failure::of(worker, &e);
+                let Failure { error, request_sent, detail } = Failure::of(worker, &e);
+                tracing::warn!(worker = %worker.id, error = %detail, "request to the worker failed");
                 if request_sent {
                     outcome("passthrough_closed");
                     return Err(error);

@@ -478,6 +478,7 @@ async fn dispatch(
         };
         let request_may_be_at_fault;
         let mut server_failed = true;
+        let mut failure_detail = String::new();
         match began {
             Wait::Ejected => {
                 guard.failed("ejected");
@@ -548,12 +549,23 @@ async fn dispatch(
                 suspects.iter().for_each(|w| note_failure(state, w));
                 return Ok(respond(state, upstream, guard, streaming));
             }
-            Wait::Done(Began::Headers(Err(Failure { error, request_sent }))) => {
+            Wait::Done(Began::Headers(Err(Failure { error, request_sent, detail }))) => {
                 routing::withdraw(state, worker, &plan.keys, recorded);
                 guard.failed(if request_sent { "closed" } else { "connect_error" });
                 request_may_be_at_fault = request_sent;
                 last_err = Some(error);
+                failure_detail = detail;
             }
+        }
+        // One line per failed attempt, with what ties it to the engine's
+        // log: a 502 (a poison request's `EngineDeadError`) said nothing
+        // anywhere but a counter. Bounded: a failing worker is ejected.
+        if let Some(e) = &last_err {
+            let request_id = headers.get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("");
+            tracing::warn!(
+                worker = %worker.id, url = %worker.url, attempt = tried, request_id, error = %e,
+                detail = %failure_detail, "attempt failed"
+            );
         }
         if server_failed {
             failed_servers.push(&worker.url);
@@ -608,6 +620,9 @@ pub const MAX_SUSPECT_ATTEMPTS: usize = 2;
 pub struct Failure {
     pub error: RouterError,
     pub request_sent: bool,
+    /// What the connection got (reqwest's error chain, naming the URL):
+    /// for the log, never returned (error.rs).
+    pub detail: String,
 }
 
 async fn send(
@@ -634,15 +649,13 @@ async fn send(
 }
 
 impl Failure {
-    /// A request to `worker` that got no response. reqwest's message names
-    /// the worker's URL: logged, never returned (error.rs).
+    /// A request to `worker` that got no response.
     pub fn of(worker: &Worker, e: &reqwest::Error) -> Self {
-        let chain = kvroute_shared::logging::error_chain(e);
-        tracing::warn!(worker = %worker.id, error = %chain, "request to the worker failed");
         let message = if e.is_connect() { "could not connect" } else { "the connection closed without an answer" };
         Failure {
             request_sent: !e.is_connect(),
             error: RouterError::UpstreamFailed { worker: worker.id.clone(), message: message.into() },
+            detail: kvroute_shared::logging::error_chain(e),
         }
     }
 }

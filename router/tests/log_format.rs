@@ -108,3 +108,53 @@ fn workers_are_reached_directly_whatever_the_proxy_variables_say() {
     child.wait().unwrap();
     assert_eq!(first, Ok("worker"));
 }
+
+/// A failed attempt is logged once, naming the worker and the client's
+/// request id (which vLLM takes as its own): a 502 left nothing but a
+/// counter to match it with the engine's log.
+#[test]
+fn a_failed_attempt_is_logged_with_the_worker_and_the_request_id() {
+    use std::io::{Read, Write};
+    // An engine that answers every request 500, and closes.
+    let engine = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let worker = format!("w-bad=http://{}", engine.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for mut conn in engine.incoming().map_while(Result::ok) {
+            let mut head = [0u8; 4096];
+            let _ = conn.read(&mut head);
+            let _ = conn
+                .write_all(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 4\r\nconnection: close\r\n\r\nboom");
+        }
+    });
+    let mut child = router(&["--listen", "127.0.0.1:0", "--worker", &worker, "--health-check-interval", "1h"]);
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    let addr = line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("{line:?}")).to_owned();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in out.lines().map_while(Result::ok) {
+            if line.contains("attempt failed") && tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let body = r#"{"model": "m", "prompt": "hello"}"#;
+    let mut conn = std::net::TcpStream::connect(addr.trim_start_matches("http://")).unwrap();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\nx-request-id: req-7f3a\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    conn.write_all(request.as_bytes()).unwrap();
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+    let line = rx.recv_timeout(std::time::Duration::from_secs(60));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let line = line.expect("the failed attempt logged");
+    for part in ["w-bad", "req-7f3a", "500"] {
+        assert!(line.contains(part), "{part} not in {line}");
+    }
+}
