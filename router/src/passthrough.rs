@@ -35,6 +35,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
+use kvroute_shared::wire::DP_RANK_HEADER;
 
 use crate::error::RouterError;
 use crate::proxy::{Failure, answer_headers, forwarded, read_client_in_time, take_slot};
@@ -115,10 +116,27 @@ async fn run(
     });
     let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
     let mut last = None;
-    for worker in workers.iter().take(1 + state.config.raw.retries as usize) {
+    // Servers (URLs) that could not be connected to: their other
+    // data-parallel ranks are the same server, and trying them spent the
+    // retries while another engine was healthy.
+    let mut failed_servers: Vec<&str> = Vec::new();
+    let mut attempts = 0;
+    for worker in &workers {
+        if attempts > state.config.raw.retries as usize {
+            break;
+        }
+        if failed_servers.contains(&worker.url.as_str()) {
+            continue;
+        }
+        attempts += 1;
         let mut rb = state.client.request(method.clone(), format!("{}{path}", worker.url)).body(body.clone());
         for (name, v) in forwarded(headers) {
             rb = rb.header(name, v);
+        }
+        // The rank charged is the rank sent to (vLLM balanced the request
+        // over its ranks, while this router counted it on one).
+        if let Some(rank) = worker.dp_rank {
+            rb = rb.header(DP_RANK_HEADER, rank);
         }
         if let Some(v) = headers.get(header::CONTENT_TYPE).filter(|v| v.len() <= 256) {
             rb = rb.header(header::CONTENT_TYPE, v);
@@ -141,6 +159,7 @@ async fn run(
                     return Err(error);
                 }
                 outcome("passthrough_connect_error");
+                failed_servers.push(&worker.url);
                 last = Some(error);
             }
             Ok(Ok(upstream)) => {

@@ -2320,8 +2320,35 @@ async fn ranked_engine() -> String {
         let rank = headers.get("x-data-parallel-rank").and_then(|v| v.to_str().ok()).unwrap_or("balanced").to_owned();
         axum::Json(json!({"rank": rank, "choices": [{"text": "hi"}]}))
     };
-    let app = Router::new().route("/v1/completions", post(complete)).route("/health", get(|| async { "ok" }));
+    let app = Router::new()
+        .route("/v1/completions", post(complete))
+        .route("/v1/embeddings", post(complete))
+        .route("/health", get(|| async { "ok" }));
     serve_engine(app).await
+}
+
+/// The engine's other endpoints (passed through by load) name the rank the
+/// router charged, and their retries skip the other ranks of a server that
+/// refused the connection, as completions' do.
+#[tokio::test]
+async fn passed_through_requests_name_their_rank_and_skip_a_failed_servers_other_ranks() {
+    let engine = ranked_engine().await;
+    let refused = refused_url();
+    let ranks: Vec<(String, String)> =
+        (0..3).map(|r| (format!("a-dp{r}"), format!("{}#dp-rank={r}", refused.url))).collect();
+    let mut workers: Vec<(&str, &str)> = ranks.iter().map(|(id, url)| (id.as_str(), url.as_str())).collect();
+    let ranked = format!("{engine}#dp-rank=1");
+    workers.push(("b-dp1", &ranked));
+    let r = router(&workers, |raw| {
+        raw.retries = 1;
+        raw.eject_after_failures = 1_000;
+    })
+    .await;
+    let resp = r.http.post(format!("{}/v1/embeddings", r.url)).json(&json!({"model": "m", "input": "x"})).send();
+    let resp = resp.await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-kvroute-worker"], "b-dp1");
+    assert_eq!(resp.json::<Value>().await.unwrap()["rank"], "1", "the engine was told the rank charged");
 }
 
 #[tokio::test]
