@@ -67,6 +67,7 @@ pub async fn run(source: RankSource, state: Arc<WorkerState>, cancel: Cancellati
         expected: None,
         replayed_through: None,
         lost: false,
+        undecodable: LogLimit::default(),
     };
     tokio::select! {
         _ = cancel.cancelled() => return,
@@ -127,6 +128,32 @@ struct Stream {
     replayed_through: Option<Seq>,
     /// The stream was lost and has not reconnected yet.
     lost: bool,
+    /// Undecodable messages' warnings: an engine whose format changed sent
+    /// one a batch, many a second per rank.
+    undecodable: LogLimit,
+}
+
+/// A warning logged at its first occurrence, then at most once per
+/// [`LogLimit::EVERY`], saying how many were not logged meanwhile.
+#[derive(Default)]
+struct LogLimit {
+    last: Option<tokio::time::Instant>,
+    unlogged: u64,
+}
+
+impl LogLimit {
+    const EVERY: Duration = Duration::from_secs(10);
+
+    /// Whether an occurrence at `now` is logged, and if so how many before
+    /// it were not.
+    fn log(&mut self, now: tokio::time::Instant) -> Option<u64> {
+        if self.last.is_some_and(|last| now.duration_since(last) < Self::EVERY) {
+            self.unlogged += 1;
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.unlogged))
+    }
 }
 
 /// What the event socket produced.
@@ -196,7 +223,9 @@ impl Stream {
                     }
                     Err(e) => {
                         self.state.metrics().decode_errors.inc();
-                        warn!(error = %e, "undecodable KV-event message");
+                        if let Some(unlogged) = self.undecodable.log(tokio::time::Instant::now()) {
+                            warn!(error = %e, unlogged, "undecodable KV-event message (at most one logged per 10 s)");
+                        }
                     }
                 },
                 Err(e) => {
@@ -405,6 +434,17 @@ mod tests {
     use crate::metrics::Metrics;
     use crate::translate::Translator;
     use crate::zmtp::peer;
+
+    #[test]
+    fn a_repeated_warning_is_logged_once_per_period_with_the_count_not_logged() {
+        let mut limit = LogLimit::default();
+        let t0 = tokio::time::Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        assert_eq!(limit.log(at(0)), Some(0));
+        assert_eq!((0..1_000).filter_map(|i| limit.log(at(1 + i))).count(), 0);
+        assert_eq!(limit.log(at(10_000)), Some(1_000));
+        assert_eq!(limit.log(at(10_001)), None);
+    }
 
     /// One vLLM event message: batch `seq` storing one block.
     fn stored(seq: u64, hash: u64) -> Vec<u8> {
