@@ -35,10 +35,25 @@ pub const TTFT_STATUS_CLASSES: [&str; 2] = ["2xx", "4xx"];
 /// The `kind` labels of [`Metrics::syncs`], created at 0 at start.
 pub const SYNC_KINDS: [&str; 6] =
     ["applied", "stale", "rejected_block_size", "rejected_too_large", "digest_mismatch", "not_member"];
-/// The `kind` labels of [`Metrics::events`] every router sees, created at 0
-/// at start (rarer kinds appear when they first happen).
-pub const EVENT_KINDS: [&str; 6] =
-    ["stored", "evicted", "cleared", "stale_batch", "digest_mismatch", "rejected_protocol"];
+/// The `kind` labels of [`Metrics::events`], every one created at 0 at
+/// start: an alert on `increase()` of a kind that appeared with its first
+/// event (a `retries_stopped`, a `stalled`) missed that event.
+pub const EVENT_KINDS: [&str; 14] = [
+    "stored",
+    "evicted",
+    "cleared",
+    "stale_batch",
+    "digest_mismatch",
+    "rejected_protocol",
+    "rejected_too_large",
+    "forbidden_push",
+    "unauthorized_push",
+    "unauthorized_report",
+    "first_token_timeout",
+    "stalled",
+    "retries_stopped",
+    "chat_template_fallback",
+];
 /// The `worker` label of requests refused before a worker was chosen.
 pub const NO_WORKER: &str = kvroute_shared::wire::RESERVED_WORKER_ID;
 
@@ -234,7 +249,12 @@ impl Metrics {
             index_worker_entries.clone(),
         );
         let events = Family::<KindLabel, Counter>::default();
-        registry.register("events_applied", "Block events applied from sidecars, by kind", events.clone());
+        registry.register(
+            "events_applied",
+            "Block events applied from sidecars' pushes, pushes and reports refused, and requests given up or \
+             placed by their plain text, by kind",
+            events.clone(),
+        );
         let syncs = Family::<KindLabel, Counter>::default();
         registry.register("syncs", "Sidecar syncs by outcome", syncs.clone());
         // Series a dashboard or an alert rates over exist from the start at 0:
@@ -447,6 +467,7 @@ impl Metrics {
     }
 
     pub fn event(&self, kind: &'static str, n: usize) {
+        debug_assert!(EVENT_KINDS.contains(&kind), "{kind} is not in EVENT_KINDS (created at 0)");
         self.events.get_or_create(&KindLabel { kind }).inc_by(n as u64);
     }
 
@@ -572,7 +593,11 @@ mod tests {
     fn rated_series_exist_at_zero_from_the_start_and_leave_with_their_worker() {
         let m = Metrics::new();
         let text = m.encode();
-        for line in ["kvroute_syncs_total{kind=\"applied\"} 0", "kvroute_events_applied_total{kind=\"stored\"} 0"] {
+        for line in [
+            "kvroute_syncs_total{kind=\"applied\"} 0",
+            "kvroute_events_applied_total{kind=\"stored\"} 0",
+            "kvroute_events_applied_total{kind=\"retries_stopped\"} 0",
+        ] {
             assert!(text.lines().any(|l| l == line), "no {line} in\n{text}");
         }
         m.init_worker_series("w1");
