@@ -127,6 +127,8 @@ pub struct Metrics {
     pub requests: Family<WorkerOutcome, Counter>,
     pub decisions: Family<PolicyReason, Counter>,
     pub matched_ratio: Histogram,
+    pub prompt_tokens: Counter,
+    pub matched_tokens: Counter,
     pub index_keys: Gauge,
     pub index_entries: Gauge,
     pub index_worker_entries: Family<WorkerKind, Gauge>,
@@ -237,6 +239,18 @@ impl Metrics {
             "matched_prefix_ratio",
             "Share of each request's prompt tokens cached on the chosen worker (per the index)",
             matched_ratio.clone(),
+        );
+        // Token-weighted, as vLLM's prefix_cache_hits / prefix_cache_queries
+        // are: the histogram's mean weighs a 16-token turn as a 16k-token
+        // document, and compared with the engine's ratio it raised the
+        // stale-index alarm where nothing was wrong.
+        let prompt_tokens = Counter::default();
+        registry.register("prompt_tokens", "Prompt tokens of the requests routed", prompt_tokens.clone());
+        let matched_tokens = Counter::default();
+        registry.register(
+            "matched_prompt_tokens",
+            "Of the prompt tokens routed, those cached on the chosen worker (per the index)",
+            matched_tokens.clone(),
         );
         let index_keys = Gauge::default();
         registry.register("index_keys", "Distinct block keys in the index", index_keys.clone());
@@ -395,6 +409,8 @@ impl Metrics {
             requests,
             decisions,
             matched_ratio,
+            prompt_tokens,
+            matched_tokens,
             index_keys,
             index_entries,
             index_worker_entries,

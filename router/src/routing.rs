@@ -370,7 +370,10 @@ fn observe_decision(state: &AppState, plan: &Plan) {
     if let Some(c) = chosen
         && !tokens.is_empty()
     {
-        m.matched_ratio.observe((c.matched_blocks * block_size) as f64 / tokens.len() as f64);
+        let matched = (c.matched_blocks * block_size).min(tokens.len());
+        m.matched_ratio.observe(matched as f64 / tokens.len() as f64);
+        m.prompt_tokens.inc_by(tokens.len() as u64);
+        m.matched_tokens.inc_by(matched as u64);
     }
     let uncached = chosen.map_or(tokens.len(), |c| tokens.len().saturating_sub(c.matched_blocks * block_size));
     state.observe_prompt_tokens(tokens.len(), uncached as u64);

@@ -2008,6 +2008,10 @@ async fn metrics_are_exported() {
         "kvroute_index_entries",
         "kvroute_routing_duration_seconds_count 2",
         "kvroute_tokenize_duration_seconds_count 2",
+        // Token-weighted, as vLLM's hit ratio: the second prompt's 64 bytes
+        // (no tokenizer: a byte a token) are the first's, recorded there.
+        "kvroute_prompt_tokens_total 128",
+        "kvroute_matched_prompt_tokens_total 64",
         // Buckets past the first-token deadline (60 s) and `first_byte_timeout` (1 h).
         "kvroute_upstream_ttft_seconds_bucket{policy=\"predicted_ttft\",le=\"327.68\",worker=\"w1\",status=\"2xx\"} 1",
         "kvroute_request_duration_seconds_bucket{policy=\"predicted_ttft\",le=\"5242.88\",worker=\"w1\",status=\"2xx\"} 2",
