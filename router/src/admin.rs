@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use axum::Json;
 use axum::body::Body;
-use axum::extract::{Query, State};
+use axum::extract::{Query, RawQuery, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use kvroute_shared::openai::Endpoint;
@@ -84,18 +84,30 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
 }
 
 /// `POST /debug/route`: the decision the router would make, without
-/// forwarding, and without changing anything (no speculative entry, no
-/// session touched, no counter). An `x-session-id` header is read as a
-/// request's: a pinned session's worker is the decision.
+/// forwarding, and without changing routing state (no speculative entry, no
+/// session touched, no decision or request counted; its tokenizing time and
+/// a shed are counted, as the router's own load). An `x-session-id` header
+/// is read as a request's: a pinned session's worker is the decision. The
+/// body is a completion's or a chat's as its `messages` key says, or as
+/// `?endpoint=completions` or `?endpoint=chat` says (a completion's body
+/// may carry a `messages` key the engine ignores).
 pub async fn debug_route(
     State(state): State<Arc<AppState>>,
+    RawQuery(query): RawQuery,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<Value>, RouterError> {
+    let endpoint = match query.as_deref().and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("endpoint="))) {
+        None => None,
+        Some("completions") => Some(Endpoint::Completions),
+        Some("chat") => Some(Endpoint::ChatCompletions),
+        Some(_) => return Err(RouterError::bad_request("endpoint", "must be completions or chat")),
+    };
     let session = crate::proxy::session_of(&state, &headers)?;
     // Same limits as a real request: body deadline, concurrency slot, prompt
     // size, tokenizing off the runtime.
-    let crate::proxy::Admitted { body, endpoint, budget: _budget, slot: _permit } = admit(&state, body, None).await?;
+    let crate::proxy::Admitted { body, endpoint, budget: _budget, slot: _permit } =
+        admit(&state, body, endpoint).await?;
     let (_, prepared) = routing::parse_and_prepare(&state, endpoint, &body).await?;
     let template_fallback = prepared.template_fallback;
     let pinned = session.and_then(|(id, _)| state.sessions.peek(&id, Instant::now()));

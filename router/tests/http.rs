@@ -2223,6 +2223,28 @@ async fn debug_route_explains_a_pinned_session() {
     assert_eq!(explained["pinned_session_worker"], other, "{explained}");
 }
 
+/// A completion's body may carry a `messages` key the engine ignores:
+/// `/debug/route` takes it as a chat unless `?endpoint=completions` says
+/// which it is (it explained a chat of the messages, where the request
+/// path tokenizes the prompt).
+#[tokio::test]
+async fn debug_route_is_told_the_endpoint() {
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let r = router(&[("w1", &w.url)], |_| {}).await;
+    let body = json!({"model": "m", "prompt": prompt(64), "messages": [{"role": "user", "content": "x"}]});
+    let explain = |query: &'static str| {
+        let req = r.http.post(format!("{}/debug/route{query}", r.url)).json(&body).send();
+        async move { req.await.unwrap() }
+    };
+    let as_completion: Value = explain("?endpoint=completions").await.json().await.unwrap();
+    assert_eq!(as_completion["tokens"], 64, "{as_completion}");
+    let as_chat: Value = explain("?endpoint=chat").await.json().await.unwrap();
+    assert_ne!(as_chat["tokens"], 64, "{as_chat}");
+    assert_eq!(r.explain(body.clone()).await["tokens"], as_chat["tokens"], "the body's messages key says chat");
+    let (status, err) = error_of(explain("?endpoint=embeddings").await).await;
+    assert_eq!((status, err["error"]["param"].as_str()), (400, Some("endpoint")), "{err}");
+}
+
 /// The data-parallel ranks behind one URL are one server: when it fails a
 /// request (here it drops every connection), the retries go to another
 /// engine, not to its other ranks (three attempts at one dead server: a 502
