@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use axum::Json;
 use axum::body::Body;
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, RawQuery, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -161,8 +162,10 @@ pub struct IndexQuery {
 /// that worker's keys by kind (sorted).
 pub async fn debug_index(
     State(state): State<Arc<AppState>>,
-    Query(q): Query<IndexQuery>,
+    q: Result<Query<IndexQuery>, QueryRejection>,
 ) -> Result<Response, RouterError> {
+    // axum's own rejection is plain text: every error here is OpenAI-shaped.
+    let Query(q) = q.map_err(|e| RouterError::bad_request("worker", e.body_text()))?;
     let workers = state.workers.snapshot();
     if let Some(id) = q.worker {
         let w = workers

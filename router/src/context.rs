@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Body;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -32,7 +33,11 @@ pub async fn create(State(state): State<Arc<AppState>>, headers: HeaderMap, body
     run.await.unwrap_or_else(IntoResponse::into_response)
 }
 
-pub async fn delete(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+pub async fn delete(State(state): State<Arc<AppState>>, id: Result<Path<String>, PathRejection>) -> Response {
+    // axum's own rejection (an id that is not UTF-8) is plain text.
+    let Ok(Path(id)) = id else {
+        return RouterError::bad_request("session id", "must be UTF-8 text").into_response();
+    };
     if state.sessions.remove(&id, Instant::now()) {
         StatusCode::NO_CONTENT.into_response()
     } else {

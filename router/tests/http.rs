@@ -1245,6 +1245,10 @@ async fn a_large_delta_is_applied_whole() {
     assert_eq!(ack["outcome"], "applied", "{ack}");
     let index: Value = r.http.get(format!("{}/debug/index", r.url)).send().await.unwrap().json().await.unwrap();
     assert_eq!(index["workers"]["w1"]["confirmed"], 10_000, "{index}");
+    // A query axum cannot read (a field twice) gets an OpenAI-shaped error.
+    let (status, err) =
+        error_of(r.http.get(format!("{}/debug/index?worker=a&worker=b", r.url)).send().await.unwrap()).await;
+    assert_eq!((status, err["error"]["param"].as_str()), (400, Some("worker")), "{err}");
 }
 
 /// A request its engine refuses (a 4xx) or fails (a 5xx, retried
@@ -1369,6 +1373,9 @@ async fn sessions_pin_a_conversation_and_the_context_api_manages_them() {
     assert_eq!(del.status(), 204);
     let del = r.http.delete(format!("{}/v1/context/{id}", r.url)).send().await.unwrap();
     assert_eq!(del.status(), 404);
+    // An id that is not UTF-8 gets an OpenAI-shaped error, as every other.
+    let (status, err) = error_of(r.http.delete(format!("{}/v1/context/%FF", r.url)).send().await.unwrap()).await;
+    assert_eq!(status, 400, "{err}");
     let bad = r
         .http
         .post(format!("{}/v1/completions", r.url))
