@@ -16,6 +16,9 @@ async fn main() -> anyhow::Result<()> {
     if let Some(Command::Tokenize(args)) = &cli.command {
         return tokenize(args);
     }
+    // Before anything slow (binding, loading tokenizers): a stop asked for
+    // meanwhile is kept, not lost.
+    let stop = kvroute_serve::signals::stop_requested().context("installing the signal handlers")?;
     kvroute_shared::logging::init(
         cli.serve.log_level.as_deref(),
         cli.serve.log_format.as_deref(),
@@ -52,7 +55,7 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     let listeners = kvroute_router::Listeners { api: listener, metrics };
-    kvroute_router::run_with(listeners, config, shutdown_signal()).await?;
+    kvroute_router::run_with(listeners, config, stop).await?;
     Ok(())
 }
 
@@ -69,23 +72,6 @@ async fn bind(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpList
             r => return r,
         }
     }
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(_) => return ctrl_c.await.unwrap_or(()),
-        };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    ctrl_c.await.unwrap_or(());
 }
 
 /// `kvroute-router tokenize`: what the router computes for a request body.

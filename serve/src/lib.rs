@@ -37,6 +37,8 @@
 //! until its last chunk; and they would cover `/health`, `/metrics` and the
 //! sidecars' pushes, which are never shed.
 
+pub mod signals;
+
 use std::future::Future;
 use std::io;
 use std::pin::Pin;

@@ -9,6 +9,8 @@ use kvroute_sidecar::cli::Cli;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut cli = Cli::parse();
+    // Before anything slow: a stop asked for meanwhile is kept, not lost.
+    let stop = kvroute_serve::signals::stop_requested().context("installing the signal handlers")?;
     // Logs go to stderr: tools read the "listening on" line from stdout.
     kvroute_shared::logging::init(
         cli.log_level.as_deref(),
@@ -33,7 +35,7 @@ async fn main() -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(&listen).await.with_context(|| format!("binding {listen}"))?;
     // Tools parse this line to find the bound port (with --listen 127.0.0.1:0).
     println!("listening on http://{}", listener.local_addr()?);
-    kvroute_sidecar::run(listener, config, shutdown_signal()).await?;
+    kvroute_sidecar::run(listener, config, stop).await?;
     Ok(())
 }
 
@@ -44,25 +46,4 @@ fn hostname() -> String {
         .map(|h| h.trim().to_owned())
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "sidecar".into())
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = term => {}
-    }
 }
