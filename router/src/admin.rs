@@ -47,7 +47,8 @@ pub async fn health() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
-/// Ready once some worker takes traffic and has answered a health probe. A
+/// Ready once some worker takes traffic and has answered a health probe, and
+/// until a stop is asked for (`drain_delay`). A
 /// worker is taken as healthy from its admission (its requests go at once),
 /// so counting those alone answered yes while every worker was unreachable,
 /// until enough probes had failed to eject them: seconds of 502s behind a
@@ -57,8 +58,10 @@ pub async fn ready(State(state): State<Arc<AppState>>) -> Response {
     let healthy = workers.iter().filter(|w| w.live.is_healthy()).count();
     let answered =
         workers.iter().filter(|w| w.live.is_healthy() && w.live.last_probe_ok_ms.load(Ordering::Relaxed) > 0).count();
-    let status = if answered > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    let body = json!({"ready": answered > 0, "healthy_workers": healthy, "probed_workers": answered});
+    let draining = state.draining.load(Ordering::Relaxed);
+    let ready = answered > 0 && !draining;
+    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let body = json!({"ready": ready, "draining": draining, "healthy_workers": healthy, "probed_workers": answered});
     (status, Json(body)).into_response()
 }
 

@@ -197,6 +197,7 @@ const ENV_KEYS: &[&str] = &[
     "max_sync_keys",
     "max_internal_body_bytes",
     "shutdown_grace",
+    "drain_delay",
 ];
 
 /// `KVROUTE_` variables of the project's other programs (the sidecar, the

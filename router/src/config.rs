@@ -167,6 +167,12 @@ pub struct RawConfig {
     pub max_internal_body_bytes: usize,
     #[serde(with = "humantime_serde")]
     pub shutdown_grace: Duration,
+    /// At a stop signal, how long the router goes on serving (new
+    /// connections too) with `/ready` answering 503, before it closes its
+    /// listener: load balancers (Kubernetes' endpoints, kube-proxy, an
+    /// ingress) take a few seconds to stop sending to it.
+    #[serde(with = "humantime_serde")]
+    pub drain_delay: Duration,
     /// PEM certificate chain and private key: serve HTTPS instead of HTTP.
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
@@ -223,6 +229,7 @@ impl Default for RawConfig {
             max_sync_keys: 4_000_000,
             max_internal_body_bytes: 128 << 20,
             shutdown_grace: Duration::from_secs(30),
+            drain_delay: Duration::ZERO,
             tls_cert: None,
             tls_key: None,
             tls_ca: None,

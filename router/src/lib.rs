@@ -228,9 +228,15 @@ pub async fn run_with(
     tokio::spawn(health::run_housekeeping(state.clone()).instrument(tracing::info_span!("housekeeping")));
     tokio::spawn(replicas::run(state.clone()).instrument(tracing::info_span!("replicas")));
 
-    let stop = token.clone();
+    let (stop, stopping_state) = (token.clone(), state.clone());
     tokio::spawn(async move {
         shutdown.await;
+        stopping_state.draining.store(true, std::sync::atomic::Ordering::Relaxed);
+        let delay = stopping_state.config.raw.drain_delay;
+        if !delay.is_zero() {
+            tracing::info!(?delay, "stopping: serving on while load balancers drain this router (/ready is 503)");
+            tokio::time::sleep(delay).await;
+        }
         stop.cancel();
     });
     let router = app(state.clone());

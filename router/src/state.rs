@@ -12,7 +12,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvroute_shared::tokenize::PromptTokenizer;
@@ -288,6 +288,9 @@ pub struct AppState {
     /// `shutdown`): the replica exchange runs until then, so the other
     /// replicas keep counting what a draining router still has in flight.
     pub drained: CancellationToken,
+    /// A stop was asked for: `/ready` answers 503 while the router drains
+    /// (`drain_delay`, then `shutdown_grace`).
+    pub draining: AtomicBool,
     /// One full sync per worker id at a time (`internal::sync`): a sync is
     /// applied in chunks, and two of one worker's must not interleave.
     sync_gates: parking_lot::Mutex<HashMap<WorkerId, Arc<tokio::sync::Mutex<()>>>>,
@@ -337,6 +340,7 @@ impl AppState {
             started: Instant::now(),
             shutdown,
             drained: CancellationToken::new(),
+            draining: AtomicBool::new(false),
             config,
             sync_gates: Default::default(),
             sync_slots: Arc::new(Semaphore::new(SYNCS_AT_ONCE)),

@@ -2197,6 +2197,33 @@ async fn a_worker_that_drops_what_others_answer_is_ejected() {
     assert!(healthy(&r, "b-good").await);
 }
 
+/// At a stop, with a `drain_delay`, the router serves on (new connections
+/// too) while `/ready` answers 503, so that load balancers stop sending to
+/// it before its listener closes: it closed at once, and the requests that
+/// Kubernetes' endpoints still sent it for a few seconds were refused.
+#[tokio::test]
+async fn a_stopping_router_serves_on_through_its_drain_delay_not_ready() {
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let mut r = router(&[("w1", &w.url)], |raw| raw.drain_delay = Duration::from_secs(3600)).await;
+    let ready = |http: reqwest::Client, url: String| async move {
+        let resp = http.get(format!("{url}/ready")).send().await.unwrap();
+        (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
+    };
+    support::eventually("ready", || async { (ready(r.http.clone(), r.url.clone()).await.0 == 200).then_some(()) })
+        .await;
+    r.stop();
+    let (status, body) = support::eventually("draining", || async {
+        let got = ready(r.http.clone(), r.url.clone()).await;
+        (got.0 == 503).then_some(got)
+    })
+    .await;
+    assert_eq!((status, &body["draining"]), (503, &json!(true)), "{body}");
+    // A new connection is still served.
+    let fresh = reqwest::Client::new();
+    let resp = fresh.post(format!("{}/v1/completions", r.url)).json(&json!({"model": "m", "prompt": "x"})).send();
+    assert_eq!(resp.await.unwrap().status(), 200);
+}
+
 /// `/debug/route` reads `x-session-id` as a request does: a pinned
 /// session's worker is the decision it explains.
 #[tokio::test]

@@ -158,3 +158,48 @@ fn a_failed_attempt_is_logged_with_the_worker_and_the_request_id() {
         assert!(line.contains(part), "{part} not in {line}");
     }
 }
+
+/// A first stop signal drains (`/ready` says so); a second ends the process
+/// at once, exit code 130: it waited out `drain_delay` and `shutdown_grace`
+/// whatever the operator pressed.
+#[test]
+fn a_second_stop_signal_ends_the_router_at_once() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
+        .args(["--listen", "127.0.0.1:0"])
+        .env("KVROUTE_DRAIN_DELAY", "1h")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    let addr = line.trim().strip_prefix("listening on http://").unwrap_or_else(|| panic!("{line:?}")).to_owned();
+    let signal = |pid: u32| {
+        let sent = Command::new("kill").args(["-INT", &pid.to_string()]).status().unwrap();
+        assert!(sent.success());
+    };
+    signal(child.id());
+    // Signals of one kind pending together are one: the second is sent once
+    // the first is seen, by /ready.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        use std::io::{Read, Write};
+        let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+        conn.write_all(b"GET /ready HTTP/1.1\r\nhost: r\r\nconnection: close\r\n\r\n").unwrap();
+        let mut answer = String::new();
+        conn.read_to_string(&mut answer).unwrap();
+        if answer.contains("\"draining\":true") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never draining: {answer}");
+        std::thread::yield_now();
+    }
+    signal(child.id());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait().unwrap());
+    });
+    let status = rx.recv_timeout(std::time::Duration::from_secs(60)).expect("the router exited");
+    assert_eq!(status.code(), Some(130));
+}

@@ -663,6 +663,34 @@ def test_k8s_resources_probes_and_security(k8s_docs):
     assert {"kvroute", "vllm/vllm-openai"} <= {i["name"] for i in kust["images"]}
 
 
+def seconds(duration: str) -> float:
+    """A humantime duration as the binaries read it: 5s, 2m, 500ms."""
+    m = re.fullmatch(r"(\d+)(ms|s|m)", duration)
+    assert m, f"{duration!r}: write it as Nms, Ns or Nm"
+    return int(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60}[m.group(2)]
+
+
+def readme_default(key: str) -> str:
+    row = re.search(rf"^\| `{key}` \|[^|]*\| `([^`]+)` \|", (ROOT / "README.md").read_text(), re.M)
+    assert row, f"README's configuration table has no row for {key}"
+    return row.group(1)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_the_routers_stop_fits_in_the_time_it_is_given(k8s_docs, compose, profile):
+    """A router stops in drain_delay + shutdown_grace: SIGKILL before that cuts
+    the answers under way (Docker's default is 10 s, the router's grace 30 s)."""
+    grace = seconds(readme_default("shutdown_grace"))
+    dep, router = router_deployment(k8s_docs)
+    env = {e["name"]: e.get("value") for e in router.get("env", [])}
+    drain = seconds(env.get("KVROUTE_DRAIN_DELAY", readme_default("drain_delay")))
+    grace = seconds(env.get("KVROUTE_SHUTDOWN_GRACE", f"{int(grace)}s"))
+    assert drain >= 1, "the router serves on while the endpoints and kube-proxy stop sending to it"
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= drain + grace + 5
+    for name, svc in routers(compose, profile).items():
+        assert seconds(svc.get("stop_grace_period", "10s")) >= grace + 5, f"{name}: stop_grace_period"
+
+
 def test_k8s_flags_exist_in_the_binaries(k8s_docs):
     known = {"kvroute-router": router_flags(), "kvroute-sidecar": sidecar_flags()}
     envs = {"kvroute-router": router_env_keys(), "kvroute-sidecar": sidecar_env_keys()}

@@ -14,7 +14,17 @@ pub const TOKEN: &str = "test-internal-token-0123";
 pub struct TestRouter {
     pub url: String,
     pub http: reqwest::Client,
-    _stop: oneshot::Sender<()>,
+    stop: Option<oneshot::Sender<()>>,
+}
+
+impl TestRouter {
+    /// Asks the router to stop, as a stop signal does.
+    #[allow(dead_code)] // not every test file needs it
+    pub fn stop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
 }
 
 /// Starts a router with `workers` (`(id, url)`) as static workers, active
@@ -41,7 +51,7 @@ pub fn serve(listener: TcpListener, raw: RawConfig) -> TestRouter {
     tokio::spawn(kvroute_router::run(listener, config, async move {
         let _ = stopped.await;
     }));
-    TestRouter { url, http: reqwest::Client::new(), _stop: stop }
+    TestRouter { url, http: reqwest::Client::new(), stop: Some(stop) }
 }
 
 /// Polls `check` every 20 ms until it yields a value, for at most 20 s
