@@ -226,7 +226,7 @@ pub async fn run_with(
     let _drained = state.drained.clone().drop_guard();
     tokio::spawn(health::run_health_checks(state.clone()).instrument(tracing::info_span!("health_checks")));
     tokio::spawn(health::run_housekeeping(state.clone()).instrument(tracing::info_span!("housekeeping")));
-    tokio::spawn(replicas::run(state.clone()).instrument(tracing::info_span!("replicas")));
+    let exchange = tokio::spawn(replicas::run(state.clone()).instrument(tracing::info_span!("replicas")));
 
     let (stop, stopping_state) = (token.clone(), state.clone());
     tokio::spawn(async move {
@@ -269,21 +269,33 @@ pub async fn run_with(
         |r: Result<(), tokio::task::JoinError>| r.map_err(|join| RunError::Serve(std::io::Error::other(join)));
     // Scrapes are short: the metrics listener is not waited for.
     let _stop_metrics = metrics_task.map(|t| t.abort_handle()).map(AbortOnDrop);
-    tokio::select! {
-        r = &mut serve => return flatten(r),
-        _ = token.cancelled() => {}
+    let served = tokio::select! {
+        r = &mut serve => flatten(r),
+        _ = token.cancelled() => match tokio::time::timeout(grace, &mut serve).await {
+            Ok(r) => flatten(r),
+            Err(_) => {
+                tracing::warn!(?grace, "shutdown grace period over: dropping remaining connections");
+                // Its drain loop stopped, not left waiting after `run` returns
+                // (the connections' own tasks end with the runtime).
+                serve.abort();
+                Ok(())
+            }
+        },
+    };
+    // The other replicas are told this one has nothing left in flight
+    // before `run` returns: the binary's runtime ends right after it, and
+    // the last reports were cancelled unsent (the peers counted this
+    // router's requests until they forgot it, a second later).
+    state.drained.cancel();
+    if tokio::time::timeout(REPLICAS_FAREWELL, exchange).await.is_err() {
+        tracing::warn!("the last reports to the other replicas did not finish in time");
     }
-    match tokio::time::timeout(grace, &mut serve).await {
-        Ok(r) => flatten(r),
-        Err(_) => {
-            tracing::warn!(?grace, "shutdown grace period over: dropping remaining connections");
-            // Its drain loop stopped, not left waiting after `run` returns
-            // (the connections' own tasks end with the runtime).
-            serve.abort();
-            Ok(())
-        }
-    }
+    served
 }
+
+/// How long `run` waits for the last reports to the other replicas (each
+/// is bounded at 0.5 s on its own).
+const REPLICAS_FAREWELL: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Aborts a task when the function that spawned it returns.
 struct AbortOnDrop(tokio::task::AbortHandle);

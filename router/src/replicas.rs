@@ -525,7 +525,11 @@ pub async fn run(state: Arc<AppState>) {
     loop {
         tokio::select! {
             _ = tick.tick() => {}
-            _ = state.drained.cancelled() => return,
+            _ = state.drained.cancelled() => {
+                // Each link's last report (bounded) is sent before this returns.
+                futures::future::join_all(exchanges.into_values()).await;
+                return;
+            }
         }
         if !state.config.replicas.is_empty() && Instant::now() >= next_resolve {
             next_resolve = Instant::now() + RESOLVE_EVERY;

@@ -208,6 +208,52 @@ async fn an_exiting_router_tells_its_replicas_it_has_nothing_left() {
     }
 }
 
+/// The same, for a router whose runtime ends as soon as `run` returns (the
+/// binary's): its last report was a task of that runtime, cancelled unsent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_whose_runtime_ends_with_run_still_sends_its_last_report() {
+    let engine = hanging_engine().await;
+    let (replica, mut heard) = listening_replica().await;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let raw = RawConfig {
+        workers: vec![format!("w1={engine}")],
+        internal_token: Some(Secret::new(TOKEN)),
+        health_check_interval: Duration::from_secs(3600),
+        replicas: vec![replica],
+        replica_exchange_interval: Duration::from_millis(100),
+        shutdown_grace: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let config = raw.validate().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let router = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async move {
+            let listener = TcpListener::from_std(listener).unwrap();
+            kvroute_router::run(listener, config, async move {
+                let _ = stopped.await;
+            })
+            .await
+            .unwrap();
+        });
+        // The runtime, and every task still in it, ends here.
+    });
+    let body = json!({"model": "m", "prompt": words(7, 50), "stream": true});
+    let _hanging = tokio::spawn(reqwest::Client::new().post(format!("{url}/v1/completions")).json(&body).send());
+    let in_flight = |report: &Value| report["workers"].as_array().is_some_and(|w| w.iter().any(|w| w["inflight"] == 1));
+    while !in_flight(&next_report(&mut heard).await) {}
+    stop.send(()).unwrap();
+    tokio::task::spawn_blocking(move || router.join().unwrap()).await.unwrap();
+    // Every report it sent is in: the last names nothing.
+    let mut last = None;
+    while let Ok(report) = heard.try_recv() {
+        last = Some(report);
+    }
+    assert_eq!(last.map(|r| r["workers"].clone()), Some(json!([])));
+}
+
 /// A router with one worker (a hanging engine) that reports every
 /// `interval` to a [`listening_replica`]: the router, and the reports.
 async fn reporting_router(interval: Duration) -> (TestRouter, tokio::sync::mpsc::UnboundedReceiver<Value>) {
