@@ -64,6 +64,8 @@ pub enum RunError {
     Tls(#[from] tls::TlsError),
     #[error("cannot read CA bundle {path}: {message}")]
     Ca { path: std::path::PathBuf, message: String },
+    #[error("the router's {0} task ended: stopped (the log says how)")]
+    TaskEnded(&'static str),
 }
 
 /// Loads tokenizers, registers static workers: the state `app` serves.
@@ -224,9 +226,15 @@ pub async fn run_with(
     let state = build_state(config, token.clone())?;
     // However this returns: the replica exchange stops with the server.
     let _drained = state.drained.clone().drop_guard();
-    tokio::spawn(health::run_health_checks(state.clone()).instrument(tracing::info_span!("health_checks")));
-    tokio::spawn(health::run_housekeeping(state.clone()).instrument(tracing::info_span!("housekeeping")));
-    let exchange = tokio::spawn(replicas::run(state.clone()).instrument(tracing::info_span!("replicas")));
+    // Each runs until the router stops: one that ends before (a panic) stops
+    // the router with an error, for its supervisor to restart it. Without
+    // health checks no ejected worker came back; without housekeeping no
+    // speculative entry or silent sidecar expired; the process served on.
+    let mut critical = serve::critical::Critical::default();
+    let span = |name| tracing::info_span!("task", name);
+    critical.spawn("health checks", health::run_health_checks(state.clone()).instrument(span("health_checks")));
+    critical.spawn("housekeeping", health::run_housekeeping(state.clone()).instrument(span("housekeeping")));
+    critical.spawn("replica exchange", replicas::run(state.clone()).instrument(span("replicas")));
 
     let (stop, stopping_state) = (token.clone(), state.clone());
     tokio::spawn(async move {
@@ -269,9 +277,20 @@ pub async fn run_with(
         |r: Result<(), tokio::task::JoinError>| r.map_err(|join| RunError::Serve(std::io::Error::other(join)));
     // Scrapes are short: the metrics listener is not waited for.
     let _stop_metrics = metrics_task.map(|t| t.abort_handle()).map(AbortOnDrop);
+    let mut ended = None;
     let served = tokio::select! {
-        r = &mut serve => flatten(r),
-        _ = token.cancelled() => match tokio::time::timeout(grace, &mut serve).await {
+        r = &mut serve => Some(flatten(r)),
+        _ = token.cancelled() => None,
+        (task, how) = critical.one_ended() => {
+            tracing::error!(task, how, "a task the router needs ended: stopping");
+            ended = Some(task);
+            token.cancel();
+            None
+        }
+    };
+    let served = match served {
+        Some(r) => r,
+        None => match tokio::time::timeout(grace, &mut serve).await {
             Ok(r) => flatten(r),
             Err(_) => {
                 tracing::warn!(?grace, "shutdown grace period over: dropping remaining connections");
@@ -287,10 +306,13 @@ pub async fn run_with(
     // the last reports were cancelled unsent (the peers counted this
     // router's requests until they forgot it, a second later).
     state.drained.cancel();
-    if tokio::time::timeout(REPLICAS_FAREWELL, exchange).await.is_err() {
+    if tokio::time::timeout(REPLICAS_FAREWELL, critical.join_all()).await.is_err() {
         tracing::warn!("the last reports to the other replicas did not finish in time");
     }
-    served
+    match ended {
+        Some(task) => Err(RunError::TaskEnded(task)),
+        None => served,
+    }
 }
 
 /// How long `run` waits for the last reports to the other replicas (each

@@ -37,6 +37,7 @@
 //! until its last chunk; and they would cover `/health`, `/metrics` and the
 //! sidecars' pushes, which are never shed.
 
+pub mod critical;
 pub mod signals;
 
 use std::future::Future;

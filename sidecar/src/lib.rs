@@ -54,6 +54,8 @@ use crate::translate::{Rank, Translator};
 pub enum RunError {
     #[error("cannot build the HTTP client")]
     HttpClient(#[source] reqwest::Error),
+    #[error("the sidecar's {0} task ended: stopped (the log says how)")]
+    TaskEnded(&'static str),
     #[error("cannot use CA bundle {path}: {message}")]
     Ca { path: std::path::PathBuf, message: String },
     #[error(
@@ -143,15 +145,21 @@ pub async fn run(
             }
         },
     };
-    let _ = targets_slot.set(running.targets);
+    let Running { targets, mut tasks } = running;
+    let _ = targets_slot.set(targets);
     info!(worker.id = %config.worker_id, targets = config.targets.len(), "sidecar running");
-    shutdown.await;
+    let ended = tokio::select! {
+        () = &mut shutdown => None,
+        (task, how) = tasks.one_ended() => {
+            tracing::error!(task, how, "a task the sidecar needs ended: stopping");
+            Some(task)
+        }
+    };
     info!("shutting down");
     cancel.cancel();
-    for task in running.tasks {
-        let _ = task.await;
-    }
-    finish(server).await
+    tasks.join_all().await;
+    finish(server).await?;
+    ended.map_or(Ok(()), |task| Err(RunError::TaskEnded(task)))
 }
 
 /// The first router not on this host, when `advertise` is a loopback URL
@@ -171,7 +179,11 @@ fn loopback_advertised_to_remote<'a>(advertise: &str, routers: &'a [String]) -> 
 
 struct Running {
     targets: Vec<http::Target>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
+    /// Each runs until the sidecar stops: one that ends before (a panic)
+    /// stops the sidecar with an error. Its `/health` answered while its
+    /// heartbeats carried a frozen key set whose digest still matched, and
+    /// the routers trusted it.
+    tasks: kvroute_serve::critical::Critical,
 }
 
 /// Learns what only the engine knows, then starts every task.
@@ -225,7 +237,7 @@ async fn start(
     info!(model = %base_model, block_size = block_size.get(), "engine facts");
     let view = Arc::new(EngineView::new(models, config.targets.iter().filter_map(|t| t.dp_rank).collect()));
     let client = Arc::new(HttpRouterClient::new(http, config.internal_token.clone()));
-    let mut tasks = Vec::new();
+    let mut tasks = kvroute_serve::critical::Critical::default();
     let mut targets = Vec::new();
     // Each target (a data-parallel rank, or the whole engine) is followed and
     // pushed on its own: its own key set, epoch, seqs and digests.
@@ -240,7 +252,7 @@ async fn start(
             topic: config.topic.clone(),
         };
         let span = info_span!("subscribe", rank);
-        tasks.push(tokio::spawn(subscribe::run(source, state.clone(), cancel.clone()).instrument(span)));
+        tasks.spawn("event subscription", subscribe::run(source, state.clone(), cancel.clone()).instrument(span));
         let pusher = Arc::new(Pusher {
             client: client.clone(),
             worker_id: target.worker_id.clone(),
@@ -266,10 +278,10 @@ async fn start(
             state: state.clone(),
         };
         let span = info_span!("supervisor", worker.id = %target.worker_id);
-        tasks.push(tokio::spawn(supervisor.run(cancel.clone()).instrument(span)));
+        tasks.spawn("push supervisor", supervisor.run(cancel.clone()).instrument(span));
         targets.push((target.worker_id.clone(), state));
     }
-    tasks.push(tokio::spawn(engine::watch(engine, view, metrics, config.sync_interval, cancel.clone())));
+    tasks.spawn("engine watch", engine::watch(engine, view, metrics, config.sync_interval, cancel.clone()));
     Ok(Running { targets, tasks })
 }
 

@@ -100,6 +100,13 @@ impl Supervisor {
                 });
             }
             for t in &targets {
+                // A push task that ended (a panic: it returns only when
+                // cancelled) is started again: kept, its router was never
+                // pushed to again.
+                if tasks.get(t).is_some_and(|task| task.handle.is_finished()) {
+                    tracing::error!(router = %t.0, "the push task to this router ended: starting it again");
+                    tasks.remove(t);
+                }
                 tasks.entry(t.clone()).or_insert_with(|| self.spawn(t.clone(), &cancel));
             }
             tasks.values().for_each(|t| t.wake.notify_one());
