@@ -293,10 +293,14 @@ pub async fn run_with(
         None => match tokio::time::timeout(grace, &mut serve).await {
             Ok(r) => flatten(r),
             Err(_) => {
-                tracing::warn!(?grace, "shutdown grace period over: dropping remaining connections");
-                // Its drain loop stopped, not left waiting after `run` returns
-                // (the connections' own tasks end with the runtime).
-                serve.abort();
+                tracing::warn!(?grace, "shutdown grace period over: ending the answers still under way");
+                // Streams end with an error event, given a moment to reach
+                // their clients; then the drain loop is stopped, not left
+                // waiting after `run` returns.
+                state.cut.cancel();
+                if tokio::time::timeout(CUT_FLUSH, &mut serve).await.is_err() {
+                    serve.abort();
+                }
                 Ok(())
             }
         },
@@ -314,6 +318,10 @@ pub async fn run_with(
         None => served,
     }
 }
+
+/// How long the answers cut at the end of the shutdown grace get to send
+/// their last event.
+const CUT_FLUSH: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// How long `run` waits for the last reports to the other replicas (each
 /// is bounded at 0.5 s on its own).

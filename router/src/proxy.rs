@@ -873,7 +873,23 @@ fn relay(
                 if st.done {
                     return None;
                 }
-                match tokio::time::timeout(idle, st.chunks.next()).await {
+                let next = tokio::select! {
+                    next = tokio::time::timeout(idle, st.chunks.next()) => next,
+                    () = st.guard.state.cut.cancelled() => {
+                        // The router stops: the answer ends as a broken one
+                        // does, with an error event, not charged to the worker.
+                        st.done = true;
+                        st.guard.finish("router_stopped");
+                        if !st.sse {
+                            return Some((Err(std::io::Error::other("the router is stopping")), st));
+                        }
+                        st.held.partial.clear();
+                        let event = stopping_event();
+                        let event = if st.held.sent_mid_event { [&b"\n\n"[..], &event].concat().into() } else { event };
+                        return Some((Ok(event), st));
+                    }
+                };
+                match next {
                     Ok(Some(Ok(chunk))) => {
                         st.guard.first_byte(status_class(st.outcome));
                         if !st.sse {
@@ -964,6 +980,14 @@ fn last_event_end(buf: &[u8]) -> Option<usize> {
     let lf = buf.windows(2).rposition(|w| w == b"\n\n").map(|i| i + 2);
     let crlf = buf.windows(4).rposition(|w| w == b"\r\n\r\n").map(|i| i + 4);
     lf.max(crlf)
+}
+
+/// The SSE event that ends a stream the router cut at the end of its
+/// shutdown grace.
+fn stopping_event() -> Bytes {
+    let body = ErrorBody::new(503, "service_unavailable", "the router stopped before the answer ended");
+    let json = serde_json::to_string(&body).unwrap_or_default();
+    Bytes::from(format!("data: {json}\n\ndata: [DONE]\n\n"))
 }
 
 /// The SSE event that ends a stream whose upstream failed mid-answer.

@@ -291,6 +291,9 @@ pub struct AppState {
     /// A stop was asked for: `/ready` answers 503 while the router drains
     /// (`drain_delay`, then `shutdown_grace`).
     pub draining: AtomicBool,
+    /// The shutdown grace is over: every answer still streaming ends now,
+    /// with an error event (not cut mid-body when the runtime ends).
+    pub cut: CancellationToken,
     /// One full sync per worker id at a time (`internal::sync`): a sync is
     /// applied in chunks, and two of one worker's must not interleave.
     sync_gates: parking_lot::Mutex<HashMap<WorkerId, Arc<tokio::sync::Mutex<()>>>>,
@@ -341,6 +344,7 @@ impl AppState {
             shutdown,
             drained: CancellationToken::new(),
             draining: AtomicBool::new(false),
+            cut: CancellationToken::new(),
             config,
             sync_gates: Default::default(),
             sync_slots: Arc::new(Semaphore::new(SYNCS_AT_ONCE)),

@@ -273,6 +273,35 @@ async fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
     assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
 }
 
+/// At the end of the shutdown grace a stream still under way ends with an
+/// error event and `[DONE]`: it was cut mid-body when the binary's runtime
+/// ended (a truncated body, which clients report as a network error), and
+/// in a process embedding the router it went on after `run` returned.
+#[tokio::test]
+async fn a_stream_under_way_at_the_end_of_the_grace_ends_with_an_error_event() {
+    let (tx, _c, slot) = stream_slot();
+    let w = fake_worker("w1", Behaviour::Stream(slot)).await;
+    let mut r = router(&[("w1", &w.url)], |raw| raw.shutdown_grace = Duration::from_millis(200)).await;
+    tx.send(Some("data: {\"n\":1}\n\n")).await.unwrap();
+    let resp = r.complete(json!({"model": "m", "prompt": "hello", "stream": true})).await;
+    let mut body = resp.bytes_stream();
+    assert_eq!(body.next().await.unwrap().unwrap(), "data: {\"n\":1}\n\n");
+    r.stop();
+    let rest = async {
+        let mut text = String::new();
+        while let Some(chunk) = body.next().await {
+            text.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+        }
+        text
+    };
+    // A deadline for a broken build: the engine never ends the stream.
+    let text = tokio::time::timeout(Duration::from_secs(60), rest).await.expect("the stream ended");
+    assert!(text.starts_with("data: {\"error\""), "{text}");
+    assert!(text.contains("\"type\":\"service_unavailable\""), "{text}");
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    drop(tx);
+}
+
 /// An engine dying in the middle of an event: the cut event never reaches
 /// the client (ended by a blank line, its cut JSON failed the client's
 /// parser before it read the error), and the error is an event of its own.
