@@ -500,6 +500,18 @@ impl RawConfig {
             Some(path) => load_worker_tokens(path)?,
             None => BTreeMap::new(),
         };
+        // The shared token speaks for routers (`/internal/replica`) and for
+        // every worker: a worker's own token equal to it (the old shared
+        // token kept for one worker while moving to per-worker tokens) gave
+        // that worker's sidecar both.
+        if let Some(shared) = &self.internal_token
+            && let Some((id, _)) = worker_tokens.iter().find(|(_, t)| t.expose() == shared.expose())
+        {
+            return Err(invalid(
+                "worker_tokens_file",
+                format!("worker {id}'s token is internal_token, which speaks for every worker and router"),
+            ));
+        }
         // Static workers and the ids in the tokens file must all fit in the
         // index's slots at once: then a registration flood can never lock one
         // of them out (fakes without a token are refused, and a static
@@ -746,8 +758,12 @@ mod tests {
         };
         let e = per_worker.clone().validate().unwrap_err();
         assert!(e.to_string().contains("`replicas`") && e.to_string().contains("internal_token"), "{e}");
-        let both = RawConfig { internal_token: Some(Secret::new("shared-router-token-01")), ..per_worker };
+        let both = RawConfig { internal_token: Some(Secret::new("shared-router-token-01")), ..per_worker.clone() };
         assert!(both.validate().is_ok());
+        // A worker's token may not be the shared one, which speaks for routers.
+        let same = RawConfig { internal_token: Some(Secret::new("worker-one-token-0123")), ..per_worker };
+        let e = same.validate().unwrap_err();
+        assert!(e.to_string().contains("`worker_tokens_file`") && e.to_string().contains("w1"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
