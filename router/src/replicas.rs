@@ -576,13 +576,33 @@ async fn resolve(url: &str) -> Result<Vec<String>, kvroute_shared::resolve::Reso
     }
 }
 
+/// How often an address that answered as this router itself is asked
+/// again: it may be a load-balanced address that picked this router.
+pub const SELF_RECHECK: Duration = Duration::from_secs(5);
+
+/// Whether an address has answered both as this router and as another:
+/// a load-balanced address (a Kubernetes Service's virtual IP, not the
+/// headless Service's name), warned about once and exchanged with.
+fn shared_address(warned: &mut bool, by_self: bool, by_others: bool) -> bool {
+    if by_self && by_others && !*warned {
+        *warned = true;
+        tracing::warn!(
+            "this replica address answers for this router and for others: a load-balanced address (a Service's \
+             virtual IP?) reaches one replica at a time; give every replica's address (a headless Service's name)"
+        );
+    }
+    *warned
+}
+
 /// One replica address: a full report every interval and news between
 /// them (when this router routes a request, and every news interval while
 /// either side has anything in flight), the answer taken as that
 /// replica's. One exchange at a time, so a slow replica is asked less
 /// often, never by a pile of requests. An address that turns out to be
-/// this router itself is left alone until the server stops (or until it is no
-/// longer resolved).
+/// this router itself is asked again only every [`SELF_RECHECK`] (until the
+/// server stops, or until it is no longer resolved); one that answers as
+/// this router and as others is load-balanced: warned about, and sent to
+/// as any other (this router ignores its own reports).
 async fn exchange_with(state: Arc<AppState>, base: String) {
     let url = format!("{base}{REPLICA_PATH}");
     let mut tick = tokio::time::interval(state.config.raw.replica_exchange_interval);
@@ -597,6 +617,9 @@ async fn exchange_with(state: Arc<AppState>, base: String) {
     let (mut failures, mut skip) = (0u32, 0u32);
     // Either side had something in flight at the last exchange.
     let mut busy = false;
+    // Who answered at this address: this router, another, or both (a
+    // load-balanced address, which is warned about and exchanged with).
+    let (mut answered_by_self, mut answered_by_others, mut shared) = (false, false, false);
     loop {
         // No news for a replica that does not answer: the full reports retry it.
         let news = !news_every.is_zero() && failures == 0;
@@ -624,11 +647,23 @@ async fn exchange_with(state: Arc<AppState>, base: String) {
         match send(&state, &url, &report).await {
             Ok(answer) if answer.router_epoch == state.router_epoch => {
                 state.metrics.replica_report("sent", "self");
-                tracing::info!("this address is this router itself: not exchanging with it");
-                state.drained.cancelled().await;
-                return;
+                answered_by_self = true;
+                if shared_address(&mut shared, answered_by_self, answered_by_others) {
+                    continue;
+                }
+                // Left alone, asked again now and then: an address that
+                // once answered as this router (a Service's virtual IP that
+                // picked it) was never sent to again, and the exchange
+                // through it stopped for good, without a word.
+                tracing::info!("this address is this router itself: asking it again only every {SELF_RECHECK:?}");
+                tokio::select! {
+                    _ = tokio::time::sleep(SELF_RECHECK) => {}
+                    _ = state.drained.cancelled() => return,
+                }
             }
             Ok(answer) => {
+                answered_by_others = true;
+                shared_address(&mut shared, answered_by_self, answered_by_others);
                 state.metrics.replica_report("sent", "ok");
                 busy = !report.workers.is_empty() || !answer.workers.is_empty();
                 take(&state, answer);
