@@ -174,6 +174,10 @@ async fn learn_models(state: &AppState, worker: &Worker) {
 async fn learn_capacity(state: &AppState, worker: &Worker) {
     let Some(body) = engine_page(state, worker, "/metrics", MAX_ENGINE_METRICS_BYTES).await else { return };
     let text = String::from_utf8_lossy(&body);
+    // Once a registration (and re-admission): a sidecar checks its own.
+    if !worker.live.capacity_read() && !worker.live.has_sidecar.load(Ordering::Relaxed) {
+        check_cache_config(state, worker, &text);
+    }
     let published = parse_num_gpu_blocks(&text, state.config.raw.max_sync_keys);
     worker.live.set_capacity_blocks(published.map(|b| b as u64));
     let blocks = published.unwrap_or(state.config.raw.approx_capacity_blocks);
@@ -184,15 +188,35 @@ async fn learn_capacity(state: &AppState, worker: &Worker) {
     }
 }
 
+/// A worker without a sidecar whose engine's cache is not the router's
+/// (another block size: its blocks are not the keys routed on; prefix
+/// caching off: nothing is reused) is logged as an error. A sidecar refuses
+/// both at its start; a static worker was routed on for ever, in silence.
+fn check_cache_config(state: &AppState, worker: &Worker, metrics: &str) {
+    use kvroute_shared::engine_metrics::{parse_block_size, parse_prefix_caching};
+    let ours = state.config.block_size.get();
+    if let Some(engine) = parse_block_size(metrics).filter(|b| *b as usize != ours) {
+        tracing::error!(
+            worker.id = %worker.id, url = %worker.url, engine_block_size = engine, block_size = ours,
+            "the engine's block size is not the router's: the keys routed on are not its blocks; set the \
+             router's block_size to the engine's --block-size"
+        );
+    }
+    if parse_prefix_caching(metrics) == Some(false) {
+        tracing::error!(
+            worker.id = %worker.id, url = %worker.url,
+            "the engine runs without prefix caching (vllm:cache_config_info): it reuses nothing the router \
+             routes for; start vLLM with --enable-prefix-caching"
+        );
+    }
+}
+
 /// `num_gpu_blocks`, read as at most `max` (`max_sync_keys`, the keys a
 /// worker's index may hold): whatever answers at a worker's URL writes
 /// this page, and an approximately indexed worker keeps as many keys of
 /// the prompts sent there.
 pub fn parse_num_gpu_blocks(metrics: &str, max: usize) -> Option<usize> {
-    let line = metrics.lines().find(|l| l.starts_with("vllm:cache_config_info{"))?;
-    let at = line.find("num_gpu_blocks=\"")? + "num_gpu_blocks=\"".len();
-    let end = line[at..].find('"')?;
-    let blocks: u64 = line[at..at + end].parse().ok()?;
+    let blocks: u64 = kvroute_shared::engine_metrics::cache_config_label(metrics, "num_gpu_blocks")?.parse().ok()?;
     Some(usize::try_from(blocks).unwrap_or(usize::MAX).min(max))
 }
 

@@ -203,3 +203,42 @@ fn a_second_stop_signal_ends_the_router_at_once() {
     let status = rx.recv_timeout(std::time::Duration::from_secs(60)).expect("the router exited");
     assert_eq!(status.code(), Some(130));
 }
+
+/// A worker without a sidecar whose engine's cache is not the router's is
+/// an error in the log, naming both block sizes, and prefix caching off
+/// too: a sidecar refuses both at its start, and a static worker was routed
+/// on, in silence, with keys that were not its blocks.
+#[test]
+fn a_static_workers_other_block_size_and_prefix_caching_off_are_logged() {
+    use std::io::{Read, Write};
+    let engine = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let worker = format!("w-32=http://{}", engine.local_addr().unwrap());
+    std::thread::spawn(move || {
+        let page =
+            "vllm:cache_config_info{block_size=\"32\",enable_prefix_caching=\"False\",num_gpu_blocks=\"900\"} 1.0\n";
+        for mut conn in engine.incoming().map_while(Result::ok) {
+            let mut head = [0u8; 4096];
+            let n = conn.read(&mut head).unwrap_or(0);
+            let body = if head[..n].starts_with(b"GET /metrics ") { page } else { "{}" };
+            let answer =
+                format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}", body.len());
+            let _ = conn.write_all(answer.as_bytes());
+        }
+    });
+    let mut child = router(&["--listen", "127.0.0.1:0", "--worker", &worker, "--health-check-interval", "50ms"]);
+    let out = BufReader::new(child.stdout.take().unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in out.lines().map_while(Result::ok) {
+            if line.contains("ERROR") && tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let errors: Vec<String> = (0..2).map_while(|_| rx.recv_timeout(std::time::Duration::from_secs(60)).ok()).collect();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let block_size = errors.iter().find(|l| l.contains("block size")).unwrap_or_else(|| panic!("{errors:?}"));
+    assert!(block_size.contains("engine_block_size=32") && block_size.contains("w-32"), "{block_size}");
+    assert!(errors.iter().any(|l| l.contains("without prefix caching")), "{errors:?}");
+}

@@ -16,6 +16,7 @@
 
 pub mod body;
 pub mod digest;
+pub mod engine_metrics;
 pub mod hash;
 pub mod ids;
 pub mod keys;

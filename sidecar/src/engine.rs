@@ -14,9 +14,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::config::Secret;
-use crate::load::{parse_block_size, parse_loads, parse_prefix_caching, parse_prompt_tokens};
 use crate::metrics::Metrics;
 use crate::silence::{SILENT_AFTER, SilenceWatch, Transition};
+use kvroute_shared::engine_metrics::{parse_block_size, parse_loads, parse_prefix_caching, parse_prompt_tokens};
 
 /// How often the engine's `/metrics` is scraped.
 pub const LOAD_INTERVAL: Duration = Duration::from_secs(1);

@@ -17,7 +17,6 @@ pub mod config;
 pub mod decode;
 pub mod engine;
 pub mod http;
-pub mod load;
 pub mod metrics;
 pub mod push;
 pub mod replay;

@@ -1,7 +1,9 @@
-//! Engine load from vLLM's Prometheus `/metrics` text (DESIGN.md §4): requests
-//! running and waiting (summed over label sets, e.g. one per engine of a
-//! data-parallel deployment) and KV-cache usage, plus the engine's block size
-//! from `vllm:cache_config_info`.
+//! What vLLM's Prometheus `/metrics` text says of the engine (DESIGN.md §4):
+//! requests running and waiting (summed over label sets, e.g. one per engine
+//! of a data-parallel deployment) and KV-cache usage, for the sidecar; the
+//! engine's cache configuration (`vllm:cache_config_info`: block size,
+//! prefix caching, KV blocks), for the sidecar and for a router's workers
+//! without one.
 //!
 //! Hand-written on purpose (issue 15 asked for a library): `prometheus-parse`
 //! 0.2.5 matches metric names with `\w+` and reads none of vLLM's `vllm:…`
@@ -16,7 +18,7 @@
 
 use std::collections::BTreeMap;
 
-use kvroute_shared::wire::Load;
+use crate::wire::Load;
 
 const RUNNING: &str = "vllm:num_requests_running";
 const WAITING: &str = "vllm:num_requests_waiting";
@@ -125,7 +127,8 @@ pub fn parse_prefix_caching(text: &str) -> Option<bool> {
     }
 }
 
-fn cache_config_label<'a>(text: &'a str, name: &str) -> Option<&'a str> {
+/// A label of `vllm:cache_config_info` (`block_size`, `num_gpu_blocks`, …).
+pub fn cache_config_label<'a>(text: &'a str, name: &str) -> Option<&'a str> {
     let key = format!("{name}=\"");
     samples(text, CACHE_CONFIG).find_map(|(labels, _)| {
         // The label itself, not one ending in its name.
