@@ -193,9 +193,13 @@ pub struct Listeners {
 /// descriptors).
 const METRICS_MAX_CONNECTIONS: usize = 64;
 
-/// Serves until `shutdown` resolves, then drains in-flight requests for at
-/// most the configured grace period. Binds `metrics_listen` itself when set;
-/// use [`run_with`] to pass that listener in.
+/// Serves until `shutdown` resolves: then `/ready` answers 503 while it
+/// serves on for `drain_delay`, its listener closes, and the requests in
+/// flight get `shutdown_grace`, at whose end the answers still streaming are
+/// ended with an error event; the other replicas get its last report (1 s at
+/// most). A task the router needs that ends before (a panic) stops it too,
+/// with [`RunError::TaskEnded`]. Binds `metrics_listen` itself when set; use
+/// [`run_with`] to pass that listener in.
 pub async fn run(
     listener: TcpListener,
     config: Config,
@@ -281,10 +285,14 @@ pub async fn run_with(
     let served = tokio::select! {
         r = &mut serve => Some(flatten(r)),
         _ = token.cancelled() => None,
+        // They end at a stop too (the token is theirs): only one that ends
+        // before is a failure.
         (task, how) = critical.one_ended() => {
-            tracing::error!(task, how, "a task the router needs ended: stopping");
-            ended = Some(task);
-            token.cancel();
+            if !token.is_cancelled() {
+                tracing::error!(task, how, "a task the router needs ended: stopping");
+                ended = Some(task);
+                token.cancel();
+            }
             None
         }
     };
@@ -311,7 +319,7 @@ pub async fn run_with(
     // router's requests until they forgot it, a second later).
     state.drained.cancel();
     if tokio::time::timeout(REPLICAS_FAREWELL, critical.join_all()).await.is_err() {
-        tracing::warn!("the last reports to the other replicas did not finish in time");
+        tracing::warn!("the router's tasks did not all end in time (the last reports to the other replicas?)");
     }
     match ended {
         Some(task) => Err(RunError::TaskEnded(task)),
