@@ -63,7 +63,7 @@ pub fn request_hold(k: u32) -> Duration {
 /// `failure`: what the probe got (a status, or the connection's error),
 /// named in the ejection's log with the URL probed: a worker registered
 /// at an address this router cannot reach (an `advertise_url` only its own
-/// host resolves, a URL ending in `/v1`) said only "health probes failed".
+/// host resolves, a gateway's path) said only "health probes failed".
 fn probe_failed(state: &AppState, worker: &Worker, failure: &str) {
     let n = worker.live.probe_failures.fetch_add(1, Ordering::Relaxed) + 1;
     if n < state.config.raw.eject_after_failures {

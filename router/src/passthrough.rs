@@ -38,7 +38,7 @@ use futures::StreamExt;
 use kvroute_shared::wire::DP_RANK_HEADER;
 
 use crate::error::RouterError;
-use crate::proxy::{Failure, answer_headers, forwarded, read_client_in_time, take_slot};
+use crate::proxy::{Failure, answer_headers, attempt_failed, forwarded, read_client_in_time, take_slot};
 use crate::state::{AppState, now_ms};
 use crate::workers::Worker;
 
@@ -148,12 +148,14 @@ async fn run(
         match tokio::time::timeout(state.config.raw.first_byte_timeout, rb.send()).await {
             Err(_) => {
                 outcome("passthrough_timeout");
-                return Err(RouterError::UpstreamTimeout { worker: worker.id.clone() });
+                let e = RouterError::UpstreamTimeout { worker: worker.id.clone() };
+                attempt_failed(headers, worker, attempts, &e, "");
+                return Err(e);
             }
             Ok(Err(e)) => {
                 // Tried on the next worker only when nothing was sent.
                 let Failure { error, request_sent, detail } = Failure::of(worker, &e);
-                tracing::warn!(worker = %worker.id, error = %detail, "request to the worker failed");
+                attempt_failed(headers, worker, attempts, &error, &detail);
                 if request_sent {
                     outcome("passthrough_closed");
                     return Err(error);
@@ -260,12 +262,25 @@ fn relay(
     let headers = answer_headers(upstream.headers(), worker);
     let idle = state.config.raw.idle_timeout;
     let chunks = upstream.bytes_stream();
-    let stream = futures::stream::unfold((Box::pin(chunks), Some(held)), move |(mut chunks, held)| async move {
-        held.as_ref()?;
-        match tokio::time::timeout(idle, chunks.next()).await {
-            Ok(Some(Ok(chunk))) => Some((Ok(chunk), (chunks, held))),
-            Ok(None) => None,
-            Ok(Some(Err(_))) | Err(_) => Some((Err(std::io::Error::other("upstream stream broke")), (chunks, None))),
+    // The end of the router's shutdown grace ends it too (as a broken one).
+    let cut = state.cut.clone();
+    let stream = futures::stream::unfold((Box::pin(chunks), Some(held)), move |(mut chunks, held)| {
+        let cut = cut.clone();
+        async move {
+            held.as_ref()?;
+            let next = tokio::select! {
+                next = tokio::time::timeout(idle, chunks.next()) => next,
+                () = cut.cancelled() => {
+                    return Some((Err(std::io::Error::other("the router is stopping")), (chunks, None)));
+                }
+            };
+            match next {
+                Ok(Some(Ok(chunk))) => Some((Ok(chunk), (chunks, held))),
+                Ok(None) => None,
+                Ok(Some(Err(_))) | Err(_) => {
+                    Some((Err(std::io::Error::other("upstream stream broke")), (chunks, None)))
+                }
+            }
         }
     });
     let mut resp = Response::new(Body::from_stream(stream));

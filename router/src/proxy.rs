@@ -318,7 +318,8 @@ pub fn refused(state: &AppState, e: &RouterError, arrived: Instant) {
 /// waits for a tokenizer, a slot, its body), it is recorded as ended by
 /// `error` with no worker. Such requests were in no request metric: under a
 /// saturated tokenizer pool the slowest (the clients that gave up) were
-/// missing from `dispatch_delay` and `request_duration`.
+/// missing from `request_duration` (`dispatch_delay` still has only the
+/// requests dispatched).
 struct Unrecorded<'a> {
     state: &'a AppState,
     arrived: Instant,
@@ -482,17 +483,21 @@ async fn dispatch(
         match began {
             Wait::Ejected => {
                 guard.failed("ejected");
-                last_err = Some(RouterError::UpstreamFailed {
+                let e = RouterError::UpstreamFailed {
                     worker: worker.id.clone(),
                     message: "ejected before its answer began".into(),
-                });
+                };
+                attempt_failed(headers, worker, tried, &e, "");
+                last_err = Some(e);
                 continue; // already ejected: not another failure
             }
             Wait::TimedOut if !streaming => {
                 // Past `first_byte_timeout` the answer is long, not lost: the
                 // worker is not charged, and the request is not run again.
                 guard.failed("timeout");
-                last_err = Some(RouterError::UpstreamTimeout { worker: worker.id.clone() });
+                let e = RouterError::UpstreamTimeout { worker: worker.id.clone() };
+                attempt_failed(headers, worker, tried, &e, "");
+                last_err = Some(e);
                 break;
             }
             Wait::Stalled if !streaming => {
@@ -557,15 +562,8 @@ async fn dispatch(
                 failure_detail = detail;
             }
         }
-        // One line per failed attempt, with what ties it to the engine's
-        // log: a 502 (a poison request's `EngineDeadError`) said nothing
-        // anywhere but a counter. Bounded: a failing worker is ejected.
         if let Some(e) = &last_err {
-            let request_id = headers.get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("");
-            tracing::warn!(
-                worker = %worker.id, url = %worker.url, attempt = tried, request_id, error = %e,
-                detail = %failure_detail, "attempt failed"
-            );
+            attempt_failed(headers, worker, tried, e, &failure_detail);
         }
         if server_failed {
             failed_servers.push(&worker.url);
@@ -603,6 +601,17 @@ async fn dispatch(
         state.metrics.request_finished(worker.as_str(), "5xx", arrived.elapsed().as_secs_f64());
     }
     Err(err)
+}
+
+/// One line per failed attempt, with what ties it to the engine's log (the
+/// client's `x-request-id`, which vLLM takes as its own): a 502 (a poison
+/// request's `EngineDeadError`) said nothing anywhere but a counter.
+/// Bounded: a failing worker is ejected.
+pub fn attempt_failed(headers: &HeaderMap, worker: &Worker, attempt: usize, e: &RouterError, detail: &str) {
+    let request_id = headers.get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("");
+    tracing::warn!(
+        worker = %worker.id, url = %worker.url, attempt, request_id, error = %e, detail, "attempt failed"
+    );
 }
 
 /// Attempts a request may fail by the server in a way it can itself cause (a
@@ -954,13 +963,19 @@ struct EventHold {
 }
 
 /// An event longer than this is passed on before it ends, not held: a
-/// stream's first chunk with `prompt_logprobs` can be megabytes.
-const MAX_HELD_EVENT_BYTES: usize = 8 << 20;
+/// stream's first chunk with `prompt_logprobs` can be megabytes, and each
+/// stream holds its own.
+const MAX_HELD_EVENT_BYTES: usize = 1 << 20;
 
 impl EventHold {
     /// `chunk` added to the held bytes: the whole events among them, if any,
     /// taken out to be sent (all of them past [`MAX_HELD_EVENT_BYTES`]).
-    fn whole_events(&mut self, chunk: &[u8]) -> Option<Bytes> {
+    fn whole_events(&mut self, chunk: &Bytes) -> Option<Bytes> {
+        // vLLM's chunks are whole events: passed on as they are, uncopied.
+        if self.partial.is_empty() && (chunk.ends_with(b"\n\n") || chunk.ends_with(b"\r\n\r\n")) {
+            self.sent_mid_event = false;
+            return Some(chunk.clone());
+        }
         // A blank line that ends in `chunk` starts at most 3 bytes before it.
         let from = self.partial.len().saturating_sub(3);
         self.partial.extend_from_slice(chunk);
@@ -970,6 +985,11 @@ impl EventHold {
             None => return None,
         };
         self.sent_mid_event = mid_event;
+        if end == self.partial.len() {
+            // Not `split_to`: what is left would keep the grown buffer for
+            // the rest of the stream.
+            return Some(std::mem::take(&mut self.partial).freeze());
+        }
         Some(self.partial.split_to(end).freeze())
     }
 }
@@ -1238,14 +1258,17 @@ mod tests {
     #[test]
     fn events_are_passed_on_whole_and_a_long_one_before_it_ends() {
         let mut held = EventHold::default();
-        assert_eq!(held.whole_events(b"data: 1\r\n"), None);
-        assert_eq!(held.whole_events(b"\r\ndata: 2\n").as_deref(), Some(&b"data: 1\r\n\r\n"[..]));
-        assert_eq!(held.whole_events(b"\ndata: 3\n\ndata").as_deref(), Some(&b"data: 2\n\ndata: 3\n\n"[..]));
+        assert_eq!(held.whole_events(&Bytes::from_static(b"data: 1\r\n")), None);
+        assert_eq!(held.whole_events(&Bytes::from_static(b"\r\ndata: 2\n")).as_deref(), Some(&b"data: 1\r\n\r\n"[..]));
+        assert_eq!(
+            held.whole_events(&Bytes::from_static(b"\ndata: 3\n\ndata")).as_deref(),
+            Some(&b"data: 2\n\ndata: 3\n\n"[..])
+        );
         assert!(!held.sent_mid_event);
-        let long = vec![b'x'; MAX_HELD_EVENT_BYTES];
+        let long = Bytes::from(vec![b'x'; MAX_HELD_EVENT_BYTES]);
         assert_eq!(held.whole_events(&long).map(|b| b.len()), Some(MAX_HELD_EVENT_BYTES + 4));
         assert!(held.sent_mid_event && held.partial.is_empty());
-        assert_eq!(held.whole_events(b"\n\n").as_deref(), Some(&b"\n\n"[..]));
+        assert_eq!(held.whole_events(&Bytes::from_static(b"\n\n")).as_deref(), Some(&b"\n\n"[..]));
         assert!(!held.sent_mid_event);
     }
 

@@ -647,6 +647,9 @@ async fn exchange_with(state: Arc<AppState>, base: String) {
         match send(&state, &url, &report).await {
             Ok(answer) if answer.router_epoch == state.router_epoch => {
                 state.metrics.replica_report("sent", "self");
+                if !answered_by_self {
+                    tracing::info!("this address is this router itself: asking it again only every {SELF_RECHECK:?}");
+                }
                 answered_by_self = true;
                 if shared_address(&mut shared, answered_by_self, answered_by_others) {
                     continue;
@@ -655,7 +658,6 @@ async fn exchange_with(state: Arc<AppState>, base: String) {
                 // once answered as this router (a Service's virtual IP that
                 // picked it) was never sent to again, and the exchange
                 // through it stopped for good, without a word.
-                tracing::info!("this address is this router itself: asking it again only every {SELF_RECHECK:?}");
                 tokio::select! {
                     _ = tokio::time::sleep(SELF_RECHECK) => {}
                     _ = state.drained.cancelled() => return,
