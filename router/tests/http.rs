@@ -1417,18 +1417,11 @@ async fn sessions_pin_a_conversation_and_the_context_api_manages_them() {
     // A context refused before its request began (a bad TTL here) is
     // recorded as every refusal is, with no worker.
     let refused = "kvroute_request_duration_seconds_count{policy=\"round_robin\",worker=\"none\",status=\"4xx\"}";
-    let before = metric(&r, refused).await;
+    let before = r.metric(refused).await.unwrap_or(0.0);
     let create = r.http.post(format!("{}/v1/context", r.url)).header("x-session-ttl", "soon");
     let resp = create.json(&json!({"model": "m", "prompt": "start"})).send().await.unwrap();
     assert_eq!(resp.status(), 400);
-    assert_eq!(metric(&r, refused).await, before + 1.0);
-}
-
-/// The value of the series named by `series` (its name and labels) on the
-/// router's `/metrics` page; 0 if it is not there yet.
-async fn metric(r: &support::TestRouter, series: &str) -> f64 {
-    let text = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
-    text.lines().find_map(|l| l.strip_prefix(series)?.trim().parse().ok()).unwrap_or(0.0)
+    assert_eq!(r.metric(refused).await, Some(before + 1.0));
 }
 
 #[tokio::test]

@@ -18,6 +18,14 @@ pub struct TestRouter {
 }
 
 impl TestRouter {
+    /// The value of the series named by `series` (its name and labels) on
+    /// the router's `/metrics` page, if it is there.
+    #[allow(dead_code)] // not every test file needs it
+    pub async fn metric(&self, series: &str) -> Option<f64> {
+        let text = self.http.get(format!("{}/metrics", self.url)).send().await.unwrap().text().await.unwrap();
+        text.lines().find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+    }
+
     /// Asks the router to stop, as a stop signal does.
     #[allow(dead_code)] // not every test file needs it
     pub fn stop(&mut self) {
