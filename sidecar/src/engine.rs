@@ -117,13 +117,14 @@ impl EngineView {
         dp_rank.and_then(|r| loads.1.get(&r).copied()).or(loads.0)
     }
 
-    /// Takes the loads from a `/metrics` page; false (the last loads stay)
-    /// when it has none.
-    fn set_loads(&self, text: &str) -> bool {
-        let (Some(whole), by_engine) = parse_loads(text) else { return false };
+    /// Takes the loads from a `/metrics` page, and returns how many
+    /// data-parallel engines it lists (its `engine="N"` series); `None`
+    /// (the last loads stay) when it has no load.
+    fn set_loads(&self, text: &str) -> Option<usize> {
+        let (Some(whole), by_engine) = parse_loads(text) else { return None };
         let ranks = self.ranks.iter().filter_map(|&r| Some((r, *by_engine.get(&r)?))).collect();
         *self.load.write() = (Some(whole), ranks);
-        true
+        Some(by_engine.len())
     }
 
     pub fn models(&self) -> Vec<ModelName> {
@@ -136,14 +137,18 @@ impl EngineView {
     }
 }
 
-/// Scrapes load every [`LOAD_INTERVAL`] and the model list every `models_every`.
+/// Scrapes load every [`LOAD_INTERVAL`] and the model list every
+/// `models_every`. `followed`: the engines (data-parallel ranks) this
+/// sidecar follows; an engine listing more is logged as an error, once.
 pub async fn watch(
     client: EngineClient,
     view: Arc<EngineView>,
     metrics: Arc<Metrics>,
     models_every: Duration,
+    followed: usize,
     cancel: CancellationToken,
 ) {
+    let mut unfollowed = UnfollowedRanks { followed, logged: false };
     let mut load_tick = tokio::time::interval(LOAD_INTERVAL);
     // Silence is judged over SILENT_AFTER, far longer than a scrape.
     debug_assert!(SILENT_AFTER > LOAD_INTERVAL * 2);
@@ -156,8 +161,14 @@ pub async fn watch(
             _ = cancel.cancelled() => return,
             _ = load_tick.tick() => {
                 let text = client.metrics_text().await.ok();
-                if !text.as_deref().is_some_and(|t| view.set_loads(t)) {
-                    metrics.load_scrape_failures.inc();
+                match text.as_deref().and_then(|t| view.set_loads(t)) {
+                    Some(listed) => {
+                        metrics.engine_data_parallel_engines.set(listed as i64);
+                        unfollowed.check(listed);
+                    }
+                    None => {
+                        metrics.load_scrape_failures.inc();
+                    }
                 }
                 let prompt_tokens = text.as_deref().and_then(parse_prompt_tokens);
                 match silence.observe(tokio::time::Instant::now(), prompt_tokens, metrics.event_batches.get()) {
@@ -187,6 +198,33 @@ pub async fn watch(
     }
 }
 
+/// An engine that runs more data-parallel engines than the sidecar follows
+/// (vLLM's `--data-parallel-size 2` beside a sidecar left at 1) has its
+/// other ranks' caches unknown to every router, and the requests the engine
+/// balances onto them routed as if they were cached: said once, as an error.
+struct UnfollowedRanks {
+    followed: usize,
+    logged: bool,
+}
+
+impl UnfollowedRanks {
+    /// `listed`: the engines the engine's `/metrics` lists. True when logged.
+    fn check(&mut self, listed: usize) -> bool {
+        if listed <= self.followed || self.logged {
+            return false;
+        }
+        self.logged = true;
+        tracing::error!(
+            listed,
+            followed = self.followed,
+            "the engine runs more data-parallel engines than this sidecar follows (its /metrics lists them by \
+             engine=\"N\"): the others' caches are unknown to the routers; start the sidecar with the engine's \
+             --data-parallel-size (or one sidecar per rank with --data-parallel-rank)"
+        );
+        true
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use axum::Router;
@@ -194,6 +232,21 @@ mod tests {
     use axum::routing::get;
 
     use super::*;
+
+    #[test]
+    fn more_engines_than_followed_are_said_once() {
+        let text =
+            |n: u32| (0..n).map(|e| format!("vllm:num_requests_running{{engine=\"{e}\"}} 1\n")).collect::<String>();
+        let view = EngineView::new(Vec::new(), Vec::new());
+        assert_eq!(view.set_loads(&text(2)), Some(2));
+        assert_eq!(view.set_loads("# no load\n"), None);
+        let mut one = UnfollowedRanks { followed: 1, logged: false };
+        assert!(!one.check(1));
+        assert!(one.check(2), "two engines, one followed");
+        assert!(!one.check(2), "said once");
+        let mut two = UnfollowedRanks { followed: 2, logged: false };
+        assert!(!two.check(2));
+    }
 
     /// An engine started with `--api-key`: /v1/models answers 401 without it.
     async fn guarded_engine(key: &'static str) -> String {

@@ -280,7 +280,9 @@ async fn start(
         tasks.spawn("push supervisor", supervisor.run(cancel.clone()).instrument(span));
         targets.push((target.worker_id.clone(), state));
     }
-    tasks.spawn("engine watch", engine::watch(engine, view, metrics, config.sync_interval, cancel.clone()));
+    let followed = config.targets.len();
+    let watch = engine::watch(engine, view, metrics, config.sync_interval, followed, cancel.clone());
+    tasks.spawn("engine watch", watch);
     Ok(Running { targets, tasks })
 }
 

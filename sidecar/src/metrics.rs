@@ -127,6 +127,7 @@ pub struct Metrics {
     pub snapshot_failures: Counter,
     pub snapshots_deferred: Counter,
     pub load_scrape_failures: Counter,
+    pub engine_data_parallel_engines: Gauge,
     pub event_batches: Counter,
     pub events_silent: Gauge,
     pub silent_periods: Counter,
@@ -205,6 +206,7 @@ impl Metrics {
             snapshot_failures: Counter::default(),
             snapshots_deferred: Counter::default(),
             load_scrape_failures: Counter::default(),
+            engine_data_parallel_engines: Gauge::default(),
             event_batches: Counter::default(),
             events_silent: Gauge::default(),
             silent_periods: Counter::default(),
@@ -280,6 +282,12 @@ impl Metrics {
             self.snapshots_deferred.clone(),
         );
         r.register("load_scrape_failures", "Engine /metrics scrapes that failed", self.load_scrape_failures.clone());
+        r.register(
+            "engine_data_parallel_engines",
+            "Data-parallel engines the engine's /metrics lists (engine=\"N\"); more than this sidecar follows is \
+             logged as an error",
+            self.engine_data_parallel_engines.clone(),
+        );
         r.register("event_batches", "KV-event batches received from the engine", self.event_batches.clone());
         r.register(
             "events_silent",
