@@ -223,7 +223,17 @@ async fn start(
         // Keys chunked by another size than the engine's never match a
         // request: refused at start, not counted in a metric nobody reads.
         (Some(b), Some(e)) if b != e => return Err(RunError::BlockSize { configured: b, engine: e }),
-        (Some(b), _) => b,
+        (Some(b), Some(_)) => b,
+        (Some(b), None) => {
+            // vLLM may choose another size than it was given (hybrid and
+            // MLA models): said, where nothing confirms the flag.
+            warn!(
+                block_size = b.get(),
+                "the engine's /metrics has no vllm:cache_config_info (vLLM started with --disable-log-stats?): \
+                 its block size cannot be checked against --block-size"
+            );
+            b
+        }
         (None, Some(e)) => e,
         (None, None) => {
             warn!(

@@ -206,3 +206,37 @@ fn the_engine_is_reached_directly_whatever_the_proxy_variables_say() {
     child.wait().unwrap();
     assert_eq!(first, Ok("engine"));
 }
+
+/// A `--block-size` nothing can confirm (the engine's `/metrics` has no
+/// `vllm:cache_config_info`) is said: vLLM may choose another size than it
+/// was given, and only the flag's absence was warned about.
+#[test]
+fn a_block_size_the_engine_does_not_confirm_is_said() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let engine_url = rt.block_on(fake_engine(&["m"], "vllm:num_requests_running 0\n"));
+    let held = [refused_port(), refused_port()];
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-sidecar"))
+        .args(["--listen", "127.0.0.1:0", "--worker-id", "w", "--model", "m", "--block-size", "16"])
+        .args(["--events", &format!("tcp://127.0.0.1:{}", held[0].0)])
+        .args(["--router", &format!("http://127.0.0.1:{}", held[1].0)])
+        .args(["--engine-url", &engine_url])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let err = BufReader::new(child.stderr.take().unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in err.lines().map_while(Result::ok) {
+            if line.contains("cannot be checked") && tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let line = rx.recv_timeout(Duration::from_secs(60));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let line = line.expect("the unconfirmed block size said");
+    assert!(line.contains("block_size=16"), "{line}");
+}
