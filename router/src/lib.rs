@@ -122,9 +122,14 @@ const UPSTREAM_IDLE: std::time::Duration = std::time::Duration::from_secs(4);
 /// pod addresses, they sent prompts (and the client's `Authorization`)
 /// through the proxy, which may buffer a stream, and made a refused
 /// connection the proxy's 502, charged to the worker as its own failure.
+/// It follows no redirect: a worker's 307 re-sent the prompt wherever it
+/// pointed (another worker, counted on the first; the router itself; an
+/// internal address), and an ingress's http→https 301 turned every
+/// completion into a GET whose 405 went to the client, uncharged.
 fn upstream_client(config: &Config) -> Result<reqwest::Client, RunError> {
     let mut b = reqwest::Client::builder()
         .no_proxy()
+        .redirect(reqwest::redirect::Policy::none())
         .connect_timeout(config.raw.connect_timeout)
         .pool_idle_timeout(UPSTREAM_IDLE)
         .tcp_nodelay(true);

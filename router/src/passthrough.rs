@@ -164,6 +164,15 @@ async fn run(
                 failed_servers.push(&worker.url);
                 last = Some(error);
             }
+            // A redirect is not followed (see `upstream_client`), nor passed
+            // on without the `location` it names: the server is not the engine.
+            Ok(Ok(upstream)) if upstream.status().is_redirection() => {
+                outcome("passthrough_5xx");
+                let message = format!("answered {}: redirects are not followed", upstream.status());
+                let e = RouterError::UpstreamFailed { worker: worker.id.clone(), message };
+                attempt_failed(headers, worker, attempts, &e, "");
+                return Err(e);
+            }
             Ok(Ok(upstream)) => {
                 outcome(match upstream.status().as_u16() {
                     500.. => "passthrough_5xx",

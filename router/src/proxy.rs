@@ -532,7 +532,11 @@ async fn dispatch(
                     message: "the stream broke before its first chunk".into(),
                 });
             }
-            Wait::Done(Began::Headers(Ok(upstream))) if upstream.status().is_server_error() => {
+            // A redirect is not followed: an engine does not send one, so the
+            // server answering is not the engine (an ingress, a login page).
+            Wait::Done(Began::Headers(Ok(upstream)))
+                if upstream.status().is_server_error() || upstream.status().is_redirection() =>
+            {
                 routing::withdraw(state, worker, &plan.keys, recorded);
                 guard.failed("upstream_5xx");
                 request_may_be_at_fault = true;

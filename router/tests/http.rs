@@ -1033,6 +1033,29 @@ async fn all_workers_failing_is_a_502_and_hanging_is_a_504() {
     assert_eq!(status, 504);
 }
 
+/// A worker's redirect is not followed: a 307 re-sent the prompt wherever it
+/// pointed (another worker, counted on the first; the router itself; an
+/// internal address), and an ingress's 301 turned a completion into a GET.
+/// It is the worker's failure, a 502, for completions and passed-through
+/// endpoints alike.
+#[tokio::test]
+async fn redirects_from_a_worker_are_not_followed() {
+    let target = fake_worker("target", Behaviour::Ok).await;
+    let location = format!("{}/v1/completions", target.url);
+    let redirect = move || {
+        let location = location.clone();
+        async move { (StatusCode::TEMPORARY_REDIRECT, [("location", location)]).into_response() }
+    };
+    let app = Router::new().route("/v1/completions", post(redirect.clone())).route("/v1/embeddings", post(redirect));
+    let engine = serve_engine(app).await;
+    let r = router(&[("redirects", &engine)], |raw| raw.retries = 0).await;
+    let (status, body) = error_of(r.complete(json!({"model": "m", "prompt": "x"})).await).await;
+    assert_eq!(status, 502, "{body}");
+    let embeddings = r.http.post(format!("{}/v1/embeddings", r.url)).json(&json!({"model": "m", "input": "x"}));
+    assert_eq!(embeddings.send().await.unwrap().status(), 502);
+    assert_eq!(target.hits.load(Ordering::SeqCst), 0, "nothing followed the redirect");
+}
+
 /// An engine's 4xx reaches the client as it was, with the headers that say
 /// when to come back (`retry-after` on a 429) and how to authenticate.
 #[tokio::test]

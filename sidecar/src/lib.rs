@@ -88,9 +88,11 @@ const SERVER_LIMITS: kvroute_serve::Limits = kvroute_serve::Limits {
 
 /// The client for the engine and the routers, trusting `--tls-ca` for
 /// `https://` routers. It reaches them directly, whatever the proxy
-/// variables say (the router's reasons: `kvroute_router::upstream_client`).
+/// variables say, and follows no redirect (the router's reasons:
+/// `kvroute_router::upstream_client`); a push redirected elsewhere would
+/// carry the internal token there.
 fn http_client(config: &Config) -> Result<reqwest::Client, RunError> {
-    let mut b = reqwest::Client::builder().no_proxy();
+    let mut b = reqwest::Client::builder().no_proxy().redirect(reqwest::redirect::Policy::none());
     if let Some(path) = &config.tls_ca {
         let ca = |message: String| RunError::Ca { path: path.clone(), message };
         let pem = std::fs::read(path).map_err(|e| ca(e.to_string()))?;
