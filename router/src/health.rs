@@ -98,9 +98,29 @@ pub async fn run_health_checks(state: Arc<AppState>) {
             _ = state.shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let workers = state.workers.snapshot();
-        let checks = workers.iter().map(|w| check(&state, w));
-        futures::future::join_all(checks).await;
+        // Each worker's check runs on its own, one at a time per worker: a
+        // round waited for every worker's, and an engine whose `/metrics`
+        // stalled (up to three timeouts) stretched every other worker's
+        // probe period, and its ejection, threefold.
+        for worker in state.workers.snapshot().iter() {
+            if worker.live.probing.swap(true, Ordering::Relaxed) {
+                continue;
+            }
+            let (state, worker) = (state.clone(), worker.clone());
+            tokio::spawn(async move {
+                let _done = Probing(&worker);
+                check(&state, &worker).await;
+            });
+        }
+    }
+}
+
+/// A worker's check under way: over when this drops (a panic included).
+struct Probing<'a>(&'a Worker);
+
+impl Drop for Probing<'_> {
+    fn drop(&mut self) {
+        self.0.live.probing.store(false, Ordering::Relaxed);
     }
 }
 

@@ -139,6 +139,8 @@ pub struct WorkerLive {
     pub tokenizer_checked: AtomicBool,
     /// A comparison is under way (it runs beside the health probes).
     pub tokenizer_checking: AtomicBool,
+    /// Its health check (probe, `/metrics`, models) is under way.
+    pub probing: AtomicBool,
     /// Unix ms before which a comparison that failed is not tried again.
     pub tokenizer_retry_ms: AtomicU64,
     conflict_logged_ms: AtomicU64,
@@ -180,6 +182,7 @@ impl Default for WorkerLive {
             moved_ms: AtomicU64::new(0),
             tokenizer_checked: AtomicBool::new(false),
             tokenizer_checking: AtomicBool::new(false),
+            probing: AtomicBool::new(false),
             tokenizer_retry_ms: AtomicU64::new(0),
             conflict_logged_ms: AtomicU64::new(0),
             has_sidecar: AtomicBool::new(false),

@@ -1033,6 +1033,41 @@ async fn all_workers_failing_is_a_502_and_hanging_is_a_504() {
     assert_eq!(status, 504);
 }
 
+/// Each worker's health check runs on its own: one engine whose `/metrics`
+/// stalls (an overloaded vLLM's can) held every round of probes, and with
+/// it every other worker's probe period and ejection, up to three timeouts.
+#[tokio::test]
+async fn an_engine_that_stalls_its_metrics_does_not_slow_the_others_probes() {
+    let metrics_asked = Arc::new(AtomicUsize::new(0));
+    let asked = metrics_asked.clone();
+    let stalls = Router::new().route("/health", get(|| async { "ok" })).route(
+        "/metrics",
+        get(move || {
+            asked.fetch_add(1, Ordering::SeqCst);
+            futures::future::pending::<&'static str>()
+        }),
+    );
+    let stalling = serve_engine(stalls).await;
+    let probed = Arc::new(AtomicUsize::new(0));
+    let counted = probed.clone();
+    let healthy = Router::new().route(
+        "/health",
+        get(move || {
+            counted.fetch_add(1, Ordering::SeqCst);
+            async { "ok" }
+        }),
+    );
+    let other = serve_engine(healthy).await;
+    let _r = router(&[("stalls", &stalling), ("other", &other)], |raw| {
+        raw.health_check_interval = Duration::from_millis(20);
+        raw.health_check_timeout = Duration::from_secs(3600);
+    })
+    .await;
+    eventually("the other worker probed five times", || async { (probed.load(Ordering::SeqCst) >= 5).then_some(()) })
+        .await;
+    assert!(metrics_asked.load(Ordering::SeqCst) <= 1, "the stalled page is asked once at a time");
+}
+
 /// A worker's redirect is not followed: a 307 re-sent the prompt wherever it
 /// pointed (another worker, counted on the first; the router itself; an
 /// internal address), and an ingress's 301 turned a completion into a GET.
