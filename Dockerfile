@@ -34,8 +34,9 @@ FROM debian:${DEBIAN_RELEASE}-slim AS runtime
 # `curl -fsS http://127.0.0.1:PORT/health`): slim has none, the binaries have no
 # self-check subcommand, and a /dev/tcp shell one-liner cannot tell a 503 from a
 # 200 reliably. It costs a few MB; Kubernetes does not need it (httpGet probes).
-# The binaries themselves need only glibc and libgcc (reqwest is built without
-# TLS: router ⇄ worker ⇄ sidecar traffic is plain HTTP inside the cluster).
+# The binaries themselves need only glibc and libgcc (TLS is rustls, built in:
+# `--tls-cert`/`--tls-ca` when router ⇄ worker ⇄ sidecar traffic leaves a
+# trusted network; plain HTTP inside the cluster otherwise).
 # Versions are not pinned so that a rebuild picks up Debian security updates.
 # hadolint ignore=DL3008
 RUN apt-get update \

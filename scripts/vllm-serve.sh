@@ -34,7 +34,8 @@ while [ $# -gt 0 ]; do
   esac
 done
 for v in port events replay snapshot; do
-  [ -n "${!v}" ] || { echo "vllm-serve.sh: --${v/events/events-port} is required" >&2; exit 2; }
+  flag=--$v-port; [ "$v" = port ] && flag=--port
+  [ -n "${!v}" ] || { echo "vllm-serve.sh: $flag is required" >&2; exit 2; }
 done
 [ -x "$venv/bin/vllm" ] || { echo "vllm-serve.sh: no vLLM in $venv: run scripts/install-vllm.sh" >&2; exit 1; }
 

@@ -94,7 +94,8 @@ pub struct ServeArgs {
     /// Log line format [env: KVROUTE_LOG_FORMAT; default: text].
     #[arg(long, value_name = "FORMAT", value_parser = ["text", "json"])]
     pub log_format: Option<String>,
-    /// Tokenizer directory for every model without its own --model-tokenizer.
+    /// Tokenizer directory for every model without its own --model-tokenizer
+    /// [default: none: prompts are keyed by their bytes, an approximation].
     #[arg(long, value_name = "DIR")]
     pub tokenizer: Option<PathBuf>,
     /// A model's own tokenizer directory, MODEL=DIR (repeatable).
@@ -109,7 +110,8 @@ pub struct ServeArgs {
     /// Bearer token required on /debug/* and /admin/* (≥ 16 characters) [default: none, open].
     #[arg(long, value_name = "TOKEN")]
     pub admin_token: Option<String>,
-    /// Bearer token sidecars must present on /internal/* (≥ 16 characters).
+    /// Bearer token sidecars and router replicas must present on /internal/*
+    /// (≥ 16 characters).
     #[arg(long, value_name = "TOKEN")]
     pub internal_token: Option<String>,
     /// Serve /internal/* without a token on a non-loopback address.

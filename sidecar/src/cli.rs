@@ -38,7 +38,7 @@ pub struct Cli {
     #[arg(long)]
     pub model: Option<String>,
     /// vLLM's KV-event PUB endpoint, tcp://HOST:PORT (rank r at port + r), or
-    /// one per data-parallel rank, comma-separated.
+    /// one per data-parallel rank, comma-separated (required).
     #[arg(long)]
     pub events: Option<String>,
     /// vLLM's replay (ROUTER) endpoint, tcp://HOST:PORT.
@@ -60,14 +60,15 @@ pub struct Cli {
     /// sidecar per rank).
     #[arg(long)]
     pub data_parallel_rank: Option<u32>,
-    /// Router base URL (repeatable; a DNS name means all its addresses, IPv4
-    /// ones when it has any).
+    /// Router base URL (required; repeatable; a DNS name means all its
+    /// addresses, IPv4 ones when it has any).
     #[arg(long)]
     pub router: Vec<String>,
-    /// Bearer token for the routers' /internal endpoints.
+    /// Bearer token for the routers' /internal endpoints (≥ 16 characters).
     #[arg(long)]
     pub internal_token: Option<String>,
-    /// Eviction push interval [default: 100ms].
+    /// Change push interval: the stores, evictions, load and heartbeat
+    /// pushed to /internal/eviction [default: 100ms].
     #[arg(long, value_parser = humantime_serde::re::humantime::parse_duration)]
     pub fast_interval: Option<Duration>,
     /// Slow-loop interval: engine snapshot, router re-resolution, and the

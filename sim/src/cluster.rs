@@ -546,6 +546,9 @@ pub struct ClusterArgs {
     /// have in flight per worker (`--replica`).
     #[arg(long, default_value_t = 1, value_parser = at_least_one())]
     pub routers: usize,
+    /// The routers' policy, or a variant named as the lab names one
+    /// (`predicted_ttft:room_ratio=0+pull_ratio=0.5`); the router refuses an
+    /// unknown one at its start.
     #[arg(long, default_value = "predicted_ttft")]
     pub policy: String,
     /// Served model name.
