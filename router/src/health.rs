@@ -91,6 +91,7 @@ fn probe_answered(worker: &Worker, now: u64) -> bool {
 }
 
 pub async fn run_health_checks(state: Arc<AppState>) {
+    let panicked = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut tick = tokio::time::interval(state.config.raw.health_check_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -98,19 +99,37 @@ pub async fn run_health_checks(state: Arc<AppState>) {
             _ = state.shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
+        // A check that panicked stops the router, as this task's end does.
+        if panicked.load(Ordering::Relaxed) {
+            return;
+        }
         // Each worker's check runs on its own, one at a time per worker: a
         // round waited for every worker's, and an engine whose `/metrics`
         // stalled (up to three timeouts) stretched every other worker's
-        // probe period, and its ejection, threefold.
+        // probe period, and its ejection, threefold. A tick that comes
+        // while a worker's check runs has the next one start as it ends
+        // (a probe timing out at the interval would otherwise wait a whole
+        // interval more each time).
         for worker in state.workers.snapshot().iter() {
             if worker.live.probing.swap(true, Ordering::Relaxed) {
+                worker.live.probe_due.store(true, Ordering::Relaxed);
                 continue;
             }
-            let (state, worker) = (state.clone(), worker.clone());
-            tokio::spawn(async move {
+            let (state, worker, panicked) = (state.clone(), worker.clone(), panicked.clone());
+            let checks = async move {
                 let _done = Probing(&worker);
-                check(&state, &worker).await;
-            });
+                loop {
+                    let run = std::panic::AssertUnwindSafe(check(&state, &worker));
+                    if futures::FutureExt::catch_unwind(run).await.is_err() {
+                        panicked.store(true, Ordering::Relaxed);
+                        return;
+                    }
+                    if !worker.live.probe_due.swap(false, Ordering::Relaxed) {
+                        return;
+                    }
+                }
+            };
+            tokio::spawn(tracing::Instrument::instrument(checks, tracing::Span::current()));
         }
     }
 }

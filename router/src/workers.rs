@@ -141,6 +141,8 @@ pub struct WorkerLive {
     pub tokenizer_checking: AtomicBool,
     /// Its health check (probe, `/metrics`, models) is under way.
     pub probing: AtomicBool,
+    /// A tick came while it was: the next check starts as it ends.
+    pub probe_due: AtomicBool,
     /// Unix ms before which a comparison that failed is not tried again.
     pub tokenizer_retry_ms: AtomicU64,
     conflict_logged_ms: AtomicU64,
@@ -183,6 +185,7 @@ impl Default for WorkerLive {
             tokenizer_checked: AtomicBool::new(false),
             tokenizer_checking: AtomicBool::new(false),
             probing: AtomicBool::new(false),
+            probe_due: AtomicBool::new(false),
             tokenizer_retry_ms: AtomicU64::new(0),
             conflict_logged_ms: AtomicU64::new(0),
             has_sidecar: AtomicBool::new(false),

@@ -1068,6 +1068,46 @@ async fn an_engine_that_stalls_its_metrics_does_not_slow_the_others_probes() {
     assert!(metrics_asked.load(Ordering::SeqCst) <= 1, "the stalled page is asked once at a time");
 }
 
+/// A worker whose probe times out at the probe interval is probed as often
+/// as the others: a tick that came while its probe ran was skipped, and it
+/// was probed every other interval, so ejected twice as late.
+#[tokio::test]
+async fn a_probe_that_times_out_is_followed_by_the_next_at_once() {
+    let hung = Arc::new(AtomicUsize::new(0));
+    let counted = hung.clone();
+    let hangs = Router::new().route(
+        "/health",
+        get(move || {
+            counted.fetch_add(1, Ordering::SeqCst);
+            futures::future::pending::<&'static str>()
+        }),
+    );
+    let hanging = serve_engine(hangs).await;
+    let answered = Arc::new(AtomicUsize::new(0));
+    let counted = answered.clone();
+    let answers = Router::new().route(
+        "/health",
+        get(move || {
+            counted.fetch_add(1, Ordering::SeqCst);
+            async { "ok" }
+        }),
+    );
+    let other = serve_engine(answers).await;
+    let _r = router(&[("hangs", &hanging), ("other", &other)], |raw| {
+        raw.health_check_interval = Duration::from_millis(100);
+        raw.health_check_timeout = Duration::from_millis(100);
+        raw.eject_after_failures = 1_000;
+    })
+    .await;
+    eventually("ten probes of the answering worker", || async {
+        (answered.load(Ordering::SeqCst) >= 10).then_some(())
+    })
+    .await;
+    // Every other interval would be about 5.
+    let probed = hung.load(Ordering::SeqCst);
+    assert!(probed >= 7, "the hung worker probed {probed} times while the other was probed 10");
+}
+
 /// A worker's redirect is not followed: a 307 re-sent the prompt wherever it
 /// pointed (another worker, counted on the first; the router itself; an
 /// internal address), and an ingress's 301 turned a completion into a GET.

@@ -36,6 +36,8 @@ pub enum EngineError {
     TooLarge { url: String, limit: usize },
     #[error("{url} answered no model list: {detail}")]
     BadModels { url: String, detail: String },
+    #[error("{url} answered {status}, a redirect (not followed: the engine's URL is the server's own)")]
+    Redirected { url: String, status: u16 },
 }
 
 /// Client for the engine's HTTP endpoints.
@@ -61,6 +63,9 @@ impl EngineClient {
             req = req.bearer_auth(&key.0);
         }
         let resp = req.send().await.and_then(|r| r.error_for_status()).map_err(wrap)?;
+        if resp.status().is_redirection() {
+            return Err(EngineError::Redirected { url, status: resp.status().as_u16() });
+        }
         read_within(reqwest::Body::from(resp), limit).await.map_err(wrap)?.ok_or(EngineError::TooLarge { url, limit })
     }
 
@@ -262,6 +267,19 @@ mod tests {
         let url = format!("http://{}", listener.local_addr().unwrap());
         tokio::spawn(async move { axum::serve(listener, Router::new().route("/v1/models", get(models))).await });
         url
+    }
+
+    /// Something in front of the engine that redirects is named as such: its
+    /// empty answer was read as the page (no model list, no cache config).
+    #[tokio::test]
+    async fn a_redirect_in_front_of_the_engine_is_named() {
+        let redirect = || async { (StatusCode::TEMPORARY_REDIRECT, [("location", "https://elsewhere/v1/models")]) };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, Router::new().route("/v1/models", get(redirect))).await });
+        let http = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
+        let client = EngineClient::new(http, url, None);
+        assert!(matches!(client.models().await, Err(EngineError::Redirected { status: 307, .. })));
     }
 
     #[tokio::test]
