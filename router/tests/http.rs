@@ -1033,6 +1033,23 @@ async fn all_workers_failing_is_a_502_and_hanging_is_a_504() {
     assert_eq!(status, 504);
 }
 
+/// An engine that counts its health probes, and answers them (`answers`) or
+/// never does.
+async fn probe_counting_engine(answers: bool) -> (String, Arc<AtomicUsize>) {
+    let probes = Arc::new(AtomicUsize::new(0));
+    let counted = probes.clone();
+    let health = get(move || {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async move {
+            if !answers {
+                futures::future::pending::<()>().await;
+            }
+            "ok"
+        }
+    });
+    (serve_engine(Router::new().route("/health", health)).await, probes)
+}
+
 /// Each worker's health check runs on its own: one engine whose `/metrics`
 /// stalls (an overloaded vLLM's can) held every round of probes, and with
 /// it every other worker's probe period and ejection, up to three timeouts.
@@ -1048,16 +1065,7 @@ async fn an_engine_that_stalls_its_metrics_does_not_slow_the_others_probes() {
         }),
     );
     let stalling = serve_engine(stalls).await;
-    let probed = Arc::new(AtomicUsize::new(0));
-    let counted = probed.clone();
-    let healthy = Router::new().route(
-        "/health",
-        get(move || {
-            counted.fetch_add(1, Ordering::SeqCst);
-            async { "ok" }
-        }),
-    );
-    let other = serve_engine(healthy).await;
+    let (other, probed) = probe_counting_engine(true).await;
     let _r = router(&[("stalls", &stalling), ("other", &other)], |raw| {
         raw.health_check_interval = Duration::from_millis(20);
         raw.health_check_timeout = Duration::from_secs(3600);
@@ -1073,26 +1081,8 @@ async fn an_engine_that_stalls_its_metrics_does_not_slow_the_others_probes() {
 /// was probed every other interval, so ejected twice as late.
 #[tokio::test]
 async fn a_probe_that_times_out_is_followed_by_the_next_at_once() {
-    let hung = Arc::new(AtomicUsize::new(0));
-    let counted = hung.clone();
-    let hangs = Router::new().route(
-        "/health",
-        get(move || {
-            counted.fetch_add(1, Ordering::SeqCst);
-            futures::future::pending::<&'static str>()
-        }),
-    );
-    let hanging = serve_engine(hangs).await;
-    let answered = Arc::new(AtomicUsize::new(0));
-    let counted = answered.clone();
-    let answers = Router::new().route(
-        "/health",
-        get(move || {
-            counted.fetch_add(1, Ordering::SeqCst);
-            async { "ok" }
-        }),
-    );
-    let other = serve_engine(answers).await;
+    let (hanging, hung) = probe_counting_engine(false).await;
+    let (other, answered) = probe_counting_engine(true).await;
     let _r = router(&[("hangs", &hanging), ("other", &other)], |raw| {
         raw.health_check_interval = Duration::from_millis(100);
         raw.health_check_timeout = Duration::from_millis(100);

@@ -8,6 +8,20 @@ use std::process::{Child, Command, Stdio};
 #[allow(dead_code)]
 mod support;
 
+/// The lines of `out` that contain `needle`, as they come (read on a thread
+/// of their own).
+fn lines_containing(out: impl BufRead + Send + 'static, needle: &'static str) -> std::sync::mpsc::Receiver<String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in out.lines().map_while(Result::ok) {
+            if line.contains(needle) && tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
 /// The router binary with `args`, its log on stdout at the default level.
 fn router(args: &[&str]) -> Child {
     Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
@@ -59,14 +73,7 @@ fn an_ejection_names_the_url_probed_and_the_failure() {
     let worker = format!("w={}", gone.url);
     let mut child = router(&["--listen", "127.0.0.1:0", "--worker", &worker, "--health-check-interval", "50ms"]);
     let out = BufReader::new(child.stdout.take().unwrap());
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in out.lines().map_while(Result::ok) {
-            if line.contains("worker ejected") && tx.send(line).is_err() {
-                return;
-            }
-        }
-    });
+    let rx = lines_containing(out, "worker ejected");
     let line = rx.recv_timeout(std::time::Duration::from_secs(60));
     child.kill().unwrap();
     child.wait().unwrap();
@@ -131,14 +138,7 @@ fn a_failed_attempt_is_logged_with_the_worker_and_the_request_id() {
     let mut line = String::new();
     out.read_line(&mut line).unwrap();
     let addr = line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("{line:?}")).to_owned();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in out.lines().map_while(Result::ok) {
-            if line.contains("attempt failed") && tx.send(line).is_err() {
-                return;
-            }
-        }
-    });
+    let rx = lines_containing(out, "attempt failed");
     let body = r#"{"model": "m", "prompt": "hello"}"#;
     let mut conn = std::net::TcpStream::connect(addr.trim_start_matches("http://")).unwrap();
     let request = format!(
@@ -227,14 +227,7 @@ fn a_static_workers_other_block_size_and_prefix_caching_off_are_logged() {
     });
     let mut child = router(&["--listen", "127.0.0.1:0", "--worker", &worker, "--health-check-interval", "50ms"]);
     let out = BufReader::new(child.stdout.take().unwrap());
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in out.lines().map_while(Result::ok) {
-            if line.contains("ERROR") && tx.send(line).is_err() {
-                return;
-            }
-        }
-    });
+    let rx = lines_containing(out, "ERROR");
     let errors: Vec<String> = (0..2).map_while(|_| rx.recv_timeout(std::time::Duration::from_secs(60)).ok()).collect();
     child.kill().unwrap();
     child.wait().unwrap();
