@@ -321,7 +321,9 @@ pub async fn run_with(
     // The other replicas are told this one has nothing left in flight
     // before `run` returns: the binary's runtime ends right after it, and
     // the last reports were cancelled unsent (the peers counted this
-    // router's requests until they forgot it, a second later).
+    // router's requests until they forgot it, a second later). The server
+    // may have ended on its own (an error): the other tasks stop too.
+    token.cancel();
     state.drained.cancel();
     if tokio::time::timeout(REPLICAS_FAREWELL, critical.join_all()).await.is_err() {
         tracing::warn!("the router's tasks did not all end in time (the last reports to the other replicas?)");
