@@ -91,7 +91,9 @@ fn probe_answered(worker: &Worker, now: u64) -> bool {
 }
 
 pub async fn run_health_checks(state: Arc<AppState>) {
-    let panicked = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // A check that panicked: its panic goes on here, and stops the router
+    // as this task's end does.
+    let panicked: Arc<parking_lot::Mutex<Option<Box<dyn std::any::Any + Send>>>> = Arc::default();
     let mut tick = tokio::time::interval(state.config.raw.health_check_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -99,9 +101,8 @@ pub async fn run_health_checks(state: Arc<AppState>) {
             _ = state.shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        // A check that panicked stops the router, as this task's end does.
-        if panicked.load(Ordering::Relaxed) {
-            return;
+        if let Some(payload) = panicked.lock().take() {
+            std::panic::resume_unwind(payload);
         }
         // Each worker's check runs on its own, one at a time per worker: a
         // round waited for every worker's, and an engine whose `/metrics`
@@ -117,15 +118,32 @@ pub async fn run_health_checks(state: Arc<AppState>) {
             }
             let (state, worker, panicked) = (state.clone(), worker.clone(), panicked.clone());
             let checks = async move {
-                let _done = Probing(&worker);
+                let mut worker = worker;
                 loop {
                     let run = std::panic::AssertUnwindSafe(check(&state, &worker));
-                    if futures::FutureExt::catch_unwind(run).await.is_err() {
-                        panicked.store(true, Ordering::Relaxed);
+                    if let Err(payload) = futures::FutureExt::catch_unwind(run).await {
+                        worker.live.probing.store(false, Ordering::Relaxed);
+                        *panicked.lock() = Some(payload);
                         return;
                     }
                     if !worker.live.probe_due.swap(false, Ordering::Relaxed) {
-                        return;
+                        worker.live.probing.store(false, Ordering::Relaxed);
+                        // A tick between the swap and the store found it
+                        // still under way: its check is this one's to run.
+                        if !worker.live.probe_due.swap(false, Ordering::Relaxed)
+                            || worker.live.probing.swap(true, Ordering::Relaxed)
+                        {
+                            return;
+                        }
+                    }
+                    // The worker as it is now (its URL may have moved; its
+                    // `live` is the same): gone, there is nothing to check.
+                    match current(&state, &worker) {
+                        Some(now) => worker = now,
+                        None => {
+                            worker.live.probing.store(false, Ordering::Relaxed);
+                            return;
+                        }
                     }
                 }
             };
@@ -134,13 +152,10 @@ pub async fn run_health_checks(state: Arc<AppState>) {
     }
 }
 
-/// A worker's check under way: over when this drops (a panic included).
-struct Probing<'a>(&'a Worker);
-
-impl Drop for Probing<'_> {
-    fn drop(&mut self) {
-        self.0.live.probing.store(false, Ordering::Relaxed);
-    }
+/// The registry's worker that `worker` is now: the same `live` (a move of
+/// its URL keeps it), if it is still registered.
+fn current(state: &AppState, worker: &Worker) -> Option<Arc<Worker>> {
+    state.workers.snapshot().iter().find(|w| Arc::ptr_eq(&w.live, &worker.live)).cloned()
 }
 
 async fn check(state: &Arc<AppState>, worker: &Arc<Worker>) {

@@ -1098,6 +1098,35 @@ async fn a_probe_that_times_out_is_followed_by_the_next_at_once() {
     assert!(probed >= 7, "the hung worker probed {probed} times while the other was probed 10");
 }
 
+/// A worker whose sidecar moves it to another URL is probed there, though
+/// its probes at the old one ran back to back (each timing out at the
+/// interval): the repeated check kept the worker as it was, and probed the
+/// old URL for ever.
+#[tokio::test]
+async fn a_moved_worker_is_probed_at_its_new_url() {
+    let (old, _) = probe_counting_engine(false).await;
+    let (new, probed_there) = probe_counting_engine(true).await;
+    let r = router(&[], |raw| {
+        raw.health_check_interval = Duration::from_millis(50);
+        raw.health_check_timeout = Duration::from_millis(50);
+    })
+    .await;
+    let sync = |url: &str, seq: u64| json!({"worker_id": "w1", "url": url, "models": ["m"], "hashes": [], "seq": seq, "epoch": "e1"});
+    assert_eq!(r.internal("/internal/sync", sync(&old, 1)).await.status(), 200);
+    // Its checks at the old URL run back to back.
+    let ejected = |r: &TestRouter| {
+        let http = r.http.clone();
+        let url = format!("{}/admin/workers", r.url);
+        async move {
+            let workers: Value = http.get(url).send().await.unwrap().json().await.unwrap();
+            (workers["workers"][0]["healthy"] == false).then_some(())
+        }
+    };
+    eventually("the worker ejected at its old URL", || ejected(&r)).await;
+    assert_eq!(r.internal("/internal/sync", sync(&new, 2)).await.status(), 200);
+    eventually("a probe at the new URL", || async { (probed_there.load(Ordering::SeqCst) > 0).then_some(()) }).await;
+}
+
 /// A worker's redirect is not followed: a 307 re-sent the prompt wherever it
 /// pointed (another worker, counted on the first; the router itself; an
 /// internal address), and an ingress's 301 turned a completion into a GET.
