@@ -896,9 +896,7 @@ fn relay(
                         if !st.sse {
                             return Some((Err(std::io::Error::other("the router is stopping")), st));
                         }
-                        st.held.partial.clear();
-                        let event = stopping_event();
-                        let event = if st.held.sent_mid_event { [&b"\n\n"[..], &event].concat().into() } else { event };
+                        let event = st.held.last_event(stopping_event());
                         return Some((Ok(event), st));
                     }
                 };
@@ -928,12 +926,7 @@ fn relay(
                             // line it reached the client as an event whose
                             // data is cut JSON, and the client's parser failed
                             // on it before it read the error event.
-                            st.held.partial.clear();
-                            let event = sse_error(&st.guard.worker.id);
-                            // Past the hold's bound, a cut event was sent:
-                            // ended first, the error is an event of its own.
-                            let event =
-                                if st.held.sent_mid_event { [&b"\n\n"[..], &event].concat().into() } else { event };
+                            let event = st.held.last_event(sse_error(&st.guard.worker.id));
                             return Some((Ok(event), st));
                         }
                         return Some((Err(std::io::Error::other("upstream stream broke")), st));
@@ -972,6 +965,14 @@ struct EventHold {
 const MAX_HELD_EVENT_BYTES: usize = 1 << 20;
 
 impl EventHold {
+    /// `event` as the stream's last: the held bytes of an unfinished event
+    /// dropped, and, past the hold's bound (a cut event already sent), a
+    /// blank line first, so that `event` is an event of its own.
+    fn last_event(&mut self, event: Bytes) -> Bytes {
+        self.partial.clear();
+        if self.sent_mid_event { [&b"\n\n"[..], &event].concat().into() } else { event }
+    }
+
     /// `chunk` added to the held bytes: the whole events among them, if any,
     /// taken out to be sent (all of them past [`MAX_HELD_EVENT_BYTES`]).
     fn whole_events(&mut self, chunk: &Bytes) -> Option<Bytes> {
