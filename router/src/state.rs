@@ -414,15 +414,58 @@ impl AppState {
     }
 }
 
-/// Wall-clock milliseconds since the Unix epoch: the clock sidecars stamp
-/// `as_of_ms` with.
+/// The router's clock, in milliseconds since the Unix epoch: the wall clock
+/// read once, at its first use, and advanced by the monotonic clock since.
+/// Every timing of the router's own (liveness, holds, speculative entries,
+/// sessions) is a difference of two readings, so a wall clock stepped by NTP
+/// or a resumed VM moves none of them: stepped forward 30 s, the system clock
+/// took every idle sidecar's worker for silent at once; stepped back, it held
+/// speculative entries and ejections that much longer. It stays close to the
+/// wall clock that v1 sidecars stamp `as_of_ms` with (protocol v2 compares
+/// no clocks across processes); after a step it keeps the old reckoning.
 pub fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+    static CLOCK: std::sync::OnceLock<AnchoredClock> = std::sync::OnceLock::new();
+    CLOCK.get_or_init(AnchoredClock::system).at(Instant::now())
+}
+
+/// A wall-clock reading and the monotonic instant it was taken at.
+#[derive(Clone, Copy, Debug)]
+struct AnchoredClock {
+    wall_ms: u64,
+    at: Instant,
+}
+
+impl AnchoredClock {
+    fn system() -> Self {
+        let wall_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        AnchoredClock { wall_ms, at: Instant::now() }
+    }
+
+    /// The time at `now`: the anchor's wall time plus the monotonic time since.
+    fn at(&self, now: Instant) -> u64 {
+        self.wall_ms + now.saturating_duration_since(self.at).as_millis() as u64
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_clock_moves_with_the_monotonic_clock_from_its_anchor() {
+        let start = Instant::now();
+        let clock = AnchoredClock { wall_ms: 1_000_000, at: start };
+        assert_eq!(clock.at(start), 1_000_000);
+        assert_eq!(clock.at(start + Duration::from_millis(2_500)), 1_002_500);
+        // An instant before the anchor (none is) reads as the anchor.
+        assert_eq!(clock.at(start.checked_sub(Duration::from_secs(1)).unwrap_or(start)), 1_000_000);
+        // The process's clock starts at the wall clock and never goes back.
+        let wall = || SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64;
+        let (before, a, after) = (wall(), now_ms(), wall());
+        let b = now_ms();
+        assert!(b >= a, "{b} < {a}");
+        assert!(a + 60_000 >= before && a <= after + 60_000, "now_ms {a} far from the wall clock {before}..{after}");
+    }
 
     #[test]
     fn seq_drops_reordered_and_duplicated_batches_within_an_epoch() {
