@@ -22,6 +22,7 @@ pub mod policy;
 pub mod process_metrics;
 pub mod proxy;
 pub mod replicas;
+pub mod request_id;
 pub mod routing;
 pub mod sessions;
 pub mod state;
@@ -175,6 +176,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         // A wrong method on a route of the router's own: an OpenAI-shaped
         // 405, not axum's empty one.
         .method_not_allowed_fallback(|| async { error::RouterError::MethodNotAllowed })
+        .layer(axum::middleware::from_fn(request_id::ensure))
         .with_state(state)
 }
 

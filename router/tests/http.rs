@@ -590,34 +590,60 @@ async fn a_request_naming_no_model_is_for_the_served_one() {
     }
 }
 
-/// The client's request id and API key reach the engine; an id longer than
-/// any id (which vLLM repeats in every streamed chunk) does not.
+/// The client's request id and API key reach the engine. A request without
+/// a usable id (none, or one longer than any id: vLLM repeats it in every
+/// streamed chunk) gets one the router makes; the engine and the client see
+/// the same id, on a passed-through request and on the router's own refusal
+/// too.
 #[tokio::test]
-async fn the_clients_headers_reach_the_engine_within_their_bounds() {
-    let app = Router::new().route(
-        "/v1/completions",
-        post(|headers: axum::http::HeaderMap| async move {
-            let got = |name: &str| headers.get(name).map(|v| v.to_str().unwrap().to_owned());
-            axum::Json(
-                json!({"id": got("x-request-id"), "auth": got("authorization"), "host": got("x-forwarded-host")}),
-            )
-        }),
-    );
+async fn every_request_has_an_id_the_engine_and_the_client_both_see() {
+    let echo = |headers: axum::http::HeaderMap| async move {
+        let got = |name: &str| headers.get(name).map(|v| v.to_str().unwrap().to_owned());
+        axum::Json(json!({"id": got("x-request-id"), "auth": got("authorization"), "host": got("x-forwarded-host")}))
+    };
+    let app = Router::new().route("/v1/completions", post(echo)).route("/v1/embeddings", post(echo));
     let engine = serve_engine(app).await;
     let r = router(&[("w", &engine)], |_| {}).await;
-    let send = |id: String| {
-        r.http
-            .post(format!("{}/v1/completions", r.url))
-            .header("x-request-id", id)
+    let send = |path: &str, id: Option<String>| {
+        let mut req = r
+            .http
+            .post(format!("{}{path}", r.url))
             .header("x-forwarded-host", "evil")
             .bearer_auth("key")
-            .json(&json!({"model": "m", "prompt": "hi"}))
-            .send()
+            .json(&json!({"model": "m", "prompt": "hi", "input": "hi"}));
+        if let Some(id) = id {
+            req = req.header("x-request-id", id);
+        }
+        async move {
+            let resp = req.send().await.unwrap();
+            let answered = resp.headers().get("x-request-id").map(|v| v.to_str().unwrap().to_owned());
+            (answered, resp.json::<Value>().await.unwrap())
+        }
     };
-    let seen: Value = send("req-1".into()).await.unwrap().json().await.unwrap();
+    let (answered, seen) = send("/v1/completions", Some("req-1".into())).await;
     assert_eq!(seen, json!({"id": "req-1", "auth": "Bearer key", "host": null}));
-    let seen: Value = send("x".repeat(300)).await.unwrap().json().await.unwrap();
-    assert_eq!(seen["id"], Value::Null, "a 300-byte id is not passed on");
+    assert_eq!(answered.as_deref(), Some("req-1"));
+    for (path, id) in [
+        ("/v1/completions", None),
+        ("/v1/completions", Some("x".repeat(300))),
+        ("/v1/completions", Some("two words".into())),
+        ("/v1/embeddings", None),
+    ] {
+        let (answered, seen) = send(path, id.clone()).await;
+        let made = seen["id"].as_str().unwrap_or_else(|| panic!("{path} {id:?}: the engine got no id: {seen}"));
+        assert!(made.len() == 32 && made.bytes().all(|b| b.is_ascii_hexdigit()), "{path} {id:?}: {made}");
+        assert_eq!(answered.as_deref(), Some(made), "{path} {id:?}: the client is told the engine's id");
+    }
+    // The router's own refusal names an id too (a client's, or a new one).
+    let refused = r.http.post(format!("{}/v1/completions", r.url)).header("x-request-id", "bad-1").body("{").send();
+    let refused = refused.await.unwrap();
+    assert_eq!(refused.status(), 400);
+    assert_eq!(refused.headers()["x-request-id"], "bad-1");
+    let refused = r.http.post(format!("{}/v1/completions", r.url)).body("{").send().await.unwrap();
+    assert_eq!(refused.headers()["x-request-id"].len(), 32);
+    // Probes are not requests.
+    let health = r.http.get(format!("{}/health", r.url)).send().await.unwrap();
+    assert!(health.headers().get("x-request-id").is_none());
 }
 
 /// A stream whose engine never sends its headers (a dead host, a blocked

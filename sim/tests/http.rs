@@ -41,11 +41,15 @@ async fn completion_reports_prefix_hits_in_usage() {
 async fn chat_completion_and_text_prompts() {
     let sim = start(Config::for_model("m")).await;
     let body = json!({"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4});
-    let (st, v) = sim.post("/v1/chat/completions", body).await;
+    let (st, v) = sim.post("/v1/chat/completions", body.clone()).await;
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["object"], "chat.completion");
     assert_eq!(v["choices"][0]["message"]["role"], "assistant");
     assert_eq!(v["choices"][0]["message"]["content"], filler_text(4));
+    // vLLM takes an `x-request-id` as the request's id.
+    let sent = sim.client.post(format!("{}/v1/chat/completions", sim.base)).header("x-request-id", "req-9").json(&body);
+    let v: serde_json::Value = sent.send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["id"], "chatcmpl-req-9");
     let (st, v) = sim.post("/v1/completions", json!({"model": "m", "prompt": "héllo"})).await;
     assert_eq!(st, 200);
     assert_eq!(v["usage"]["prompt_tokens"], 6, "byte fallback: one token per UTF-8 byte");

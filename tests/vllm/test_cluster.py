@@ -84,6 +84,9 @@ def test_completion_and_chat_stick_to_the_holder(cluster):
         resp = post(f"{cluster.router.url}/v1/chat/completions", chat(q))
         assert resp.headers["x-kvroute-worker"] == holder
         assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 6 * BLOCK_SIZE
+        # The router made the request's id (the client sent none), and the
+        # engine took it as its own: its log lines and the answer name it.
+        assert resp.json()["id"] == "chatcmpl-" + resp.headers["x-request-id"]
 
 
 def test_after_evictions_the_map_equals_each_engines_cache(cluster):

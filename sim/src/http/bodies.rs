@@ -25,6 +25,16 @@ pub enum Kind {
     Chat,
 }
 
+impl Kind {
+    /// What its ids start with: `cmpl-…`, `chatcmpl-…`.
+    pub fn prefix(self) -> &'static str {
+        match self {
+            Kind::Completion => "cmpl",
+            Kind::Chat => "chatcmpl",
+        }
+    }
+}
+
 /// What every body of one response shares.
 #[derive(Clone, Debug)]
 pub struct Head {

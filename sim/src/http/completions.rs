@@ -209,7 +209,12 @@ async fn generate(s: &Shared, endpoint: Endpoint, headers: &HeaderMap, body: &[u
         Endpoint::Completions => Kind::Completion,
         Endpoint::ChatCompletions => Kind::Chat,
     };
-    let head = Head { kind, id: response_id(s, kind), created: unix_now(), model: p.model.clone() };
+    let id = match headers.get("x-request-id").and_then(|v| v.to_str().ok()) {
+        // vLLM takes the header as the request's id (`_base_request_id`).
+        Some(given) => format!("{}-{given}", kind.prefix()),
+        None => response_id(s, kind),
+    };
+    let head = Head { kind, id, created: unix_now(), model: p.model.clone() };
     let extras = BlockExtras {
         lora_name: p.lora_id.map(|_| p.model.clone()),
         cache_salt: p.req.cache_salt().map(str::to_owned),
@@ -248,11 +253,7 @@ async fn generate(s: &Shared, endpoint: Endpoint, headers: &HeaderMap, body: &[u
 
 /// `cmpl-…` / `chatcmpl-…`: unique per process is all clients need.
 pub fn response_id(s: &Shared, kind: Kind) -> String {
-    let prefix = match kind {
-        Kind::Completion => "cmpl",
-        Kind::Chat => "chatcmpl",
-    };
-    format!("{prefix}-{:016x}{:08x}", s.started, s.next_id.fetch_add(1, Relaxed))
+    format!("{}-{:016x}{:08x}", kind.prefix(), s.started, s.next_id.fetch_add(1, Relaxed))
 }
 
 impl Outcome {
