@@ -221,6 +221,7 @@ pub async fn workers(State(state): State<Arc<AppState>>) -> Json<Value> {
                 "url": w.url,
                 "dp_rank": w.dp_rank,
                 "models": w.models,
+                "model_aliases": w.aliases,
                 "source": w.source,
                 "healthy": w.live.is_healthy(),
                 // Ejected for failed requests: not re-admitted for this long

@@ -8,15 +8,22 @@ use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::rejection::PathRejection;
-use axum::extract::{Path, State};
+use axum::extract::{Extension, Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 
 use crate::error::RouterError;
 use crate::proxy::{proxy, read_client_body, refused, session_ttl};
+use crate::request_id::RequestId;
 use crate::state::AppState;
 
-pub async fn create(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+pub async fn create(
+    State(state): State<Arc<AppState>>,
+    id: Option<Extension<RequestId>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let id = id.map(|Extension(id)| id);
     let arrived = Instant::now();
     let run = async {
         // Read under the API's deadline and `max_body_bytes`, a chat's body
@@ -27,8 +34,8 @@ pub async fn create(State(state): State<Arc<AppState>>, headers: HeaderMap, body
             Ok((body, endpoint, session_ttl(&state, &headers)?))
         };
         let (body, endpoint, ttl) = read.await.inspect_err(|e| refused(&state, e, arrived))?;
-        let id = format!("ctx-{:032x}", rand::random::<u128>());
-        proxy(&state, endpoint, &headers, Body::from(body), Some((id, ttl)), arrived).await
+        let session = format!("ctx-{:032x}", rand::random::<u128>());
+        proxy(&state, endpoint, id.as_ref(), &headers, Body::from(body), Some((session, ttl)), arrived).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
 }

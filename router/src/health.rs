@@ -29,7 +29,7 @@ use kvroute_shared::body::{MAX_ENGINE_METRICS_BYTES, read_within};
 use crate::index::Compaction;
 use crate::metrics::{ENGINE_KINDS, INDEX_KINDS, WorkerKind, WorkerLabel};
 use crate::state::{AppState, MapState, now_ms};
-use crate::workers::{Source, Worker};
+use crate::workers::{Served, Source, Worker};
 
 /// Takes an unhealthy worker out of the index: its cache state is unknown
 /// (it may come back restarted and empty).
@@ -203,11 +203,16 @@ async fn engine_page(state: &AppState, worker: &Worker, path: &str, max: usize) 
 /// answer the list (an API key the router lacks) keeps what was known; with
 /// nothing known, the worker takes any model.
 async fn learn_models(state: &AppState, worker: &Worker) {
-    use kvroute_shared::wire::{MAX_MODELS_BYTES, parse_model_list};
+    use kvroute_shared::wire::{MAX_MODELS_BYTES, model_aliases, parse_served_models};
     let Some(body) = engine_page(state, worker, "/v1/models", MAX_MODELS_BYTES).await else { return };
-    match parse_model_list(&body) {
-        Ok(models) if !models.is_empty() => {
-            if let Err(e) = state.workers.upsert(&worker.id, None, Some(&models), Source::Static) {
+    match parse_served_models(&body) {
+        Ok(served) if !served.is_empty() => {
+            // Keyed by the router alone: its aliases key as the first name
+            // vLLM lists (the first `--served-model-name`).
+            let aliases = model_aliases(&served, &served[0].name);
+            let models: Vec<_> = served.into_iter().map(|m| m.name).collect();
+            let served = Served { models: &models, aliases: &aliases };
+            if let Err(e) = state.workers.upsert(&worker.id, None, Some(served), Source::Static) {
                 tracing::warn!(worker.id = %worker.id, error = %e, "could not take the engine's model list");
             }
         }

@@ -37,7 +37,7 @@ use crate::error::RouterError;
 use crate::index::{Covers, DeltaCursor, Slot, SyncOutcome, SyncPlan};
 use crate::proxy::read_in_time;
 use crate::state::{AppState, MapState, Registered, now_ms};
-use crate::workers::{RegistryError, Source, Target, Upsert, Worker};
+use crate::workers::{RegistryError, Served, Source, Target, Upsert, Worker};
 
 fn presented(headers: &HeaderMap) -> &str {
     headers
@@ -185,6 +185,7 @@ fn ack(state: &AppState, outcome: AckOutcome, acked: Acked) -> Json<InternalAck>
         protocol: PROTOCOL_VERSION,
         resync: acked.resync,
         clock: acked.clock,
+        model_aliases: true,
     })
 }
 
@@ -475,7 +476,7 @@ fn apply_sync(
     protocol: u32,
 ) -> Result<(Registered, Push<(SyncOutcome, Acked)>), RegistryError> {
     let now = now_ms();
-    let models = (!snap.models.is_empty()).then_some(snap.models.as_slice());
+    let served = (!snap.models.is_empty()).then_some(Served { models: &snap.models, aliases: &snap.model_aliases });
     let (registered, covers) = {
         let mut map = state.map.write();
         // A stale or replayed sync changes nothing, not even the worker's
@@ -488,7 +489,7 @@ fn apply_sync(
             return Ok((Registered { worker: w, how: Upsert::Unchanged, reclaimed: None }, Push::Stale));
         }
         let target = snap.url.as_deref().map(|url| Target { url, dp_rank: snap.dp_rank });
-        let registered = map.register_sidecar(&state.workers, &snap.worker_id, target, models, now)?;
+        let registered = map.register_sidecar(&state.workers, &snap.worker_id, target, served, now)?;
         let w = &registered.worker;
         // Alive from the moment the sync arrived, however long it takes.
         w.live.last_report_ms.store(now, Ordering::Relaxed);
@@ -575,6 +576,7 @@ mod tests {
             url: Some("http://10.0.0.1:8000".into()),
             dp_rank: None,
             models: Vec::new(),
+            model_aliases: Default::default(),
             block_size: None,
             hashes,
             load: None,

@@ -148,14 +148,8 @@ fn upstream_client(config: &Config) -> Result<reqwest::Client, RunError> {
 /// The router's HTTP surface.
 pub fn app(state: Arc<AppState>) -> Router {
     Router::new()
-        .route(
-            "/v1/completions",
-            post(|s: axum::extract::State<Arc<AppState>>, h, b| proxy::handle(s.0, Endpoint::Completions, h, b)),
-        )
-        .route(
-            "/v1/chat/completions",
-            post(|s: axum::extract::State<Arc<AppState>>, h, b| proxy::handle(s.0, Endpoint::ChatCompletions, h, b)),
-        )
+        .route("/v1/completions", post(|s, id, h, b| proxy::handle(s, Endpoint::Completions, id, h, b)))
+        .route("/v1/chat/completions", post(|s, id, h, b| proxy::handle(s, Endpoint::ChatCompletions, id, h, b)))
         .route("/v1/models", get(admin::models))
         .route("/v1/context", post(context::create))
         .route("/v1/context/{id}", delete(context::delete))

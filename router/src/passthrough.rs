@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use axum::body::{Body, Bytes};
-use axum::extract::State;
+use axum::extract::{Extension, State};
 use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
@@ -39,6 +39,7 @@ use kvroute_shared::wire::DP_RANK_HEADER;
 
 use crate::error::RouterError;
 use crate::proxy::{Failure, answer_headers, attempt_failed, forwarded, read_client_in_time, take_slot};
+use crate::request_id::RequestId;
 use crate::state::{AppState, now_ms};
 use crate::workers::Worker;
 
@@ -86,19 +87,22 @@ fn is_client_api(path: &str) -> bool {
 
 pub async fn forward(
     State(state): State<Arc<AppState>>,
+    id: Option<Extension<RequestId>>,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    run(&state, method, uri, &headers, body).await.unwrap_or_else(IntoResponse::into_response)
+    let id = id.map(|Extension(id)| id);
+    run(&state, id.as_ref(), method, uri, headers, body).await.unwrap_or_else(IntoResponse::into_response)
 }
 
 async fn run(
     state: &Arc<AppState>,
+    id: Option<&RequestId>,
     method: Method,
     uri: Uri,
-    headers: &HeaderMap,
+    mut headers: HeaderMap,
     body: Body,
 ) -> Result<Response, RouterError> {
     if !is_client_api(uri.path()) {
@@ -107,8 +111,13 @@ async fn run(
     // Its budget held while the body is, until the answer begins.
     let (body, _budget) = read_client_in_time(state, body, state.config.raw.max_body_bytes).await?;
     let permit = take_slot(state)?;
+    let named = named_in(&headers, &body);
+    if let Some(id) = id {
+        id.adopt(named.request_id.as_deref(), &mut headers);
+    }
+    let headers = &headers;
     // Naming none, it is for the served model, as a completion is.
-    let model = model_of(headers, &body).unwrap_or_else(|| crate::routing::served_model(state));
+    let model = named.model.unwrap_or_else(|| crate::routing::served_model(state));
     let mut workers = crate::routing::serving(&state.workers.snapshot(), &model)?;
     // Replicas' summed figures saturate at u32::MAX: a plain sum overflowed.
     workers.sort_by_key(|w| {
@@ -190,17 +199,36 @@ async fn run(
 /// `model` field (`/v1/audio/transcriptions` and `/translations` send the
 /// audio as a form). `None` for a body naming none, or of another kind (an
 /// urlencoded form is not read).
-fn model_of(headers: &HeaderMap, body: &Bytes) -> Option<String> {
+/// What a passed-through body names: its model and its `request_id`.
+#[derive(Debug, Default, PartialEq)]
+struct Named {
+    model: Option<String>,
+    request_id: Option<String>,
+}
+
+fn named_in(headers: &HeaderMap, body: &Bytes) -> Named {
     #[derive(serde::Deserialize)]
-    struct Named {
-        model: String,
+    struct Json {
+        #[serde(default)]
+        model: Option<serde_json::Value>,
+        #[serde(default)]
+        request_id: Option<serde_json::Value>,
     }
-    let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or_default();
-    let model = match form_boundary(content_type) {
-        Some(boundary) => form_field(body, boundary, "model")?,
-        None => serde_json::from_slice::<Named>(body).ok()?.model,
+    let text = |v: Option<serde_json::Value>| match v {
+        Some(serde_json::Value::String(s)) if !s.is_empty() => Some(s),
+        _ => None,
     };
-    Some(model).filter(|m| !m.is_empty())
+    let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or_default();
+    match form_boundary(content_type) {
+        Some(boundary) => Named {
+            model: form_field(body, boundary, "model").filter(|m| !m.is_empty()),
+            request_id: form_field(body, boundary, "request_id").filter(|m| !m.is_empty()),
+        },
+        None => match serde_json::from_slice::<Json>(body) {
+            Ok(j) => Named { model: text(j.model), request_id: text(j.request_id) },
+            Err(_) => Named::default(),
+        },
+    }
 }
 
 /// `multipart/form-data; boundary=B`'s `B`.
@@ -305,7 +333,7 @@ mod tests {
     fn form(content_type: &str, body: &'static str) -> Option<String> {
         let mut headers = HeaderMap::new();
         headers.insert(header::CONTENT_TYPE, content_type.parse().unwrap());
-        model_of(&headers, &Bytes::from_static(body.as_bytes()))
+        named_in(&headers, &Bytes::from_static(body.as_bytes())).model
     }
 
     #[test]

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
+use axum::extract::{Extension, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::BytesMut;
@@ -25,6 +26,7 @@ use crate::error::RouterError;
 use crate::metrics::{NO_WORKER, WorkerStatus};
 use crate::policy::Candidate;
 use crate::replicas::SentEntry;
+use crate::request_id::RequestId;
 use crate::routing::{self, Plan};
 use crate::sessions::valid_session_id;
 use crate::state::{AppState, now_ms};
@@ -277,8 +279,15 @@ pub fn session_ttl(state: &AppState, headers: &HeaderMap) -> Result<Duration, Ro
 }
 
 /// `POST /v1/completions` and `/v1/chat/completions`.
-pub async fn handle(state: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
-    match proxy(&state, endpoint, &headers, body, None, Instant::now()).await {
+pub async fn handle(
+    State(state): State<Arc<AppState>>,
+    endpoint: Endpoint,
+    id: Option<Extension<RequestId>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let id = id.map(|Extension(id)| id);
+    match proxy(&state, endpoint, id.as_ref(), &headers, body, None, Instant::now()).await {
         Ok(resp) => resp,
         Err(e) => e.into_response(),
     }
@@ -289,13 +298,14 @@ pub async fn handle(state: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap
 pub async fn proxy(
     state: &Arc<AppState>,
     endpoint: Endpoint,
+    id: Option<&RequestId>,
     headers: &HeaderMap,
     body: Body,
     new_session: Option<(String, Duration)>,
     arrived: Instant,
 ) -> Result<Response, RouterError> {
     let unrecorded = Unrecorded { state, arrived, dispatched: AtomicBool::new(false) };
-    let result = proxy_from(state, endpoint, headers, body, new_session, &unrecorded).await;
+    let result = proxy_from(state, endpoint, id, headers, body, new_session, &unrecorded).await;
     // An answer's duration is observed by its guard when the answer ends,
     // every attempt failing by `dispatch`; a refusal ends here.
     unrecorded.dispatched.store(true, Ordering::Relaxed);
@@ -338,6 +348,7 @@ impl Drop for Unrecorded<'_> {
 async fn proxy_from(
     state: &Arc<AppState>,
     endpoint: Endpoint,
+    id: Option<&RequestId>,
     headers: &HeaderMap,
     body: Body,
     new_session: Option<(String, Duration)>,
@@ -349,6 +360,16 @@ async fn proxy_from(
         None => session_of(state, headers)?,
     };
     let (stream, prepared) = routing::parse_and_prepare(state, endpoint, &body).await?;
+    let adopted;
+    let headers = match (id, prepared.request_id.as_deref()) {
+        (Some(id), Some(body_id)) => {
+            let mut h = headers.clone();
+            id.adopt(Some(body_id), &mut h);
+            adopted = h;
+            &adopted
+        }
+        _ => headers,
+    };
     if prepared.template_fallback {
         state.metrics.event("chat_template_fallback", 1);
     }
@@ -1244,7 +1265,7 @@ mod tests {
             let state = state.clone();
             async move {
                 let body = Body::from(r#"{"model": "m", "prompt": "hello"}"#);
-                proxy(&state, Endpoint::Completions, &HeaderMap::new(), body, None, Instant::now()).await.is_ok()
+                proxy(&state, Endpoint::Completions, None, &HeaderMap::new(), body, None, Instant::now()).await.is_ok()
             }
         });
         // Read, admitted, and waiting for a tokenizer slot (this runtime

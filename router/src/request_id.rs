@@ -1,17 +1,22 @@
-//! Every client request gets an `x-request-id`: the client's own when it
-//! sent a usable one, else one the router makes. The engine gets it (vLLM
-//! takes the header as its request id, so its log lines name it), the
-//! router's log of a failed attempt names it, and the client gets it back
-//! on the answer, errors included. A request that came without one could
-//! not be found in the engine's log, nor tied to the router's.
+//! Every client request gets an `x-request-id`: the client's header when
+//! it sent a usable one, else the body's `request_id` (vLLM's extension,
+//! which the engine takes when no header names one), else one the router
+//! makes. The engine gets it (vLLM takes the header as its request id, so
+//! its log lines name it), the router's log of a failed attempt names it,
+//! and the client gets it back on the answer, errors included. A request
+//! that came without one could not be found in the engine's log, nor tied
+//! to the router's.
 //!
 //! The sidecars' pushes, the replicas' reports, the probes and `/metrics`
 //! get none: nothing is forwarded or logged per request there.
 
+use std::sync::Arc;
+
 use axum::extract::Request;
-use axum::http::{HeaderName, HeaderValue};
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use axum::middleware::Next;
 use axum::response::Response;
+use parking_lot::Mutex;
 
 pub const HEADER: HeaderName = HeaderName::from_static("x-request-id");
 
@@ -38,6 +43,27 @@ pub fn generate() -> HeaderValue {
     HeaderValue::from_str(&id).expect("hex digits are a valid header value")
 }
 
+/// A request's id, as the middleware chose it (a request extension): one it
+/// made gives way to the body's `request_id` once the body is read.
+#[derive(Clone, Debug)]
+pub struct RequestId {
+    id: Arc<Mutex<HeaderValue>>,
+    made: bool,
+}
+
+impl RequestId {
+    /// The client named no usable id in a header and the body names a
+    /// usable `request_id`: the body's becomes the request's id, in
+    /// `headers` (what the engine and the log get) and on the answer.
+    pub fn adopt(&self, body_id: Option<&str>, headers: &mut HeaderMap) {
+        let Some(v) = body_id.and_then(|b| HeaderValue::from_str(b).ok()).filter(usable) else { return };
+        if self.made {
+            *self.id.lock() = v.clone();
+            headers.insert(HEADER, v);
+        }
+    }
+}
+
 /// The middleware: ensures the request's id, and puts it on the answer
 /// unless the engine's answer already carries one (vLLM's
 /// `--enable-request-id-headers` echoes the same id).
@@ -45,12 +71,15 @@ pub async fn ensure(mut req: Request, next: Next) -> Response {
     if exempt(req.uri().path()) {
         return next.run(req).await;
     }
-    let id = match req.headers().get(&HEADER) {
-        Some(v) if usable(v) => v.clone(),
-        _ => generate(),
+    let (id, made) = match req.headers().get(&HEADER) {
+        Some(v) if usable(v) => (v.clone(), false),
+        _ => (generate(), true),
     };
     req.headers_mut().insert(HEADER, id.clone());
+    let chosen = RequestId { id: Arc::new(Mutex::new(id)), made };
+    req.extensions_mut().insert(chosen.clone());
     let mut res = next.run(req).await;
+    let id = chosen.id.lock().clone();
     res.headers_mut().entry(HEADER).or_insert(id);
     res
 }

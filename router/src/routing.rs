@@ -8,7 +8,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use kvroute_shared::openai::{Endpoint, PromptRequest};
 use kvroute_shared::tokenize::TokenizeError;
-use kvroute_shared::{BlockKey, KeyRoot, WorkerId, block_keys};
+use kvroute_shared::{BlockKey, KeyRoot, ModelName, WorkerId, block_keys};
 
 use crate::error::RouterError;
 use crate::index::{Index, MatchKind, Slot};
@@ -77,6 +77,8 @@ pub struct Prepared {
     head_hash: u64,
     prefix_hint: Option<usize>,
     exact_tokenizer: bool,
+    /// The body's `request_id` (vLLM's extension).
+    pub request_id: Option<String>,
     /// A chat the model's template could not render here, keyed by its
     /// messages' plain text (counted by the caller that routes it, not by
     /// `/debug/route`).
@@ -123,13 +125,31 @@ pub fn served_model(state: &AppState) -> String {
     listed(true).or_else(|| listed(false)).map(|m| m.as_str().to_owned()).unwrap_or_default()
 }
 
+/// The name `model`'s blocks are keyed by: the base's, when a worker
+/// serving it says it is an alias (`--served-model-name a b`), healthy
+/// workers first; else its own.
+pub fn key_model<'a>(snapshot: &'a [Arc<Worker>], model: &'a str) -> &'a str {
+    if snapshot.iter().all(|w| w.aliases.is_empty()) {
+        return model;
+    }
+    let name = ModelName::new(model);
+    let alias = |healthy: bool| {
+        let mut named = snapshot.iter().filter(|w| !healthy || w.live.is_healthy());
+        named.find_map(|w| w.aliases.get(&name).map(ModelName::as_str))
+    };
+    alias(true).or_else(|| alias(false)).unwrap_or(model)
+}
+
 /// Renders, tokenizes and keys `req` on the calling thread.
 pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, RouterError> {
     let model = match req.model() {
         "" => served_model(state),
         named => named.to_owned(),
     };
-    let tokenizer = state.tokenizers.for_model(&model);
+    let snapshot = state.workers.snapshot();
+    let key_model = key_model(&snapshot, &model);
+    // An alias without a tokenizer of its own uses its base's.
+    let tokenizer = state.tokenizers.named(&model).unwrap_or_else(|| state.tokenizers.for_model(key_model));
     let max = state.config.raw.max_prompt_tokens;
     // A chat template can expand a small body hundreds of times: the text
     // is held to the same bound as a body before it is tokenized.
@@ -178,13 +198,24 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
     if (tokenizer.is_exact() || req.has_token_ids()) && counted > max {
         return Err(RouterError::PromptTooLong { tokens: Some(counted), max });
     }
-    let root = KeyRoot::new(&model, req.cache_salt());
+    let root = KeyRoot::new(key_model, req.cache_salt());
     let keys = block_keys(root, &tokens, state.config.block_size);
     let head = &tokens[..tokens.len().min(state.config.raw.head_tokens)];
     let head_hash = BlockKey::chain(root.0, head).0;
     let prefix_hint = req.prefix_len().map(|n| n as usize);
     let exact_tokenizer = tokenizer.is_exact();
-    Ok(Prepared { model, tokens, unkeyed_tokens, keys, head_hash, prefix_hint, exact_tokenizer, template_fallback })
+    let request_id = req.request_id().map(str::to_owned);
+    Ok(Prepared {
+        model,
+        tokens,
+        unkeyed_tokens,
+        keys,
+        head_hash,
+        prefix_hint,
+        exact_tokenizer,
+        request_id,
+        template_fallback,
+    })
 }
 
 /// Parses `body` ([`crate::proxy::parse`]) and renders, tokenizes and keys

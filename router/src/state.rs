@@ -15,8 +15,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use kvroute_shared::WorkerId;
 use kvroute_shared::tokenize::PromptTokenizer;
-use kvroute_shared::{ModelName, WorkerId};
 use parking_lot::RwLock;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -27,7 +27,7 @@ use crate::metrics::Metrics;
 use crate::policy::{ForeignTraffic, Policy};
 use crate::replicas::Replicas;
 use crate::sessions::Sessions;
-use crate::workers::{Registry, RegistryError, Source, Target, Upsert, Worker};
+use crate::workers::{Registry, RegistryError, Served, Source, Target, Upsert, Worker};
 
 /// The last (epoch, seq) applied per worker: reordered or duplicated sidecar
 /// batches are dropped.
@@ -149,11 +149,11 @@ impl MapState {
         registry: &Registry,
         id: &WorkerId,
         target: Option<Target<'_>>,
-        models: Option<&[ModelName]>,
+        served: Option<Served<'_>>,
         now_ms: u64,
     ) -> Result<Registered, RegistryError> {
         let mut reclaimed = None;
-        let (worker, how) = match registry.upsert(id, target, models, Source::Sidecar) {
+        let (worker, how) = match registry.upsert(id, target, served, Source::Sidecar) {
             Err(RegistryError::Full) => {
                 let silence = RECLAIM_AFTER_SILENCE.as_millis() as u64;
                 let victim = registry
@@ -162,7 +162,7 @@ impl MapState {
                     .ok_or(RegistryError::Full)?;
                 self.remove(registry, &victim);
                 reclaimed = Some(victim);
-                registry.upsert(id, target, models, Source::Sidecar)?
+                registry.upsert(id, target, served, Source::Sidecar)?
             }
             other => other?,
         };
@@ -249,7 +249,12 @@ pub struct Tokenizers {
 
 impl Tokenizers {
     pub fn for_model(&self, model: &str) -> &Arc<PromptTokenizer> {
-        self.by_model.get(model).unwrap_or(&self.default)
+        self.named(model).unwrap_or(&self.default)
+    }
+
+    /// The tokenizer given for `model` by name (`--model-tokenizer`), if any.
+    pub fn named(&self, model: &str) -> Option<&Arc<PromptTokenizer>> {
+        self.by_model.get(model)
     }
 }
 

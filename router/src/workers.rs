@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
-use kvroute_shared::wire::Load;
+use kvroute_shared::wire::{Load, ModelAliases};
 use kvroute_shared::{ModelName, WorkerId};
 use parking_lot::Mutex;
 use serde::Serialize;
@@ -49,6 +49,8 @@ pub struct Worker {
     /// Served models; empty means unknown (a static worker before its first
     /// sync), which accepts any model.
     pub models: Vec<ModelName>,
+    /// Which of them key as another (`--served-model-name a b`).
+    pub aliases: ModelAliases,
     pub source: Source,
     /// Stable hash of the id, for rendezvous placement (same on every router).
     pub id_hash: u64,
@@ -58,6 +60,22 @@ pub struct Worker {
 impl Worker {
     pub fn serves(&self, model: &str) -> bool {
         self.models.is_empty() || self.models.iter().any(|m| m.as_str() == model)
+    }
+}
+
+/// What a registration says a worker serves: its model names, and which of
+/// them are aliases that key as another ([`ModelAliases`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Served<'a> {
+    pub models: &'a [ModelName],
+    pub aliases: &'a ModelAliases,
+}
+
+impl<'a> Served<'a> {
+    /// Names without aliases.
+    pub fn names(models: &'a [ModelName]) -> Self {
+        static NONE: ModelAliases = ModelAliases::new();
+        Served { models, aliases: &NONE }
     }
 }
 
@@ -75,6 +93,7 @@ impl Worker {
             url: "http://w".into(),
             dp_rank: None,
             models: Vec::new(),
+            aliases: ModelAliases::new(),
             source: Source::Sidecar,
             live: Arc::new(WorkerLive::default()),
         })
@@ -401,7 +420,7 @@ impl Registry {
         &self,
         id: &WorkerId,
         target: Option<Target<'_>>,
-        models: Option<&[ModelName]>,
+        served: Option<Served<'_>>,
         source: Source,
     ) -> Result<(Arc<Worker>, Upsert), RegistryError> {
         let mut next_generation = self.write.lock();
@@ -419,8 +438,9 @@ impl Registry {
                 Some(e) => e,
                 None => (old.url.clone(), old.dp_rank),
             };
-            let models = models.map(<[ModelName]>::to_vec).unwrap_or_else(|| old.models.clone());
-            if url == old.url && dp_rank == old.dp_rank && models == old.models {
+            let models = served.map_or_else(|| old.models.clone(), |s| s.models.to_vec());
+            let aliases = served.map_or_else(|| old.aliases.clone(), |s| s.aliases.clone());
+            if url == old.url && dp_rank == old.dp_rank && models == old.models && aliases == old.aliases {
                 return Ok((old.clone(), Upsert::Unchanged));
             }
             if url != old.url || dp_rank != old.dp_rank {
@@ -435,6 +455,7 @@ impl Registry {
                 url,
                 dp_rank,
                 models,
+                aliases,
                 source: old.source,
                 id_hash: old.id_hash,
                 live: old.live.clone(),
@@ -465,7 +486,8 @@ impl Registry {
             generation,
             url,
             dp_rank,
-            models: models.map(<[ModelName]>::to_vec).unwrap_or_default(),
+            models: served.map(|s| s.models.to_vec()).unwrap_or_default(),
+            aliases: served.map(|s| s.aliases.clone()).unwrap_or_default(),
             source,
             id_hash: id_hash(id),
             live: Arc::new(WorkerLive::default()),
@@ -503,7 +525,9 @@ mod tests {
         let (w, how) = r.upsert(&id, Some("http://a/".into()), None, Source::Sidecar).unwrap();
         assert_eq!((how, w.url.as_str()), (Upsert::Added, "http://a"));
         w.live.inflight.store(3, Ordering::Relaxed);
-        let (w2, how) = r.upsert(&id, Some("http://b".into()), Some(&[ModelName::new("m")]), Source::Sidecar).unwrap();
+        let (w2, how) = r
+            .upsert(&id, Some("http://b".into()), Some(Served::names(&[ModelName::new("m")])), Source::Sidecar)
+            .unwrap();
         assert_eq!(how, Upsert::Updated);
         assert_eq!(w2.slot, w.slot);
         assert_eq!(w2.live.inflight.load(Ordering::Relaxed), 3);

@@ -592,9 +592,9 @@ async fn a_request_naming_no_model_is_for_the_served_one() {
 
 /// The client's request id and API key reach the engine. A request without
 /// a usable id (none, or one longer than any id: vLLM repeats it in every
-/// streamed chunk) gets one the router makes; the engine and the client see
-/// the same id, on a passed-through request and on the router's own refusal
-/// too.
+/// streamed chunk) in its header or its body gets one the router makes; the
+/// engine and the client see the same id, on a passed-through request and
+/// on the router's own refusal too.
 #[tokio::test]
 async fn every_request_has_an_id_the_engine_and_the_client_both_see() {
     let echo = |headers: axum::http::HeaderMap| async move {
@@ -633,6 +633,18 @@ async fn every_request_has_an_id_the_engine_and_the_client_both_see() {
         let made = seen["id"].as_str().unwrap_or_else(|| panic!("{path} {id:?}: the engine got no id: {seen}"));
         assert!(made.len() == 32 && made.bytes().all(|b| b.is_ascii_hexdigit()), "{path} {id:?}: {made}");
         assert_eq!(answered.as_deref(), Some(made), "{path} {id:?}: the client is told the engine's id");
+    }
+    // vLLM takes a body's `request_id` when no header names one: so does the
+    // router, which sends it on as the header (a header still wins).
+    for path in ["/v1/completions", "/v1/embeddings"] {
+        let body = json!({"model": "m", "prompt": "hi", "input": "hi", "request_id": "job-42"});
+        let resp = r.http.post(format!("{}{path}", r.url)).json(&body).send().await.unwrap();
+        assert_eq!(resp.headers()["x-request-id"], "job-42", "{path}");
+        assert_eq!(resp.json::<Value>().await.unwrap()["id"], "job-42", "{path}");
+        let resp = r.http.post(format!("{}{path}", r.url)).header("x-request-id", "hdr-1").json(&body).send();
+        let resp = resp.await.unwrap();
+        assert_eq!(resp.headers()["x-request-id"], "hdr-1", "{path}");
+        assert_eq!(resp.json::<Value>().await.unwrap()["id"], "hdr-1", "{path}");
     }
     // The router's own refusal names an id too (a client's, or a new one).
     let refused = r.http.post(format!("{}/v1/completions", r.url)).header("x-request-id", "bad-1").body("{").send();
@@ -1352,6 +1364,42 @@ async fn stored_hashes_are_bounded_like_syncs() {
     // them, or confirming its speculative entries): they were counted as new.
     assert_eq!(push(keys(20, 4)).await.status(), 200, "re-stored held keys");
     assert_eq!(push([keys(20, 4), keys(30, 1)].concat()).await.status(), 413, "one new key past the cap");
+}
+
+/// `--served-model-name a b`: vLLM caches one model's blocks whichever name
+/// a request gives, and the sidecar keys them by its base name. A request
+/// for the alias is keyed as the base and finds the holder; it matched
+/// nothing under its own name. The ack says the router takes aliases.
+#[tokio::test]
+async fn a_request_for_an_alias_is_keyed_as_its_base_model() {
+    let w1 = fake_worker("w1", Behaviour::Ok).await;
+    let w2 = fake_worker("w2", Behaviour::Ok).await;
+    let r = router(&[], |_| {}).await;
+    let text = prompt(200);
+    for (id, url, hashes) in [("w1", &w1.url, vec![]), ("w2", &w2.url, keys_of("a", &text))] {
+        let sync = json!({"worker_id": id, "url": url, "models": ["a", "b", "lora1"], "model_aliases": {"b": "a"},
+                          "block_size": 16, "hashes": hashes, "seq": 1, "epoch": "e1"});
+        let resp = r.internal("/internal/sync", sync).await;
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.json::<Value>().await.unwrap()["model_aliases"], true);
+    }
+    for model in ["a", "b"] {
+        let debug = r.explain(json!({"model": model, "prompt": text})).await;
+        assert_eq!(debug["decision"]["worker"], "w2", "{model}: {debug}");
+        let row = debug["workers"].as_array().unwrap().iter().find(|w| w["id"] == "w2").unwrap();
+        assert_eq!(row["matched_blocks"], 12, "{model}");
+        let resp = r.complete(json!({"model": model, "prompt": text})).await;
+        assert_eq!(resp.headers()["x-kvroute-worker"], "w2");
+    }
+    let workers: Value = r.http.get(format!("{}/admin/workers", r.url)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(workers["workers"][0]["model_aliases"], json!({"b": "a"}), "{workers}");
+    // An adapter's blocks are its own: not keyed as the base.
+    let debug = r.explain(json!({"model": "lora1", "prompt": text})).await;
+    let row = debug["workers"].as_array().unwrap().iter().find(|w| w["id"] == "w2").unwrap();
+    assert_eq!(row["matched_blocks"], 0, "{debug}");
+    // An alias map that names a model the worker does not serve is refused.
+    let bad = json!({"worker_id": "w1", "url": w1.url, "models": ["a"], "model_aliases": {"b": "a"}, "hashes": []});
+    assert_eq!(r.internal("/internal/sync", bad).await.status(), 400);
 }
 
 #[tokio::test]

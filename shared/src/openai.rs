@@ -180,6 +180,9 @@ pub struct CompletionRequest {
     /// vLLM's per-request cache isolation; folded into the key root.
     #[serde(default)]
     pub cache_salt: Option<String>,
+    /// vLLM's extension: the request's id when no `X-Request-Id` names one.
+    #[serde(default)]
+    pub request_id: Option<String>,
     /// vLLM's extension; completions default to `true`.
     #[serde(default, deserialize_with = "lax::opt_bool")]
     pub add_special_tokens: Option<bool>,
@@ -206,6 +209,8 @@ pub struct ChatRequest {
     pub stream: bool,
     #[serde(default)]
     pub cache_salt: Option<String>,
+    #[serde(default)]
+    pub request_id: Option<String>,
     #[serde(default)]
     pub tools: Option<Vec<Value>>,
     #[serde(default)]
@@ -459,6 +464,14 @@ impl PromptRequest {
         match self {
             PromptRequest::Completion(r) => &r.model,
             PromptRequest::Chat(r) => &r.model,
+        }
+    }
+
+    /// vLLM's `request_id` extension.
+    pub fn request_id(&self) -> Option<&str> {
+        match self {
+            PromptRequest::Completion(r) => r.request_id.as_deref(),
+            PromptRequest::Chat(r) => r.request_id.as_deref(),
         }
     }
 

@@ -5,6 +5,8 @@
 //! goes through [`decode`], which names the offending field on failure so a
 //! 400 tells the sender exactly what to fix.
 
+use std::collections::BTreeMap;
+
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -111,6 +113,48 @@ pub fn check_models(models: &[ModelName]) -> Result<(), DecodeError> {
     Ok(())
 }
 
+/// Served names that key as another (`--served-model-name a b`): alias →
+/// the name the worker's sidecar keys its base model's blocks by. vLLM
+/// caches one model's blocks whatever name a request gives it (only a LoRA
+/// adapter's name is in its block hashes), so a request naming an alias is
+/// keyed as the base: keyed under its own name it matched nothing.
+pub type ModelAliases = BTreeMap<ModelName, ModelName>;
+
+/// An alias map a sync may carry: every name in it is one of `models`, and
+/// an alias's base is not itself an alias (nor the alias).
+pub fn check_aliases(aliases: &ModelAliases, models: &[ModelName]) -> Result<(), DecodeError> {
+    let listed = |m: &ModelName| models.contains(m);
+    for (alias, base) in aliases {
+        let field = || format!("model_aliases.{}", alias.as_str().chars().take(64).collect::<String>());
+        if !listed(alias) || !listed(base) {
+            return Err(DecodeError::new(field(), "an alias and its base must both be in `models`"));
+        }
+        if alias == base || aliases.contains_key(base) {
+            return Err(DecodeError::new(field(), "an alias's base must be a name that is not an alias"));
+        }
+    }
+    Ok(())
+}
+
+/// One entry of an engine's `/v1/models`: its name, and the base model a
+/// LoRA adapter runs on (`parent`; `None` for a served name of the base).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServedModel {
+    pub name: ModelName,
+    pub parent: Option<String>,
+}
+
+/// The aliases of `base` among `served`: the other names without a
+/// `parent` (vLLM's `--served-model-name a b` lists `a` and `b` so, and a
+/// LoRA adapter with its base as `parent`). None when `base` is an adapter.
+pub fn model_aliases(served: &[ServedModel], base: &ModelName) -> ModelAliases {
+    if !served.iter().any(|m| &m.name == base && m.parent.is_none()) {
+        return ModelAliases::new();
+    }
+    let others = served.iter().filter(|m| m.parent.is_none() && &m.name != base);
+    others.map(|m| (m.name.clone(), base.clone())).collect()
+}
+
 /// The most of an engine's `/v1/models` that is read: room for
 /// [`MAX_MODELS`] entries of vLLM's shape, ids of up to
 /// [`MAX_MODEL_NAME_LEN`] bytes.
@@ -120,6 +164,11 @@ pub const MAX_MODELS_BYTES: usize = 4 << 20;
 /// (as vLLM lists them), if it is a list a router takes
 /// ([`check_models`]).
 pub fn parse_model_list(body: &[u8]) -> Result<Vec<ModelName>, DecodeError> {
+    Ok(parse_served_models(body)?.into_iter().map(|m| m.name).collect())
+}
+
+/// [`parse_model_list`], with each entry's `parent`.
+pub fn parse_served_models(body: &[u8]) -> Result<Vec<ServedModel>, DecodeError> {
     #[derive(Deserialize)]
     struct ModelList {
         data: Vec<ModelEntry>,
@@ -127,11 +176,14 @@ pub fn parse_model_list(body: &[u8]) -> Result<Vec<ModelName>, DecodeError> {
     #[derive(Deserialize)]
     struct ModelEntry {
         id: String,
+        #[serde(default)]
+        parent: Option<String>,
     }
     let list: ModelList = decode(body)?;
-    let models: Vec<ModelName> = list.data.into_iter().map(|m| ModelName::new(m.id)).collect();
-    check_models(&models)?;
-    Ok(models)
+    let served: Vec<ServedModel> =
+        list.data.into_iter().map(|m| ServedModel { name: ModelName::new(m.id), parent: m.parent }).collect();
+    check_models(&served.iter().map(|m| m.name.clone()).collect::<Vec<_>>())?;
+    Ok(served)
 }
 
 /// The request header vLLM's API server (internal load balancing) reads to
@@ -221,6 +273,11 @@ pub struct SyncSnapshot {
     pub dp_rank: Option<u32>,
     #[serde(default)]
     pub models: Vec<ModelName>,
+    /// Which of `models` key as another ([`ModelAliases`]). Sent only to a
+    /// router whose ack says it takes them ([`InternalAck::model_aliases`]):
+    /// routers before the field refuse unknown fields.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub model_aliases: ModelAliases,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub block_size: Option<BlockSize>,
     pub hashes: Vec<BlockKey>,
@@ -247,6 +304,10 @@ pub struct InternalAck {
     /// speculative entry); echoed as [`SyncSnapshot::covers`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clock: Option<u64>,
+    /// This router takes [`SyncSnapshot::model_aliases`] (routers before the
+    /// field do not say, and refuse it).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub model_aliases: bool,
 }
 
 fn protocol_v1() -> u32 {
@@ -404,7 +465,8 @@ impl Validate for SyncSnapshot {
         if self.dp_rank.is_some_and(|r| r >= MAX_DP_RANKS) {
             return Err(DecodeError::new("dp_rank", format!("must be below {MAX_DP_RANKS}")));
         }
-        check_models(&self.models)
+        check_models(&self.models)?;
+        check_aliases(&self.model_aliases, &self.models)
     }
 }
 
@@ -418,6 +480,7 @@ pub fn decode_valid<T: DeserializeOwned + Validate>(body: &[u8]) -> Result<T, De
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn anything_after_the_value_is_refused() {
@@ -494,6 +557,51 @@ mod tests {
         assert_eq!(sync(vec!["m".into(); MAX_MODELS + 1]).unwrap_err().field, "models");
         assert_eq!(sync(vec!["m".into(), "x".repeat(MAX_MODEL_NAME_LEN + 1)]).unwrap_err().field, "models[1]");
         assert_eq!(sync(vec![String::new()]).unwrap_err().field, "models[0]");
+    }
+
+    /// A sync's aliases name only its models, each alias keying as a name
+    /// that is not one (an alias of an alias, or a loop, is refused).
+    #[test]
+    fn a_syncs_aliases_name_its_models_one_level_deep() {
+        let sync = |aliases: serde_json::Value| {
+            let body = serde_json::json!({"worker_id": "w1", "hashes": [], "models": ["a", "b", "c"], "model_aliases": aliases});
+            decode_valid::<SyncSnapshot>(body.to_string().as_bytes())
+        };
+        let ok = sync(serde_json::json!({"b": "a", "c": "a"})).unwrap();
+        assert_eq!(ok.model_aliases.get(&ModelName::new("c")), Some(&ModelName::new("a")));
+        for bad in [
+            json!({"x": "a"}),
+            json!({"b": "x"}),
+            json!({"a": "a"}),
+            json!({"b": "a", "c": "b"}),
+            json!({"a": "b", "b": "a"}),
+        ] {
+            assert!(sync(bad.clone()).unwrap_err().field.starts_with("model_aliases."), "{bad}");
+        }
+        // Routers before the field answer acks without it; it is not sent empty.
+        let ack: InternalAck = decode(br#"{"router_epoch": "e", "outcome": "applied", "protocol": 2}"#).unwrap();
+        assert!(!ack.model_aliases);
+        let plain = SyncSnapshot { model_aliases: ModelAliases::new(), ..ok };
+        assert!(!serde_json::to_string(&plain).unwrap().contains("model_aliases"));
+    }
+
+    /// vLLM lists `--served-model-name a b` as two entries without a
+    /// `parent`, and a LoRA adapter with its base as `parent`.
+    #[test]
+    fn the_other_served_names_of_the_base_are_its_aliases() {
+        let body = br#"{"object": "list", "data": [
+            {"id": "a", "object": "model", "root": "/m", "parent": null},
+            {"id": "b", "object": "model", "root": "/m", "parent": null},
+            {"id": "lora1", "object": "model", "root": "/l", "parent": "a"}]}"#;
+        let served = parse_served_models(body).unwrap();
+        let names = |m: ModelAliases| {
+            m.into_iter().map(|(k, v)| (k.as_str().to_owned(), v.as_str().to_owned())).collect::<Vec<_>>()
+        };
+        let pair = |k: &str, v: &str| vec![(k.to_owned(), v.to_owned())];
+        assert_eq!(names(model_aliases(&served, &ModelName::new("a"))), pair("b", "a"));
+        assert_eq!(names(model_aliases(&served, &ModelName::new("b"))), pair("a", "b"));
+        assert!(model_aliases(&served, &ModelName::new("lora1")).is_empty(), "an adapter has no aliases");
+        assert_eq!(parse_model_list(body).unwrap(), ["a", "b", "lora1"].map(ModelName::new));
     }
 
     /// A sync's URL is parsed under the router's index lock and formatted

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_shared::body::{MAX_ENGINE_METRICS_BYTES, read_within};
-use kvroute_shared::wire::{Load, MAX_MODELS_BYTES, parse_model_list};
+use kvroute_shared::wire::{Load, MAX_MODELS_BYTES, ModelAliases, ServedModel, model_aliases, parse_served_models};
 use kvroute_shared::{BlockSize, ModelName};
 use parking_lot::RwLock;
 use tokio_util::sync::CancellationToken;
@@ -69,12 +69,12 @@ impl EngineClient {
         read_within(reqwest::Body::from(resp), limit).await.map_err(wrap)?.ok_or(EngineError::TooLarge { url, limit })
     }
 
-    /// The served model names, base model first (as vLLM lists them): a
-    /// list the routers would take in a sync (`wire::check_models`).
-    pub async fn models(&self) -> Result<Vec<ModelName>, EngineError> {
+    /// The served models, base model first (as vLLM lists them): a list
+    /// the routers would take in a sync (`wire::check_models`).
+    pub async fn models(&self) -> Result<Vec<ServedModel>, EngineError> {
         let body = self.get("/v1/models", MAX_MODELS_BYTES).await?;
         let bad = |detail: String| EngineError::BadModels { url: format!("{}/v1/models", self.base), detail };
-        let models = parse_model_list(&body).map_err(|e| bad(e.to_string()))?;
+        let models = parse_served_models(&body).map_err(|e| bad(e.to_string()))?;
         if models.is_empty() {
             return Err(EngineError::NoModel(self.base.clone()));
         }
@@ -99,15 +99,27 @@ impl EngineClient {
 pub struct EngineView {
     /// The whole engine's load, then each followed data-parallel rank's.
     load: RwLock<(Option<Load>, BTreeMap<u32, Load>)>,
-    models: RwLock<Vec<ModelName>>,
+    /// The served names, and which of them key as `base` (its aliases).
+    models: RwLock<(Vec<ModelName>, ModelAliases)>,
+    /// The name this sidecar keys the base model's blocks by.
+    base: ModelName,
     /// The ranks whose own load is wanted (targets behind one URL).
     ranks: Vec<u32>,
 }
 
 impl EngineView {
-    /// `ranks`: the data-parallel ranks reported as targets of their own.
-    pub fn new(models: Vec<ModelName>, ranks: Vec<u32>) -> Self {
-        EngineView { load: RwLock::new((None, BTreeMap::new())), models: RwLock::new(models), ranks }
+    /// `served`: the engine's `/v1/models`; `base`: the name the sidecar
+    /// keys the base model's blocks by; `ranks`: the data-parallel ranks
+    /// reported as targets of their own.
+    pub fn new(served: &[ServedModel], base: ModelName, ranks: Vec<u32>) -> Self {
+        let view = EngineView { load: RwLock::new((None, BTreeMap::new())), models: RwLock::default(), base, ranks };
+        view.set_served(served);
+        view
+    }
+
+    pub(crate) fn set_served(&self, served: &[ServedModel]) {
+        let aliases = model_aliases(served, &self.base);
+        *self.models.write() = (served.iter().map(|m| m.name.clone()).collect(), aliases);
     }
 
     /// The whole engine's load.
@@ -133,12 +145,17 @@ impl EngineView {
     }
 
     pub fn models(&self) -> Vec<ModelName> {
-        self.models.read().clone()
+        self.models.read().0.clone()
+    }
+
+    /// The served names that key as the base (`--served-model-name a b`).
+    pub fn aliases(&self) -> ModelAliases {
+        self.models.read().1.clone()
     }
 
     #[cfg(test)]
     pub fn set_models(&self, models: Vec<ModelName>) {
-        *self.models.write() = models;
+        self.set_served(&models.into_iter().map(|name| ServedModel { name, parent: None }).collect::<Vec<_>>());
     }
 }
 
@@ -193,7 +210,7 @@ pub async fn watch(
             }
             _ = models_tick.tick() => {
                 match client.models().await {
-                    Ok(models) => *view.models.write() = models,
+                    Ok(served) => view.set_served(&served),
                     // Down or restarting: its list comes back with it.
                     Err(EngineError::Http { .. }) => {}
                     Err(e) => warn!(error = %e, "the engine's model list is refused; the last one is kept"),
@@ -242,7 +259,7 @@ mod tests {
     fn more_engines_than_followed_are_said_once() {
         let text =
             |n: u32| (0..n).map(|e| format!("vllm:num_requests_running{{engine=\"{e}\"}} 1\n")).collect::<String>();
-        let view = EngineView::new(Vec::new(), Vec::new());
+        let view = EngineView::new(&[], ModelName::new("m"), Vec::new());
         assert_eq!(view.set_loads(&text(2)), Some(2));
         assert_eq!(view.set_loads("# no load\n"), None);
         let mut one = UnfollowedRanks { followed: 1, logged: false };
@@ -287,7 +304,7 @@ mod tests {
         let url = guarded_engine("engine-secret").await;
         let http = reqwest::Client::new();
         let with = EngineClient::new(http.clone(), url.clone(), Some(Secret("engine-secret".into())));
-        assert_eq!(with.models().await.unwrap(), [ModelName::new("m")]);
+        assert_eq!(with.models().await.unwrap(), [ServedModel { name: ModelName::new("m"), parent: None }]);
         let without = EngineClient::new(http, url, None);
         assert!(matches!(without.models().await, Err(EngineError::Http { .. })));
     }

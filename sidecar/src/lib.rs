@@ -33,6 +33,7 @@ use std::future::Future;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use kvroute_shared::wire::ServedModel;
 use kvroute_shared::{BlockSize, ModelName};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -199,7 +200,8 @@ async fn start(
     // block size to be checked, and a name it does not serve (a typo, the
     // HF id instead of `--served-model-name`) roots every key where no
     // request's key is.
-    let models = discover_models(&engine).await?;
+    let served = discover_models(&engine).await?;
+    let models: Vec<ModelName> = served.iter().map(|m| m.name.clone()).collect();
     let base_model = match &config.model {
         Some(m) if !models.contains(m) => {
             return Err(RunError::ModelNotServed {
@@ -246,7 +248,8 @@ async fn start(
         }
     };
     info!(model = %base_model, block_size = block_size.get(), "engine facts");
-    let view = Arc::new(EngineView::new(models, config.targets.iter().filter_map(|t| t.dp_rank).collect()));
+    let ranks = config.targets.iter().filter_map(|t| t.dp_rank).collect();
+    let view = Arc::new(EngineView::new(&served, base_model.clone(), ranks));
     let client = Arc::new(HttpRouterClient::new(http, config.internal_token.clone()));
     let mut tasks = kvroute_serve::critical::Critical::default();
     let mut targets = Vec::new();
@@ -302,7 +305,7 @@ async fn start(
 /// weights): its served models (never empty), once it lists them. An engine
 /// that refuses the sidecar (401, 403: started with `--api-key`, which
 /// guards `/v1/*`) is an error, not a wait: it would refuse for ever.
-async fn discover_models(engine: &EngineClient) -> Result<Vec<ModelName>, RunError> {
+async fn discover_models(engine: &EngineClient) -> Result<Vec<ServedModel>, RunError> {
     let mut backoff = Duration::from_millis(200);
     loop {
         match engine.models().await {

@@ -28,7 +28,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use kvroute_shared::wire::{AckOutcome, EvictionBatch, InternalAck, Load, PROTOCOL_VERSION, SyncSnapshot};
+use kvroute_shared::wire::{
+    AckOutcome, EvictionBatch, InternalAck, Load, ModelAliases, PROTOCOL_VERSION, SyncSnapshot,
+};
 use kvroute_shared::{BlockSize, ModelName, WorkerId};
 use rand::Rng;
 use tokio::sync::Notify;
@@ -135,6 +137,12 @@ struct Link {
     /// once rather than at the next full sync, minutes later, its requests
     /// answered "model does not exist" meanwhile.
     synced_models: Vec<ModelName>,
+    /// The alias map the last sync named (empty to a router that does not
+    /// take one).
+    synced_aliases: ModelAliases,
+    /// The router's last ack said it takes a sync's `model_aliases`
+    /// (routers before the field refuse it).
+    takes_aliases: bool,
 }
 
 impl Link {
@@ -152,6 +160,8 @@ impl Link {
             failures: 0,
             unreachable: false,
             synced_models: Vec::new(),
+            synced_aliases: ModelAliases::new(),
+            takes_aliases: false,
         }
     }
 
@@ -165,8 +175,11 @@ impl Pusher {
         let load = self.engine.load_for(self.dp_rank);
         let every = if link.v2() { self.full_sync_interval } else { self.v1_sync_interval };
         let models = self.engine.models();
+        // A router that says it takes aliases gets them at once (the first
+        // sync went before its ack said so).
+        let aliases = if link.takes_aliases { self.engine.aliases() } else { ModelAliases::new() };
         if link.last_sync.is_some_and(|t| t.elapsed() >= every)
-            || (link.last_sync.is_some() && models != link.synced_models)
+            || (link.last_sync.is_some() && (models != link.synced_models || aliases != link.synced_aliases))
         {
             self.state.require_sync(&link.target);
         }
@@ -208,6 +221,7 @@ impl Pusher {
                 url: Some(self.advertise_url.clone()),
                 dp_rank: self.dp_rank,
                 models,
+                model_aliases: aliases,
                 block_size: Some(self.block_size),
                 hashes: content.keys,
                 load,
@@ -219,6 +233,7 @@ impl Pusher {
             link.last_sent = Some(tokio::time::Instant::now());
             link.last_sync = link.last_sent;
             link.synced_models = body.models;
+            link.synced_aliases = body.model_aliases;
             return Ok(Round::Sent(MessageKind::Sync, ack));
         }
         let repair = std::mem::take(&mut link.repair_due) && link.v2();
@@ -276,6 +291,7 @@ impl Pusher {
         let restarted = link.router_epoch.as_ref().is_some_and(|e| *e != ack.router_epoch);
         link.router_epoch = Some(ack.router_epoch);
         link.router_clock = ack.clock;
+        link.takes_aliases = ack.model_aliases;
         if restarted && !link.v2() {
             // Restarted, perhaps upgraded: try the current protocol again.
             link.protocol = PROTOCOL_VERSION;

@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
 
-from harness import Engine, Router, Sidecar, binary, eventually, tiny_model  # noqa: E402
+from harness import ALIAS, MODEL, Engine, Router, Sidecar, binary, eventually, tiny_model  # noqa: E402
 
 
 def pytest_sessionstart(session):
@@ -33,7 +33,8 @@ class Cluster:
     def __init__(self, num_blocks: int):
         tokenizer = tiny_model()
         binary("kvroute-router"), binary("kvroute-sidecar")
-        self.engines = [Engine("w1", num_blocks), Engine("w2", num_blocks)]
+        names = ["--served-model-name", MODEL, ALIAS]
+        self.engines = [Engine("w1", num_blocks, names), Engine("w2", num_blocks, names)]
         try:
             # Both engines load at once: start-up is mostly single-threaded.
             with ThreadPoolExecutor(2) as pool:

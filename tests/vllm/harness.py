@@ -30,6 +30,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 TARGET = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
 BIN = TARGET / "debug"
 MODEL = "tiny-qwen3"
+# A second --served-model-name of the cluster's engines: vLLM caches the
+# model's blocks whichever name a request gives.
+ALIAS = "tiny-qwen3-alias"
 BLOCK_SIZE = 32
 TOKEN = "real-vllm-tier-internal-token"
 # Engines start in 1–2 minutes on an idle 2-core machine; CI may be busier.
@@ -341,6 +344,12 @@ class Router:
 
     def workers(self) -> dict:
         return {w["id"]: w for w in requests.get(f"{self.url}/admin/workers", timeout=5).json()["workers"]}
+
+    def explain(self, body: dict) -> dict:
+        """`/debug/route`'s account of where `body` would go."""
+        r = requests.post(f"{self.url}/debug/route", json=body, timeout=30)
+        r.raise_for_status()
+        return r.json()
 
     def tokenize(self, body: dict) -> List[int]:
         """The router's own token ids for an OpenAI body (`kvroute-router tokenize`)."""

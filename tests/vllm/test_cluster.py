@@ -15,7 +15,7 @@ import random
 import pytest
 import requests
 
-from harness import BLOCK_SIZE, MODEL, ROOT, Engine, Proc, binary, eventually, free_port, truth
+from harness import ALIAS, BLOCK_SIZE, MODEL, ROOT, Engine, Proc, binary, eventually, free_port, truth
 
 CONVERGE = 30.0  # seconds: a sync every 5 s, pushes every 100 ms
 
@@ -71,6 +71,13 @@ def test_completion_and_chat_stick_to_the_holder(cluster):
         assert resp.headers["x-kvroute-worker"] == holder
         cached = resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached >= 6 * BLOCK_SIZE, f"the holder served only {cached} cached tokens"
+    # The engines serve the model as MODEL and ALIAS (`--served-model-name`):
+    # a request naming the alias is keyed as the model, and finds the holder.
+    rows = {w["id"]: w for w in cluster.router.explain({"model": ALIAS, "prompt": f"{prompt} By alias?"})["workers"]}
+    assert rows[holder]["matched_blocks"] >= 6, rows
+    resp = complete(cluster, f"{prompt} By alias?", model=ALIAS)
+    assert resp.headers["x-kvroute-worker"] == holder
+    assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 6 * BLOCK_SIZE
 
     system = "You are a careful assistant for the chat stickiness test. " + text(2, 260)
     chat = lambda q: {  # noqa: E731

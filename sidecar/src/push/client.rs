@@ -249,6 +249,7 @@ mod tests {
             url: None,
             dp_rank: None,
             models: Vec::new(),
+            model_aliases: Default::default(),
             block_size: None,
             hashes: Vec::new(),
             load: None,

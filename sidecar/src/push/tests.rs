@@ -6,7 +6,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use std::collections::HashSet;
 
-use kvroute_shared::wire::{AckOutcome, EvictionBatch, InternalAck, PROTOCOL_HEADER, SyncSnapshot};
+use kvroute_shared::wire::{AckOutcome, EvictionBatch, InternalAck, PROTOCOL_HEADER, ServedModel, SyncSnapshot};
 use kvroute_shared::{BlockKey, BlockSize, KeyDigest, KeyRoot, ModelName, WorkerId, block_keys};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
@@ -55,6 +55,8 @@ struct FakeRouter {
     protocols: Mutex<Vec<u32>>,
     /// The router's causal clock: one tick per ack here.
     clock: Mutex<u64>,
+    /// Its acks say it takes a sync's `model_aliases` (this release does).
+    takes_aliases: Mutex<bool>,
 }
 
 impl FakeRouter {
@@ -76,6 +78,7 @@ impl FakeRouter {
             held: Mutex::new(HashSet::new()),
             protocols: Mutex::new(Vec::new()),
             clock: Mutex::new(0),
+            takes_aliases: Mutex::new(true),
         })
     }
 
@@ -132,7 +135,8 @@ impl FakeRouter {
         *clock += 1;
         let protocol = if *self.v1_only.lock() { 1 } else { 2 };
         let clock = (protocol >= 2).then_some(*clock);
-        Ok(InternalAck { router_epoch: self.epoch.lock().clone(), outcome, protocol, resync, clock })
+        let model_aliases = *self.takes_aliases.lock();
+        Ok(InternalAck { router_epoch: self.epoch.lock().clone(), outcome, protocol, resync, clock, model_aliases })
     }
 
     /// Applies what a router would; the digest the message carried.
@@ -203,7 +207,7 @@ fn start_with(router: Arc<FakeRouter>, clock: WallClock) -> Setup {
     let metrics = Arc::new(Metrics::new());
     let translator = Translator::new(ModelName::new("m"), BlockSize::new(4).unwrap(), metrics.translate.clone());
     let state = Arc::new(WorkerState::with_clock(translator, metrics, 1 << 20, clock));
-    let engine = Arc::new(EngineView::new(vec![ModelName::new("m")], Vec::new()));
+    let engine = Arc::new(EngineView::new(&[served("m")], ModelName::new("m"), Vec::new()));
     let target = RouterTarget("http://r".into());
     state.set_routers(std::slice::from_ref(&target));
     let pusher = Arc::new(Pusher {
@@ -452,6 +456,44 @@ async fn a_new_model_is_synced_at_once() {
     advance(1_000).await;
     assert_eq!(syncs(&s.router.sent()).len(), 2, "once");
     s.cancel.cancel();
+}
+
+fn served(name: &str) -> ServedModel {
+    ServedModel { name: ModelName::new(name), parent: None }
+}
+
+/// `--served-model-name m m2`: a router that says it takes aliases gets a
+/// sync naming them at once (the first went before its ack said so), and
+/// again when they change; one that does not say (an older release refuses
+/// the field) never gets them.
+#[tokio::test(start_paused = true)]
+async fn aliases_are_synced_to_routers_that_take_them() {
+    for takes in [true, false] {
+        let router = FakeRouter::new();
+        *router.takes_aliases.lock() = takes;
+        let s = start_with(router, WallClock::system());
+        let lora = ServedModel { name: ModelName::new("m-lora"), parent: Some("m".into()) };
+        s.engine.set_served(&[served("m"), served("m2"), lora]);
+        advance(1).await;
+        advance(1_000).await;
+        let sent = s.router.sent();
+        let synced = syncs(&sent);
+        let aliases: Vec<_> = synced.iter().map(|s| s.model_aliases.clone()).collect();
+        let named = ModelAliases::from([(ModelName::new("m2"), ModelName::new("m"))]);
+        if takes {
+            assert_eq!(aliases, [ModelAliases::new(), named], "{sent:?}");
+        } else {
+            assert_eq!(aliases, [ModelAliases::new()], "{sent:?}");
+        }
+        // The same names, m2 now an adapter: only the aliases changed.
+        let m2_adapter = ServedModel { name: ModelName::new("m2"), parent: Some("m".into()) };
+        let lora = ServedModel { name: ModelName::new("m-lora"), parent: Some("m".into()) };
+        s.engine.set_served(&[served("m"), m2_adapter, lora]);
+        advance(1_000).await;
+        let synced = syncs(&s.router.sent()).len();
+        assert_eq!(synced, if takes { 3 } else { 1 }, "takes {takes}: an alias gone is synced too");
+        s.cancel.cancel();
+    }
 }
 
 /// A router that is down (connections refused) is tried at least every half
