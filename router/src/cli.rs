@@ -36,6 +36,13 @@ pub struct TokenizeArgs {
     /// `truncate_prompt_tokens: -1` keeps.
     #[arg(long, default_value_t = 262_144)]
     pub max_prompt_tokens: usize,
+    /// The engines' --default-chat-template-kwargs (a JSON object), as the
+    /// server takes it.
+    #[arg(long, value_name = "JSON")]
+    pub default_chat_template_kwargs: Option<String>,
+    /// The engines run with --exclude-tools-when-tool-choice-none.
+    #[arg(long)]
+    pub exclude_tools_when_tool_choice_none: bool,
 }
 
 /// Flags of the server. Each one, when given, overrides the file and env.
@@ -101,6 +108,15 @@ pub struct ServeArgs {
     /// A model's own tokenizer directory, MODEL=DIR (repeatable).
     #[arg(long = "model-tokenizer", value_name = "MODEL=DIR")]
     pub model_tokenizers: Vec<String>,
+    /// The engines' --default-chat-template-kwargs (a JSON object, e.g.
+    /// '{"enable_thinking": false}'): chats are rendered as the engines
+    /// render them [default: none].
+    #[arg(long, value_name = "JSON")]
+    pub default_chat_template_kwargs: Option<String>,
+    /// The engines run with --exclude-tools-when-tool-choice-none: a chat
+    /// with tool_choice "none" is rendered without its tools.
+    #[arg(long)]
+    pub exclude_tools_when_tool_choice_none: bool,
     /// Tokens per KV block; must equal the engines' --block-size [default: 16].
     #[arg(long)]
     pub block_size: Option<u32>,
@@ -185,6 +201,8 @@ const ENV_KEYS: &[&str] = &[
     "max_body_bytes_in_flight",
     "max_messages",
     "max_prompt_tokens",
+    "default_chat_template_kwargs",
+    "exclude_tools_when_tool_choice_none",
     "max_concurrent_requests",
     "approx_capacity_blocks",
     "session_ttl",
@@ -313,6 +331,8 @@ impl ServeArgs {
         set("replica_news_interval", self.replica_news_interval.clone().map(Into::into))?;
         set("tokenizer", self.tokenizer.as_ref().map(|p| p.display().to_string().into()))?;
         set("block_size", self.block_size.map(|n| i64::from(n).into()))?;
+        set("default_chat_template_kwargs", self.default_chat_template_kwargs.clone().map(Into::into))?;
+        set("exclude_tools_when_tool_choice_none", self.exclude_tools_when_tool_choice_none.then_some(true.into()))?;
         set("policy", self.policy.clone().map(Into::into))?;
         set("internal_token", self.internal_token.clone().map(Into::into))?;
         set("admin_token", self.admin_token.clone().map(Into::into))?;

@@ -8,8 +8,10 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
+use kvroute_shared::openai::ChatDefaults;
 use kvroute_shared::{BlockSize, WorkerId};
 use serde::Deserialize;
 
@@ -152,6 +154,15 @@ pub struct RawConfig {
     /// naming no media) too large in bytes to be one a 413 before any
     /// tokenizing; a truncated completion is placed by load instead.
     pub max_prompt_tokens: usize,
+    /// The engines' `--default-chat-template-kwargs` (a JSON object): the
+    /// router renders chats as they do, each request's own
+    /// `chat_template_kwargs` over them. Set it to the engines' value, or a
+    /// Qwen3 served with `{"enable_thinking": false}` is keyed without the
+    /// empty thinking block vLLM adds to every chat.
+    pub default_chat_template_kwargs: Option<String>,
+    /// The engines' `--exclude-tools-when-tool-choice-none`: a chat with
+    /// `tool_choice: "none"` is rendered without its tools.
+    pub exclude_tools_when_tool_choice_none: bool,
     pub max_concurrent_requests: usize,
     /// Blocks an approximately indexed worker is assumed to hold when its
     /// `vllm:cache_config_info` cannot be read.
@@ -221,6 +232,8 @@ impl Default for RawConfig {
             max_body_bytes_in_flight: 1 << 30,
             max_messages: 4096,
             max_prompt_tokens: 262_144,
+            default_chat_template_kwargs: None,
+            exclude_tools_when_tool_choice_none: false,
             max_concurrent_requests: 4096,
             approx_capacity_blocks: 100_000,
             session_ttl: Duration::from_secs(600),
@@ -305,6 +318,8 @@ pub struct Config {
     /// Per-worker push tokens (empty: the shared internal token authorizes
     /// pushes for any id).
     pub worker_tokens: BTreeMap<WorkerId, Secret>,
+    /// What the engines' flags add to every chat's rendering.
+    pub chat_defaults: ChatDefaults,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -554,7 +569,21 @@ impl RawConfig {
         {
             return Err(ConfigError::InsecureInternal { listen: self.listen });
         }
-        Ok(Config { block_size, workers, replicas, policy, worker_tokens, raw: self })
+        let kwargs = match &self.default_chat_template_kwargs {
+            None => None,
+            Some(text) => match serde_json::from_str::<serde_json::Value>(text) {
+                Ok(serde_json::Value::Object(map)) => Some(Arc::new(map)),
+                _ => {
+                    return Err(invalid(
+                        "default_chat_template_kwargs",
+                        format!("must be a JSON object, as vLLM's --default-chat-template-kwargs: {text:?}"),
+                    ));
+                }
+            },
+        };
+        let chat_defaults =
+            ChatDefaults { kwargs, exclude_tools_when_tool_choice_none: self.exclude_tools_when_tool_choice_none };
+        Ok(Config { block_size, workers, replicas, policy, worker_tokens, chat_defaults, raw: self })
     }
 }
 
@@ -659,6 +688,19 @@ mod tests {
     /// Values that would stop or fail the router's work at run time are
     /// refused at start, naming the field: a zero health-check period
     /// panicked the health task (ejected workers never came back).
+    /// vLLM's `--default-chat-template-kwargs` is a JSON object: anything
+    /// else is refused at start, naming the setting.
+    #[test]
+    fn the_engines_chat_defaults_are_a_json_object() {
+        let with = |text: &str| RawConfig { default_chat_template_kwargs: Some(text.into()), ..Default::default() };
+        let config = with(r#"{"enable_thinking": false}"#).validate().unwrap();
+        assert_eq!(config.chat_defaults.kwargs.unwrap()["enable_thinking"], false);
+        for bad in ["", "[1]", "{", "true"] {
+            let e = with(bad).validate().unwrap_err().to_string();
+            assert!(e.contains("default_chat_template_kwargs"), "{bad}: {e}");
+        }
+    }
+
     #[test]
     fn settings_that_would_fail_at_run_time_are_refused_at_start() {
         let zero = Duration::ZERO;

@@ -81,6 +81,14 @@ fn tokenize(args: &TokenizeArgs) -> anyhow::Result<()> {
     let endpoint = kvroute_router::admin::endpoint_of(&body);
     let mut req = PromptRequest::parse(endpoint, &body).map_err(|e| anyhow::anyhow!("bad request body: {e}"))?;
     req.resolve_truncation(args.max_prompt_tokens);
+    if let PromptRequest::Chat(c) = &mut req {
+        let raw = kvroute_router::config::RawConfig {
+            default_chat_template_kwargs: args.default_chat_template_kwargs.clone(),
+            exclude_tools_when_tool_choice_none: args.exclude_tools_when_tool_choice_none,
+            ..Default::default()
+        };
+        c.defaults = raw.validate()?.chat_defaults;
+    }
     let tokenizer = match &args.tokenizer {
         Some(dir) => PromptTokenizer::load(dir)?,
         None => PromptTokenizer::Bytes,

@@ -125,6 +125,9 @@ pub fn parse(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Prompt
     // `max_prompt_tokens` is set to: vLLM keeps that many (as its tokenizer
     // truncates, a Llama's BOS kept), and checks no length.
     req.resolve_truncation(state.config.raw.max_prompt_tokens);
+    if let PromptRequest::Chat(c) = &mut req {
+        c.defaults = state.config.chat_defaults.clone();
+    }
     if let PromptRequest::Chat(c) = &req
         && c.messages.len() > state.config.raw.max_messages
     {

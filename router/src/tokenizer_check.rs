@@ -159,7 +159,10 @@ pub async fn compare(state: &AppState, worker: &Worker) -> Option<Verdict> {
     // In byte mode only the text: a chat's plain rendering is never the
     // engine's, whatever it tokenizes with.
     for (what, endpoint, body) in probes(&model).into_iter().take(if bytes { 1 } else { 2 }) {
-        let Ok(req) = PromptRequest::parse(endpoint, body.to_string().as_bytes()) else { continue };
+        let Ok(mut req) = PromptRequest::parse(endpoint, body.to_string().as_bytes()) else { continue };
+        if let PromptRequest::Chat(c) = &mut req {
+            c.defaults = state.config.chat_defaults.clone();
+        }
         // No chat template here: the engine is asked anyway, and one that
         // renders the chat has a template the router lacks.
         let ours = tokenizer.prompt_tokens(&req);

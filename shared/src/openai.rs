@@ -199,6 +199,18 @@ pub struct CompletionRequest {
     pub prefix_len: Option<u32>,
 }
 
+/// What the engines' own flags add to every chat's rendering: set by the
+/// router from its configuration, never by the body.
+#[derive(Clone, Debug, Default)]
+pub struct ChatDefaults {
+    /// vLLM's `--default-chat-template-kwargs`: under the request's own
+    /// `chat_template_kwargs`.
+    pub kwargs: Option<std::sync::Arc<Map<String, Value>>>,
+    /// vLLM's `--exclude-tools-when-tool-choice-none`: a request with
+    /// `tool_choice: "none"` is rendered without its tools.
+    pub exclude_tools_when_tool_choice_none: bool,
+}
+
 /// `POST /v1/chat/completions`, as far as the prompt goes.
 #[derive(Clone, Debug, Deserialize)]
 pub struct ChatRequest {
@@ -213,6 +225,8 @@ pub struct ChatRequest {
     pub request_id: Option<String>,
     #[serde(default)]
     pub tools: Option<Vec<Value>>,
+    #[serde(default)]
+    pub tool_choice: Option<Value>,
     #[serde(default)]
     pub documents: Option<Vec<Value>>,
     /// vLLM's extensions, with vLLM's defaults.
@@ -240,6 +254,18 @@ pub struct ChatRequest {
     pub truncation_side: Option<TruncationSide>,
     #[serde(default, deserialize_with = "lax::opt_u32")]
     pub prefix_len: Option<u32>,
+    /// The engines' defaults (the router's configuration).
+    #[serde(skip)]
+    pub defaults: ChatDefaults,
+}
+
+impl ChatRequest {
+    /// The tools the template gets: none for `tool_choice: "none"` under
+    /// `--exclude-tools-when-tool-choice-none`.
+    pub fn rendered_tools(&self) -> Option<&[Value]> {
+        let none = self.tool_choice.as_ref().and_then(Value::as_str) == Some("none");
+        self.tools.as_deref().filter(|_| !(none && self.defaults.exclude_tools_when_tool_choice_none))
+    }
 }
 
 /// vLLM's `truncation_side` (a `Literal`: anything else is its 400).
@@ -416,8 +442,11 @@ fn null_is_empty<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Er
     Ok(Option::<String>::deserialize(d)?.unwrap_or_default())
 }
 
-/// Either kind of request, told apart by the endpoint it came to.
+/// Either kind of request, told apart by the endpoint it came to. One per
+/// request, parsed and dropped within its tokenizing job: the variants'
+/// sizes (a chat's 376 bytes) do not matter.
 #[derive(Clone, Debug)]
+#[allow(clippy::large_enum_variant)]
 pub enum PromptRequest {
     Completion(CompletionRequest),
     Chat(ChatRequest),

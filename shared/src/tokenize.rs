@@ -222,20 +222,23 @@ impl PromptTokenizer {
     fn render_chat_within(&self, c: &ChatRequest, max_bytes: Option<usize>) -> Result<String, TokenizeError> {
         let opts = ChatOptions {
             max_bytes,
-            tools: c.tools.as_deref(),
+            tools: c.rendered_tools(),
             documents: c.documents.as_deref(),
             add_generation_prompt: c.add_generation_prompt.unwrap_or(true),
             continue_final_message: c.continue_final_message,
             kwargs: c.chat_template_kwargs.as_ref(),
+            defaults: c.defaults.kwargs.as_deref(),
             reasoning_effort: c.reasoning_effort.as_deref(),
         };
         match self {
             PromptTokenizer::Hf(hf) => {
                 // HF picks `tool_use` for a request with tools, the kwargs'
-                // included (they win over the request's: `render`).
-                let kw_tools =
-                    c.chat_template_kwargs.as_ref().and_then(|k| k.get("tools")).is_some_and(chat_template::set);
-                let tool_use = hf.chat_tools.as_ref().filter(|_| c.tools.is_some() || kw_tools);
+                // (or the engines' default kwargs') included (`render`).
+                let kw_tools = |kw: Option<&serde_json::Map<String, serde_json::Value>>| {
+                    kw.and_then(|k| k.get("tools")).is_some_and(chat_template::set)
+                };
+                let tools = opts.tools.is_some() || kw_tools(opts.kwargs) || kw_tools(opts.defaults);
+                let tool_use = hf.chat_tools.as_ref().filter(|_| tools);
                 tool_use.or(hf.chat.as_ref()).ok_or(TokenizeError::NoChatTemplate)?.render(&c.messages, &opts)
             }
             PromptTokenizer::Bytes => {

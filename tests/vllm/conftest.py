@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
 
-from harness import ALIAS, MODEL, Engine, Router, Sidecar, binary, eventually, tiny_model  # noqa: E402
+from harness import ALIAS, CHAT_DEFAULTS, MODEL, Engine, Router, Sidecar, binary, eventually, tiny_model  # noqa: E402
 
 
 def pytest_sessionstart(session):
@@ -33,13 +33,13 @@ class Cluster:
     def __init__(self, num_blocks: int):
         tokenizer = tiny_model()
         binary("kvroute-router"), binary("kvroute-sidecar")
-        names = ["--served-model-name", MODEL, ALIAS]
-        self.engines = [Engine("w1", num_blocks, names), Engine("w2", num_blocks, names)]
+        flags = ["--served-model-name", MODEL, ALIAS, "--default-chat-template-kwargs", CHAT_DEFAULTS]
+        self.engines = [Engine("w1", num_blocks, flags), Engine("w2", num_blocks, flags)]
         try:
             # Both engines load at once: start-up is mostly single-threaded.
             with ThreadPoolExecutor(2) as pool:
                 list(pool.map(lambda e: e.wait_ready(), self.engines))
-            self.router = Router(tokenizer)
+            self.router = Router(tokenizer, extra=["--default-chat-template-kwargs", CHAT_DEFAULTS])
             self.sidecars = [Sidecar(f"w{i + 1}", e, [self.router.url]) for i, e in enumerate(self.engines)]
             self.wait_registered()
         except BaseException:

@@ -30,6 +30,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 TARGET = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
 BIN = TARGET / "debug"
 MODEL = "tiny-qwen3"
+# The cluster's engines' --default-chat-template-kwargs, given to its router
+# too: chats are rendered without thinking unless a request asks for it.
+CHAT_DEFAULTS = '{"enable_thinking": false}'
 # A second --served-model-name of the cluster's engines: vLLM caches the
 # model's blocks whichever name a request gives.
 ALIAS = "tiny-qwen3-alias"
@@ -354,8 +357,10 @@ class Router:
     def tokenize(self, body: dict) -> List[int]:
         """The router's own token ids for an OpenAI body (`kvroute-router tokenize`)."""
         tok = self.cmd[self.cmd.index("--tokenizer") + 1]
+        flag = "--default-chat-template-kwargs"
+        defaults = [flag, self.cmd[self.cmd.index(flag) + 1]] if flag in self.cmd else []
         out = subprocess.run(
-            [str(binary("kvroute-router")), "tokenize", "--tokenizer", tok, "--block-size", str(BLOCK_SIZE)],
+            [str(binary("kvroute-router")), "tokenize", "--tokenizer", tok, "--block-size", str(BLOCK_SIZE), *defaults],
             input=json.dumps(body),
             capture_output=True,
             text=True,

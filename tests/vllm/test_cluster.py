@@ -269,7 +269,8 @@ def _conversations() -> list:
         if i % 4 in (1, 3):
             case["tools"] = TOOLS
         if i % 6 == 5:
-            case["chat_template_kwargs"] = {"enable_thinking": False}
+            # Over the engines' default (CHAT_DEFAULTS): thinking on.
+            case["chat_template_kwargs"] = {"enable_thinking": True}
         cases.append(case)
     return cases
 

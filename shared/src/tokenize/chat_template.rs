@@ -44,6 +44,8 @@ pub struct ChatOptions<'a> {
     pub add_generation_prompt: bool,
     pub continue_final_message: bool,
     pub kwargs: Option<&'a Map<String, Json>>,
+    /// The engines' `--default-chat-template-kwargs`, under `kwargs`.
+    pub defaults: Option<&'a Map<String, Json>>,
     /// The request's `reasoning_effort`.
     pub reasoning_effort: Option<&'a str>,
     /// The most the rendered prompt may take, bytes (`None`:
@@ -80,6 +82,17 @@ impl ChatTemplate {
         ctx.insert("tools".into(), tools.unwrap_or(Json::Null));
         ctx.insert("documents".into(), opts.documents.map_or(Json::Null, |d| Json::Array(d.to_vec())));
         ctx.insert("add_generation_prompt".into(), Json::Bool(opts.add_generation_prompt));
+        if let Some(defaults) = opts.defaults {
+            // vLLM 0.32 (`ChatParams.with_defaults`): the server's kwargs go
+            // under the request's, and under its tools and documents where
+            // it has them.
+            for (k, v) in defaults.iter().filter(|(k, v)| set(v) && !RESERVED.contains(&k.as_str())) {
+                if (k == "tools" && opts.tools.is_some()) || (k == "documents" && opts.documents.is_some()) {
+                    continue;
+                }
+                ctx.insert(k.clone(), v.clone());
+            }
+        }
         if let Some(kw) = opts.kwargs {
             // vLLM 0.32 (`build_chat_params`, then `ChatParams.with_defaults`
             // through `merge_kwargs`): a kwarg that is null or "auto" is
@@ -455,6 +468,35 @@ mod tests {
         };
         assert_eq!(render(None, None), "1 ['x'] ['d'] True False False");
         assert_eq!(render(Some(&tools), Some(&docs)), "1 ['x'] ['mine'] True False False");
+    }
+
+    /// The engines' `--default-chat-template-kwargs` go under the request's
+    /// kwargs, tools and documents (vLLM 0.32's `ChatParams.with_defaults`),
+    /// and under `reasoning_effort`'s `enable_thinking`. Without them a
+    /// Qwen3 served with `{"enable_thinking": false}` missed the last block
+    /// of every chat.
+    #[test]
+    fn the_engines_default_kwargs_go_under_the_requests() {
+        let t =
+            ChatTemplate::new("{{ flag }} {{ other }} {{ tools }} {{ enable_thinking }}".into(), Map::new()).unwrap();
+        let msgs: Vec<Map<String, Json>> = serde_json::from_value(serde_json::json!([{"role": "user"}])).unwrap();
+        let map = |v: Json| -> Map<String, Json> { serde_json::from_value(v).unwrap() };
+        let defaults = map(serde_json::json!({"flag": "d", "other": "d", "tools": ["dt"], "enable_thinking": false}));
+        let kwargs = map(serde_json::json!({"flag": "r", "other": null}));
+        let tools = vec![serde_json::json!("rt")];
+        let render = |kwargs: Option<&Map<String, Json>>, tools: Option<&[Json]>, effort: Option<&str>| {
+            let opts = ChatOptions {
+                kwargs,
+                defaults: Some(&defaults),
+                tools,
+                reasoning_effort: effort,
+                ..Default::default()
+            };
+            t.render(&msgs, &opts).unwrap()
+        };
+        assert_eq!(render(None, None, None), "d d ['dt'] False");
+        assert_eq!(render(Some(&kwargs), Some(&tools), None), "r d ['rt'] False", "a null kwarg leaves the default");
+        assert_eq!(render(None, None, Some("high")), "d d ['dt'] True", "the effort's enable_thinking wins");
     }
 
     /// `reasoning_effort` reaches the template, and with it `enable_thinking`
