@@ -143,6 +143,8 @@ pub async fn debug_route(
         "exact_tokenizer": plan.exact_tokenizer,
         "block_size": plan.block_size,
         "block_keys": plan.keys,
+        // Asks for its prompt's logprobs: the engine reads nothing cached.
+        "skips_prefix_cache": plan.skips_prefix_cache,
         "sole_router": plan.sole_router,
         "pinned_session_worker": pinned,
         "chat_template_fallback": template_fallback,

@@ -26,6 +26,9 @@ pub struct Plan {
     /// truncated completion too long to tokenize here ([`prepare`]).
     pub unkeyed_tokens: usize,
     pub keys: Vec<BlockKey>,
+    /// The engine reads nothing of this prompt from its cache
+    /// ([`PromptRequest::skips_prefix_cache`]): no keys, placed by load.
+    pub skips_prefix_cache: bool,
     pub block_size: usize,
     /// Candidates (healthy, serving the model), index-aligned with `candidates`.
     pub workers: Vec<Arc<Worker>>,
@@ -79,6 +82,7 @@ pub struct Prepared {
     exact_tokenizer: bool,
     /// The body's `request_id` (vLLM's extension).
     pub request_id: Option<String>,
+    skips_prefix_cache: bool,
     /// A chat the model's template could not render here, keyed by its
     /// messages' plain text (counted by the caller that routes it, not by
     /// `/debug/route`).
@@ -199,7 +203,12 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
         return Err(RouterError::PromptTooLong { tokens: Some(counted), max });
     }
     let root = KeyRoot::new(key_model, req.cache_salt());
-    let keys = block_keys(root, &tokens, state.config.block_size);
+    // Asking for its prompt's logprobs, it is computed from scratch wherever
+    // it goes: placed by load, every token counted as prefill (matched, the
+    // holder of its prefix was chosen and charged none; the engine computed
+    // them all, and its pace read as fast).
+    let skips_prefix_cache = req.skips_prefix_cache();
+    let keys = if skips_prefix_cache { Vec::new() } else { block_keys(root, &tokens, state.config.block_size) };
     let head = &tokens[..tokens.len().min(state.config.raw.head_tokens)];
     let head_hash = BlockKey::chain(root.0, head).0;
     let prefix_hint = req.prefix_len().map(|n| n as usize);
@@ -214,6 +223,7 @@ pub fn prepare(state: &AppState, req: &PromptRequest) -> Result<Prepared, Router
         prefix_hint,
         exact_tokenizer,
         request_id,
+        skips_prefix_cache,
         template_fallback,
     })
 }
@@ -308,7 +318,17 @@ fn plan_against(
     live: bool,
 ) -> Result<Plan, RouterError> {
     let started = Instant::now();
-    let Prepared { model, tokens, unkeyed_tokens, keys, head_hash, prefix_hint, exact_tokenizer, .. } = prepared;
+    let Prepared {
+        model,
+        tokens,
+        unkeyed_tokens,
+        keys,
+        head_hash,
+        prefix_hint,
+        exact_tokenizer,
+        skips_prefix_cache,
+        ..
+    } = prepared;
 
     let workers = serving(snapshot, &model)?;
     let block_size = state.config.block_size.get();
@@ -375,6 +395,7 @@ fn plan_against(
         tokens,
         unkeyed_tokens,
         keys,
+        skips_prefix_cache,
         block_size,
         workers,
         candidates,

@@ -1402,6 +1402,37 @@ async fn a_request_for_an_alias_is_keyed_as_its_base_model() {
     assert_eq!(r.internal("/internal/sync", bad).await.status(), 400);
 }
 
+/// vLLM computes a prompt whose logprobs are asked for from scratch
+/// (`skip_reading_prefix_cache`): such a request is placed by load, every
+/// token counted as prefill, not sent to the holder of its prefix as a hit.
+#[tokio::test]
+async fn a_request_for_prompt_logprobs_is_not_routed_as_a_cache_hit() {
+    let w1 = fake_worker("w1", Behaviour::Ok).await;
+    let w2 = fake_worker("w2", Behaviour::Ok).await;
+    let r = router(&[], |_| {}).await;
+    let text = prompt(200);
+    for (id, url, hashes) in [("w1", &w1.url, vec![]), ("w2", &w2.url, keys_of("m", &text))] {
+        let sync = json!({"worker_id": id, "url": url, "models": ["m"], "block_size": 16, "hashes": hashes});
+        assert_eq!(r.internal("/internal/sync", sync).await.status(), 200);
+    }
+    let matched = |debug: &Value| {
+        let row = debug["workers"].as_array().unwrap().iter().find(|w| w["id"] == "w2").unwrap().clone();
+        (row["matched_blocks"].as_u64().unwrap(), row["uncached_tokens"].as_u64().unwrap())
+    };
+    let plain = r.explain(json!({"model": "m", "prompt": text})).await;
+    assert_eq!((matched(&plain), &plain["skips_prefix_cache"]), ((12, 8), &json!(false)));
+    for extra in [json!({"prompt_logprobs": 0}), json!({"echo": true, "logprobs": 1})] {
+        let mut body = json!({"model": "m", "prompt": text});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let debug = r.explain(body).await;
+        assert_eq!((matched(&debug), &debug["skips_prefix_cache"]), ((0, 200), &json!(true)), "{extra}");
+    }
+    let echoed = r.explain(json!({"model": "m", "prompt": text, "echo": true})).await;
+    assert_eq!(echoed["skips_prefix_cache"], false, "a completion's echo without logprobs reads the cache");
+    let chat = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "echo": true});
+    assert_eq!(r.explain(chat).await["skips_prefix_cache"], true, "a chat's echo asks for its prompt's logprobs");
+}
+
 #[tokio::test]
 async fn sync_registers_and_routes_to_the_holder() {
     let w1 = fake_worker("w1", Behaviour::Ok).await;

@@ -183,6 +183,13 @@ pub struct CompletionRequest {
     /// vLLM's extension: the request's id when no `X-Request-Id` names one.
     #[serde(default)]
     pub request_id: Option<String>,
+    /// Whether they are there ([`PromptRequest::skips_prefix_cache`]).
+    #[serde(default)]
+    pub prompt_logprobs: Option<serde::de::IgnoredAny>,
+    #[serde(default)]
+    pub logprobs: Option<serde::de::IgnoredAny>,
+    #[serde(default, deserialize_with = "lax::flag")]
+    pub echo: bool,
     /// vLLM's extension; completions default to `true`.
     #[serde(default, deserialize_with = "lax::opt_bool")]
     pub add_special_tokens: Option<bool>,
@@ -223,6 +230,11 @@ pub struct ChatRequest {
     pub cache_salt: Option<String>,
     #[serde(default)]
     pub request_id: Option<String>,
+    /// Whether they are there ([`PromptRequest::skips_prefix_cache`]).
+    #[serde(default)]
+    pub prompt_logprobs: Option<serde::de::IgnoredAny>,
+    #[serde(default, deserialize_with = "lax::flag")]
+    pub echo: bool,
     #[serde(default)]
     pub tools: Option<Vec<Value>>,
     #[serde(default)]
@@ -493,6 +505,18 @@ impl PromptRequest {
         match self {
             PromptRequest::Completion(r) => &r.model,
             PromptRequest::Chat(r) => &r.model,
+        }
+    }
+
+    /// vLLM computes the prompt of a request that asks for its logprobs
+    /// from scratch, reading nothing from its prefix cache
+    /// (`skip_reading_prefix_cache` whenever `prompt_logprobs` is set; 0.32
+    /// sets it from `echo` too: in a chat, `echo` alone; in a completion,
+    /// `echo` with `logprobs`).
+    pub fn skips_prefix_cache(&self) -> bool {
+        match self {
+            PromptRequest::Completion(r) => r.prompt_logprobs.is_some() || (r.echo && r.logprobs.is_some()),
+            PromptRequest::Chat(r) => r.prompt_logprobs.is_some() || r.echo,
         }
     }
 
