@@ -435,7 +435,7 @@ pub fn housekeeping_gauges(state: &AppState, count_keys: bool) {
         let last_sync = w.live.last_sync_ms.load(Ordering::Relaxed);
         if last_sync > 0 {
             m.worker_sync_age.get_or_create(&label).set(now_ms().saturating_sub(last_sync) as f64 / 1000.0);
-            m.worker_sync_timestamp.get_or_create(&label).set(last_sync as f64 / 1000.0);
+            m.worker_sync_timestamp.get_or_create(&label).set(crate::state::to_wall_ms(last_sync) as f64 / 1000.0);
         }
         for (kind, n) in ENGINE_KINDS.into_iter().zip([load.running, load.waiting]) {
             m.worker_engine_requests.get_or_create(&WorkerKind { worker: id.clone(), kind }).set(i64::from(n));

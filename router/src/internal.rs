@@ -503,7 +503,7 @@ fn apply_sync(
         // clock (or nothing: as of now).
         let covers = match (snap.covers, snap.as_of_ms) {
             (Some(tick), _) => Covers(tick),
-            (None, Some(ms)) if protocol < 2 => map.index.covers_ms(w.slot, ms),
+            (None, Some(ms)) if protocol < 2 => map.index.covers_ms(w.slot, crate::state::from_wall_ms(ms)),
             (None, _) if protocol < 2 => map.index.covers_ms(w.slot, now),
             (None, _) => Covers(0),
         };

@@ -47,19 +47,32 @@ pub fn generate() -> HeaderValue {
 /// made gives way to the body's `request_id` once the body is read.
 #[derive(Clone, Debug)]
 pub struct RequestId {
-    id: Arc<Mutex<HeaderValue>>,
+    /// `None`: the body's id, which no header can carry.
+    id: Arc<Mutex<Option<HeaderValue>>>,
     made: bool,
 }
 
 impl RequestId {
     /// The client named no usable id in a header and the body names a
-    /// usable `request_id`: the body's becomes the request's id, in
-    /// `headers` (what the engine and the log get) and on the answer.
+    /// `request_id`: the body's becomes the request's id, in `headers`
+    /// (what the engine and the log get) and on the answer. One no header
+    /// can carry (a space, non-ASCII, over [`MAX_LEN`] bytes) is left to
+    /// the engine, which takes the body's when no header names one: the
+    /// router sends and answers none.
     pub fn adopt(&self, body_id: Option<&str>, headers: &mut HeaderMap) {
-        let Some(v) = body_id.and_then(|b| HeaderValue::from_str(b).ok()).filter(usable) else { return };
-        if self.made {
-            *self.id.lock() = v.clone();
-            headers.insert(HEADER, v);
+        let Some(body_id) = body_id.filter(|b| !b.is_empty()) else { return };
+        if !self.made {
+            return;
+        }
+        match HeaderValue::from_str(body_id).ok().filter(usable) {
+            Some(v) => {
+                *self.id.lock() = Some(v.clone());
+                headers.insert(HEADER, v);
+            }
+            None => {
+                *self.id.lock() = None;
+                headers.remove(HEADER);
+            }
         }
     }
 }
@@ -76,11 +89,12 @@ pub async fn ensure(mut req: Request, next: Next) -> Response {
         _ => (generate(), true),
     };
     req.headers_mut().insert(HEADER, id.clone());
-    let chosen = RequestId { id: Arc::new(Mutex::new(id)), made };
+    let chosen = RequestId { id: Arc::new(Mutex::new(Some(id))), made };
     req.extensions_mut().insert(chosen.clone());
     let mut res = next.run(req).await;
-    let id = chosen.id.lock().clone();
-    res.headers_mut().entry(HEADER).or_insert(id);
+    if let Some(id) = chosen.id.lock().clone() {
+        res.headers_mut().entry(HEADER).or_insert(id);
+    }
     res
 }
 

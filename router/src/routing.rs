@@ -129,19 +129,25 @@ pub fn served_model(state: &AppState) -> String {
     listed(true).or_else(|| listed(false)).map(|m| m.as_str().to_owned()).unwrap_or_default()
 }
 
-/// The name `model`'s blocks are keyed by: the base's, when a worker
-/// serving it says it is an alias (`--served-model-name a b`), healthy
-/// workers first; else its own.
+/// The name `model`'s blocks are keyed by: the base's when every worker
+/// serving it (the healthy ones, if any) says it is an alias of that same
+/// base (`--served-model-name a b`); else its own. One worker's word is not
+/// enough: where maps differ (a rename rolling out, another engine's LoRA
+/// adapter of that name, a sidecar that lies), the request keeps its own
+/// name, as before aliases were known.
 pub fn key_model<'a>(snapshot: &'a [Arc<Worker>], model: &'a str) -> &'a str {
     if snapshot.iter().all(|w| w.aliases.is_empty()) {
         return model;
     }
     let name = ModelName::new(model);
-    let alias = |healthy: bool| {
-        let mut named = snapshot.iter().filter(|w| !healthy || w.live.is_healthy());
-        named.find_map(|w| w.aliases.get(&name).map(ModelName::as_str))
-    };
-    alias(true).or_else(|| alias(false)).unwrap_or(model)
+    let serves = |w: &&Arc<Worker>| w.models.contains(&name);
+    let healthy = snapshot.iter().filter(serves).any(|w| w.live.is_healthy());
+    let mut workers = snapshot.iter().filter(serves).filter(|w| !healthy || w.live.is_healthy());
+    let Some(first) = workers.next() else { return model };
+    match first.aliases.get(&name) {
+        Some(base) if workers.all(|w| w.aliases.get(&name) == Some(base)) => base.as_str(),
+        _ => model,
+    }
 }
 
 /// Renders, tokenizes and keys `req` on the calling thread.

@@ -425,12 +425,30 @@ impl AppState {
 /// sessions) is a difference of two readings, so a wall clock stepped by NTP
 /// or a resumed VM moves none of them: stepped forward 30 s, the system clock
 /// took every idle sidecar's worker for silent at once; stepped back, it held
-/// speculative entries and ejections that much longer. It stays close to the
-/// wall clock that v1 sidecars stamp `as_of_ms` with (protocol v2 compares
-/// no clocks across processes); after a step it keeps the old reckoning.
+/// speculative entries and ejections that much longer. After a step it keeps
+/// the old reckoning: what meets another process's clock (a v1 sidecar's
+/// `as_of_ms`, an exported timestamp) goes through [`from_wall_ms`] and
+/// [`to_wall_ms`].
 pub fn now_ms() -> u64 {
     static CLOCK: std::sync::OnceLock<AnchoredClock> = std::sync::OnceLock::new();
     CLOCK.get_or_init(AnchoredClock::system).at(Instant::now())
+}
+
+/// The wall clock now, ms since the Unix epoch.
+fn wall_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A reading of [`now_ms`] as the wall clock tells it now: what is shown to
+/// another process's clock (a timestamp Prometheus compares with `time()`).
+pub fn to_wall_ms(ms: u64) -> u64 {
+    wall_ms().saturating_sub(now_ms().saturating_sub(ms))
+}
+
+/// Another process's wall-clock time (a v1 sidecar's `as_of_ms`) on
+/// [`now_ms`]'s reckoning.
+pub fn from_wall_ms(ms: u64) -> u64 {
+    now_ms().saturating_sub(wall_ms().saturating_sub(ms))
 }
 
 /// A wall-clock reading and the monotonic instant it was taken at.
@@ -442,8 +460,7 @@ struct AnchoredClock {
 
 impl AnchoredClock {
     fn system() -> Self {
-        let wall_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-        AnchoredClock { wall_ms, at: Instant::now() }
+        AnchoredClock { wall_ms: wall_ms(), at: Instant::now() }
     }
 
     /// The time at `now`: the anchor's wall time plus the monotonic time since.

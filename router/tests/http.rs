@@ -646,6 +646,11 @@ async fn every_request_has_an_id_the_engine_and_the_client_both_see() {
         assert_eq!(resp.headers()["x-request-id"], "hdr-1", "{path}");
         assert_eq!(resp.json::<Value>().await.unwrap()["id"], "hdr-1", "{path}");
     }
+    // A body id no header can carry is left to the engine, which takes it.
+    let body = json!({"model": "m", "prompt": "hi", "request_id": "job 42"});
+    let resp = r.http.post(format!("{}/v1/completions", r.url)).json(&body).send().await.unwrap();
+    assert!(resp.headers().get("x-request-id").is_none());
+    assert_eq!(resp.json::<Value>().await.unwrap()["id"], Value::Null, "no header sent: the engine takes the body's");
     // The router's own refusal names an id too (a client's, or a new one).
     let refused = r.http.post(format!("{}/v1/completions", r.url)).header("x-request-id", "bad-1").body("{").send();
     let refused = refused.await.unwrap();
@@ -1397,6 +1402,14 @@ async fn a_request_for_an_alias_is_keyed_as_its_base_model() {
     let debug = r.explain(json!({"model": "lora1", "prompt": text})).await;
     let row = debug["workers"].as_array().unwrap().iter().find(|w| w["id"] == "w2").unwrap();
     assert_eq!(row["matched_blocks"], 0, "{debug}");
+    // Workers that disagree (w1 now serves `b` as an adapter of its own, or
+    // a sidecar lies): `b` keeps its own name.
+    let sync =
+        json!({"worker_id": "w1", "url": w1.url, "models": ["a", "b", "lora1"], "hashes": [], "seq": 2, "epoch": "e1"});
+    assert_eq!(r.internal("/internal/sync", sync).await.status(), 200);
+    let debug = r.explain(json!({"model": "b", "prompt": text})).await;
+    let row = debug["workers"].as_array().unwrap().iter().find(|w| w["id"] == "w2").unwrap();
+    assert_eq!(row["matched_blocks"], 0, "{debug}");
     // An alias map that names a model the worker does not serve is refused.
     let bad = json!({"worker_id": "w1", "url": w1.url, "models": ["a"], "model_aliases": {"b": "a"}, "hashes": []});
     assert_eq!(r.internal("/internal/sync", bad).await.status(), 400);
@@ -1843,6 +1856,38 @@ async fn a_chat_the_template_cannot_render_is_forwarded_for_the_engine_to_judge(
     assert_eq!(w.hits.load(Ordering::SeqCst), 1, "the engine judged it");
     let metrics = r.http.get(format!("{}/metrics", r.url)).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains("kind=\"chat_template_fallback\"} 1"), "{metrics}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The engines' `--default-chat-template-kwargs` and
+/// `--exclude-tools-when-tool-choice-none`, given to the router, render its
+/// chats as the engines do: the defaults under the request's own kwargs, a
+/// `tool_choice: "none"` chat without its tools.
+#[tokio::test]
+async fn chats_render_under_the_engines_chat_flags() {
+    let dir = gpt2_with_template(
+        "defaults",
+        "{{ flag }}|{% for m in messages %}{{ m.content }}{% endfor %}|{% if tools %}some tools here{% endif %}",
+    );
+    let w = fake_worker("w1", Behaviour::Ok).await;
+    let plain = router(&[("w1", &w.url)], |raw| raw.tokenizer = Some(dir.clone())).await;
+    let flagged = router(&[("w1", &w.url)], |raw| {
+        raw.tokenizer = Some(dir.clone());
+        raw.default_chat_template_kwargs = Some(r#"{"flag": "a default flag of many words"}"#.into());
+        raw.exclude_tools_when_tool_choice_none = true;
+    })
+    .await;
+    async fn tokens(r: &TestRouter, extra: Value) -> u64 {
+        let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        r.explain(body).await["tokens"].as_u64().unwrap()
+    }
+    assert!(tokens(&flagged, json!({})).await > tokens(&plain, json!({})).await, "the default is rendered");
+    let own = json!({"chat_template_kwargs": {"flag": "x"}});
+    assert_eq!(tokens(&flagged, own.clone()).await, tokens(&plain, own).await, "the request's kwarg wins");
+    let none = json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"});
+    assert_eq!(tokens(&flagged, none.clone()).await, tokens(&flagged, json!({})).await, "no tools rendered");
+    assert!(tokens(&plain, none).await > tokens(&plain, json!({})).await, "tools rendered without the flag");
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -123,6 +123,11 @@ pub type ModelAliases = BTreeMap<ModelName, ModelName>;
 /// An alias map a sync may carry: every name in it is one of `models`, and
 /// an alias's base is not itself an alias (nor the alias).
 pub fn check_aliases(aliases: &ModelAliases, models: &[ModelName]) -> Result<(), DecodeError> {
+    if aliases.is_empty() {
+        return Ok(());
+    }
+    // Up to MAX_MODELS of each: a set, not a scan per alias.
+    let models: std::collections::HashSet<&ModelName> = models.iter().collect();
     let listed = |m: &ModelName| models.contains(m);
     for (alias, base) in aliases {
         let field = || format!("model_aliases.{}", alias.as_str().chars().take(64).collect::<String>());

@@ -200,11 +200,14 @@ impl Pusher {
                     load,
                     digest: None,
                 };
-                self.client
+                let ack = self
+                    .client
                     .eviction(&link.target, &probe, link.protocol)
                     .await
                     .map_err(|e| (MessageKind::Eviction, e))?;
                 link.unreachable = false;
+                // A router back after an outage may be another release.
+                link.takes_aliases = ack.model_aliases;
             }
             let Some(content) = self.state.take_sync(&link.target) else {
                 return Ok(Round::Idle);
@@ -393,6 +396,10 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
                     // again, and the old one named in the next sync's
                     // `covers` would drop its every speculative entry here.
                     link.router_clock = None;
+                    // It may come back as a release that refuses the field
+                    // (a rollback): the next sync goes without aliases, and
+                    // its ack says whether to send them.
+                    link.takes_aliases = false;
                     if link.v2() && kind == MessageKind::Eviction && link.failures == 1 {
                         // One lost delta: the next push repairs it (its keys
                         // are among the recent ones); the digest checks that.

@@ -85,8 +85,9 @@ impl ChatTemplate {
         if let Some(defaults) = opts.defaults {
             // vLLM 0.32 (`ChatParams.with_defaults`): the server's kwargs go
             // under the request's, and under its tools and documents where
-            // it has them.
-            for (k, v) in defaults.iter().filter(|(k, v)| set(v) && !RESERVED.contains(&k.as_str())) {
+            // it has them; they are taken whole (`merge_kwargs` unsets only
+            // the request's null and "auto").
+            for (k, v) in defaults.iter().filter(|(k, _)| !RESERVED.contains(&k.as_str())) {
                 if (k == "tools" && opts.tools.is_some()) || (k == "documents" && opts.documents.is_some()) {
                     continue;
                 }

@@ -57,6 +57,8 @@ struct FakeRouter {
     clock: Mutex<u64>,
     /// Its acks say it takes a sync's `model_aliases` (this release does).
     takes_aliases: Mutex<bool>,
+    /// It refuses a sync naming aliases with a 400 (an older release).
+    refuses_aliases: Mutex<bool>,
 }
 
 impl FakeRouter {
@@ -79,6 +81,7 @@ impl FakeRouter {
             protocols: Mutex::new(Vec::new()),
             clock: Mutex::new(0),
             takes_aliases: Mutex::new(true),
+            refuses_aliases: Mutex::new(false),
         })
     }
 
@@ -108,6 +111,10 @@ impl FakeRouter {
             return Err(PushError::Status { url: "fake".into(), status: 413, detail: String::new(), param: None });
         }
         drop(too_large);
+        if *self.refuses_aliases.lock() && matches!(&sent, Sent::Sync(s) if !s.model_aliases.is_empty()) {
+            let detail = "unknown field `model_aliases`".to_owned();
+            return Err(PushError::Status { url: "fake".into(), status: 400, detail, param: None });
+        }
         if let Some(status) = *self.refuse_with.lock() {
             return Err(PushError::Status { url: "fake".into(), status, detail: String::new(), param: None });
         }
@@ -494,6 +501,30 @@ async fn aliases_are_synced_to_routers_that_take_them() {
         assert_eq!(synced, if takes { 3 } else { 1 }, "takes {takes}: an alias gone is synced too");
         s.cancel.cancel();
     }
+}
+
+/// A router rolled back to a release before aliases (it refuses the field)
+/// gets a sync without them once a push failed, and registers the worker:
+/// the link kept sending them, and every sync was refused for ever.
+#[tokio::test(start_paused = true)]
+async fn a_router_rolled_back_gets_syncs_without_aliases() {
+    let s = start();
+    s.engine.set_served(&[served("m"), served("m2")]);
+    advance(1).await;
+    advance(1_000).await;
+    assert!(syncs(&s.router.sent()).last().is_some_and(|s| !s.model_aliases.is_empty()));
+    // Rolled back: a new epoch, down a while, then refusing the field.
+    *s.router.epoch.lock() = "r2".into();
+    *s.router.takes_aliases.lock() = false;
+    *s.router.refuses_aliases.lock() = true;
+    *s.router.unreachable_left.lock() = 3;
+    let before = syncs(&s.router.sent()).len();
+    advance(60_000).await;
+    let sent = s.router.sent();
+    let after: Vec<_> = syncs(&sent).into_iter().skip(before).collect();
+    assert!(!after.is_empty(), "the rolled-back router has the worker");
+    assert!(after.iter().all(|s| s.model_aliases.is_empty()), "{after:?}");
+    s.cancel.cancel();
 }
 
 /// A router that is down (connections refused) is tried at least every half
