@@ -33,7 +33,8 @@ pub struct TokenizeArgs {
     #[arg(long, default_value_t = 16)]
     pub block_size: u32,
     /// The router's `max_prompt_tokens` (the engine's max_model_len): what
-    /// `truncate_prompt_tokens: -1` keeps.
+    /// `truncate_prompt_tokens: -1` keeps (one token less for a request that
+    /// generates).
     #[arg(long, default_value_t = 262_144)]
     pub max_prompt_tokens: usize,
     /// The engines' --default-chat-template-kwargs (a JSON object), as the

@@ -122,8 +122,9 @@ async fn read_within(
 pub fn parse(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<PromptRequest, RouterError> {
     let mut req = PromptRequest::parse(endpoint, body)?;
     // `truncate_prompt_tokens: -1` is the engine's input limit, which
-    // `max_prompt_tokens` is set to: vLLM keeps that many (as its tokenizer
-    // truncates, a Llama's BOS kept), and checks no length.
+    // `max_prompt_tokens` is set to (one less for a request that generates):
+    // vLLM keeps that many (as its tokenizer truncates, a Llama's BOS kept),
+    // and checks no length.
     req.resolve_truncation(state.config.raw.max_prompt_tokens);
     if let PromptRequest::Chat(c) = &mut req {
         c.defaults = state.config.chat_defaults.clone();

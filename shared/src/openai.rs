@@ -549,15 +549,24 @@ impl PromptRequest {
         }
     }
 
-    /// Reads `truncate_prompt_tokens: -1` as `limit`: vLLM truncates to the
-    /// engine's input limit (`max_model_len`), which the caller knows.
+    /// Reads `truncate_prompt_tokens: -1` as vLLM 0.32 does, from the
+    /// engine's input limit (`max_model_len`), which the caller knows: one
+    /// token less when the request leaves room to generate (a completion's
+    /// `max_tokens`, 16 when absent; a chat's `max_completion_tokens` or
+    /// `max_tokens`, when given and not 0), kept back for its output
+    /// (`TokenizeParams.max_truncation_tokens`). Read as the whole limit,
+    /// every key of such a prompt was one token off the engine's.
     pub fn resolve_truncation(&mut self, limit: usize) {
-        let n = match self {
-            PromptRequest::Completion(r) => &mut r.truncate_prompt_tokens,
-            PromptRequest::Chat(r) => &mut r.truncate_prompt_tokens,
+        let (n, generates) = match self {
+            PromptRequest::Completion(r) => (&mut r.truncate_prompt_tokens, r.max_tokens != Some(0)),
+            PromptRequest::Chat(r) => {
+                let budget = r.max_completion_tokens.or(r.max_tokens);
+                (&mut r.truncate_prompt_tokens, budget.is_some_and(|b| b > 0))
+            }
         };
         if *n == Some(-1) {
-            *n = Some(i64::try_from(limit).unwrap_or(i64::MAX));
+            let keep = if generates { limit.saturating_sub(1) } else { limit };
+            *n = Some(i64::try_from(keep).unwrap_or(i64::MAX));
         }
     }
 
@@ -680,6 +689,28 @@ mod tests {
             PromptRequest::parse(Endpoint::ChatCompletions, chat).unwrap().truncation().apply(tokens.clone()),
             [38, 39, 40]
         );
+    }
+
+    /// `truncate_prompt_tokens: -1` keeps the engine's limit less the one
+    /// token vLLM 0.32 holds back for a request's output, when it has an
+    /// output budget (a completion's default 16 included).
+    #[test]
+    fn minus_one_keeps_one_token_less_than_the_limit_for_a_request_that_generates() {
+        let keep = |endpoint, body: &str| {
+            let mut req = PromptRequest::parse(endpoint, body.as_bytes()).unwrap();
+            req.resolve_truncation(100);
+            req.truncation().keep
+        };
+        let c = Endpoint::Completions;
+        assert_eq!(keep(c, r#"{"prompt":"x","truncate_prompt_tokens":-1}"#), Some(99));
+        assert_eq!(keep(c, r#"{"prompt":"x","truncate_prompt_tokens":-1,"max_tokens":0}"#), Some(100));
+        let chat = |extra: &str| {
+            format!(r#"{{"messages":[{{"role":"user","content":"x"}}],"truncate_prompt_tokens":-1{extra}}}"#)
+        };
+        assert_eq!(keep(Endpoint::ChatCompletions, &chat("")), Some(100), "a chat without a budget");
+        assert_eq!(keep(Endpoint::ChatCompletions, &chat(r#","max_tokens":5"#)), Some(99));
+        let zero = r#","max_completion_tokens":0,"max_tokens":5"#;
+        assert_eq!(keep(Endpoint::ChatCompletions, &chat(zero)), Some(100), "max_completion_tokens first");
     }
 
     /// vLLM takes `"stream": null` as not streamed; so does the router.
