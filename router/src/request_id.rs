@@ -5,7 +5,8 @@
 //! its log lines name it), the router's log of a failed attempt names it,
 //! and the client gets it back on the answer, errors included. A request
 //! that came without one could not be found in the engine's log, nor tied
-//! to the router's.
+//! to the router's. (A body `request_id` no header can carry is left to the
+//! engine: no header is sent or answered.)
 //!
 //! The sidecars' pushes, the replicas' reports, the probes and `/metrics`
 //! get none: nothing is forwarded or logged per request there.

@@ -130,8 +130,9 @@ pub fn served_model(state: &AppState) -> String {
 }
 
 /// The name `model`'s blocks are keyed by: the base's when every worker
-/// serving it (the healthy ones, if any) says it is an alias of that same
-/// base (`--served-model-name a b`); else its own. One worker's word is not
+/// listing it (the healthy ones, if any) says it is an alias of that same
+/// base (`--served-model-name a b`); else its own. A worker that lists no
+/// models (a static one before its list is read) has no say. One worker's word is not
 /// enough: where maps differ (a rename rolling out, another engine's LoRA
 /// adapter of that name, a sidecar that lies), the request keeps its own
 /// name, as before aliases were known.

@@ -442,13 +442,19 @@ fn wall_ms() -> u64 {
 /// A reading of [`now_ms`] as the wall clock tells it now: what is shown to
 /// another process's clock (a timestamp Prometheus compares with `time()`).
 pub fn to_wall_ms(ms: u64) -> u64 {
-    wall_ms().saturating_sub(now_ms().saturating_sub(ms))
+    shift(ms, now_ms(), wall_ms())
 }
 
 /// Another process's wall-clock time (a v1 sidecar's `as_of_ms`) on
 /// [`now_ms`]'s reckoning.
 pub fn from_wall_ms(ms: u64) -> u64 {
-    now_ms().saturating_sub(wall_ms().saturating_sub(ms))
+    shift(ms, wall_ms(), now_ms())
+}
+
+/// `ms`, read on a clock that says `from` now, on one that says `to`: as
+/// long ago. A time ahead of `from` is taken as now.
+fn shift(ms: u64, from: u64, to: u64) -> u64 {
+    to.saturating_sub(from.saturating_sub(ms))
 }
 
 /// A wall-clock reading and the monotonic instant it was taken at.
@@ -472,6 +478,18 @@ impl AnchoredClock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// After a step of the wall clock the router's reckoning and the wall
+    /// clock differ: a time goes from one to the other as long ago.
+    #[test]
+    fn times_go_between_the_routers_clock_and_the_wall_clock_as_long_ago() {
+        // The router's clock reads 1_000_000, the wall clock (stepped 30 s
+        // forward) 1_030_000.
+        let (router, wall) = (1_000_000, 1_030_000);
+        assert_eq!(shift(999_000, router, wall), 1_029_000, "a sync 1 s ago, exported");
+        assert_eq!(shift(1_029_500, wall, router), 999_500, "a v1 as_of_ms 0.5 s ago, taken");
+        assert_eq!(shift(1_040_000, wall, router), router, "ahead of the clock: now");
+    }
 
     #[test]
     fn the_clock_moves_with_the_monotonic_clock_from_its_anchor() {

@@ -1402,6 +1402,13 @@ async fn a_request_for_an_alias_is_keyed_as_its_base_model() {
     let debug = r.explain(json!({"model": "lora1", "prompt": text})).await;
     let row = debug["workers"].as_array().unwrap().iter().find(|w| w["id"] == "w2").unwrap();
     assert_eq!(row["matched_blocks"], 0, "{debug}");
+    // A worker that does not list `b` has no say.
+    let w3 = fake_worker("w3", Behaviour::Ok).await;
+    let sync = json!({"worker_id": "w3", "url": w3.url, "models": ["a"], "hashes": []});
+    assert_eq!(r.internal("/internal/sync", sync).await.status(), 200);
+    let debug = r.explain(json!({"model": "b", "prompt": text})).await;
+    let row = debug["workers"].as_array().unwrap().iter().find(|w| w["id"] == "w2").unwrap();
+    assert_eq!(row["matched_blocks"], 12, "{debug}");
     // Workers that disagree (w1 now serves `b` as an adapter of its own, or
     // a sidecar lies): `b` keeps its own name.
     let sync =

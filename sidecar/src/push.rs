@@ -209,6 +209,7 @@ impl Pusher {
                 // A router back after an outage may be another release.
                 link.takes_aliases = ack.model_aliases;
             }
+            let aliases = if link.takes_aliases { self.engine.aliases() } else { ModelAliases::new() };
             let Some(content) = self.state.take_sync(&link.target) else {
                 return Ok(Round::Idle);
             };
@@ -385,6 +386,8 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
                     pusher.state.metrics().protocol_fallbacks.inc();
                     link.protocol = 1;
                     link.router_clock = None;
+                    // Nor does a release before v2 take aliases.
+                    link.takes_aliases = false;
                     pusher.state.require_sync(&link.target);
                 }
                 Err((kind, e)) => {
@@ -396,10 +399,18 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
                     // again, and the old one named in the next sync's
                     // `covers` would drop its every speculative entry here.
                     link.router_clock = None;
-                    // It may come back as a release that refuses the field
-                    // (a rollback): the next sync goes without aliases, and
-                    // its ack says whether to send them.
-                    link.takes_aliases = false;
+                    // A router rolled back to a release that refuses the
+                    // field answers a sync naming aliases with a 400 (one
+                    // back after an outage says so to the probe first): the
+                    // next sync goes without them, without the pause of a
+                    // refusal, and its ack says whether to send them again.
+                    let without_aliases = kind == MessageKind::Sync
+                        && e.refused()
+                        && link.takes_aliases
+                        && !pusher.engine.aliases().is_empty();
+                    if without_aliases {
+                        link.takes_aliases = false;
+                    }
                     if link.v2() && kind == MessageKind::Eviction && link.failures == 1 {
                         // One lost delta: the next push repairs it (its keys
                         // are among the recent ones); the digest checks that.
@@ -413,7 +424,9 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
                     let cap = if e.nothing_sent() { RECONNECT_MAX } else { BACKOFF_MAX };
                     let mut pause = jitter(backoff.min(cap));
                     backoff = (backoff * 2).min(BACKOFF_MAX);
-                    if kind == MessageKind::Sync && e.too_large() {
+                    if without_aliases {
+                        warn!(router = %link.target.0, error = %kvroute_shared::logging::error_chain(&e), "the router refused a sync naming model aliases (a release before them?): syncing without them");
+                    } else if kind == MessageKind::Sync && e.too_large() {
                         let (_, keys) = pusher.state.counts();
                         error!(router = %link.target.0, keys, pause_secs = TOO_LARGE_PAUSE.as_secs(), "the router refuses this worker's key set as too large: raise its max_sync_keys (and max_internal_body_bytes) above the engine's KV blocks; retrying after a pause");
                         pause = TOO_LARGE_PAUSE;

@@ -504,26 +504,50 @@ async fn aliases_are_synced_to_routers_that_take_them() {
 }
 
 /// A router rolled back to a release before aliases (it refuses the field)
-/// gets a sync without them once a push failed, and registers the worker:
-/// the link kept sending them, and every sync was refused for ever.
+/// gets syncs without them, and registers the worker: the link kept sending
+/// them, and every sync was refused for ever. Back after an outage, the
+/// probe's ack says so; met at once, the refused sync is sent again without
+/// them, not after a refusal's 30 s pause.
 #[tokio::test(start_paused = true)]
 async fn a_router_rolled_back_gets_syncs_without_aliases() {
+    for outage in [true, false] {
+        let s = start();
+        s.engine.set_served(&[served("m"), served("m2")]);
+        advance(1).await;
+        advance(1_000).await;
+        assert!(syncs(&s.router.sent()).last().is_some_and(|s| !s.model_aliases.is_empty()));
+        *s.router.epoch.lock() = "r2".into();
+        *s.router.takes_aliases.lock() = false;
+        *s.router.refuses_aliases.lock() = true;
+        if outage {
+            *s.router.unreachable_left.lock() = 3;
+        } else {
+            s.state.require_sync(&RouterTarget("http://r".into()));
+        }
+        let before = syncs(&s.router.sent()).len();
+        advance(5_000).await;
+        let sent = s.router.sent();
+        let after: Vec<_> = syncs(&sent).into_iter().skip(before).collect();
+        assert!(!after.is_empty(), "outage {outage}: the rolled-back router has the worker");
+        assert!(after.iter().all(|s| s.model_aliases.is_empty()), "{after:?}");
+        s.cancel.cancel();
+    }
+}
+
+/// A failed delta to a router that takes aliases is repaired as any other:
+/// no full sync, no alias map dropped.
+#[tokio::test(start_paused = true)]
+async fn a_failed_delta_with_aliases_is_repaired_without_a_sync() {
     let s = start();
     s.engine.set_served(&[served("m"), served("m2")]);
     advance(1).await;
     advance(1_000).await;
-    assert!(syncs(&s.router.sent()).last().is_some_and(|s| !s.model_aliases.is_empty()));
-    // Rolled back: a new epoch, down a while, then refusing the field.
-    *s.router.epoch.lock() = "r2".into();
-    *s.router.takes_aliases.lock() = false;
-    *s.router.refuses_aliases.lock() = true;
-    *s.router.unreachable_left.lock() = 3;
-    let before = syncs(&s.router.sent()).len();
-    advance(60_000).await;
-    let sent = s.router.sent();
-    let after: Vec<_> = syncs(&sent).into_iter().skip(before).collect();
-    assert!(!after.is_empty(), "the rolled-back router has the worker");
-    assert!(after.iter().all(|s| s.model_aliases.is_empty()), "{after:?}");
+    let synced = syncs(&s.router.sent()).len();
+    *s.router.failures_left.lock() = 1;
+    s.state.apply(Rank(0), &store(1, [1, 1, 1, 1]));
+    advance(400).await;
+    assert_eq!(*s.router.held.lock(), s.state.keys().into_iter().collect::<HashSet<_>>());
+    assert_eq!(syncs(&s.router.sent()).len(), synced, "repaired, not resynced");
     s.cancel.cancel();
 }
 
