@@ -251,6 +251,12 @@ def _conversations() -> list:
         {"messages": [{"role": "user", "content": "Quick one?"}], "chat_template_kwargs": {"enable_thinking": None}},
         {"messages": [{"role": "user", "content": [
             {"type": "text", "text": "Use it"}, {"type": "tool_reference", "name": "get_weather"}]}]},
+        # An assistant prefill continued with its trailing whitespace, and an
+        # empty one (transformers 5 cuts at a tag appended to it).
+        {"messages": [{"role": "user", "content": "JSON please"}, {"role": "assistant", "content": "```json\n"}],
+         "add_generation_prompt": False, "continue_final_message": True},
+        {"messages": [{"role": "user", "content": "Go on"}, {"role": "assistant", "content": ""}],
+         "add_generation_prompt": False, "continue_final_message": True},
     ]
     rng = random.Random(11)
     for i in range(24):

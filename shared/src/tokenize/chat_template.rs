@@ -73,9 +73,9 @@ impl ChatTemplate {
 
     /// Renders `messages` to the prompt text.
     pub fn render(&self, messages: &[Map<String, Json>], opts: &ChatOptions<'_>) -> Result<String, TokenizeError> {
-        let messages = chat_messages::prepare(messages, self.format, self.developer_role);
-        // What `continue_final_message` continues (the rest is not copied).
-        let last = opts.continue_final_message.then(|| messages.last().cloned()).flatten();
+        let mut messages = chat_messages::prepare(messages, self.format, self.developer_role);
+        // What `continue_final_message` continues, marked where it ends.
+        let continued = if opts.continue_final_message { Some(mark_final_message(&mut messages)?) } else { None };
         let mut ctx = self.special_tokens.clone();
         ctx.insert("messages".into(), Json::Array(messages));
         let tools = opts.tools.map(|t| Json::Array(t.iter().map(chat_messages::tool).collect()));
@@ -127,40 +127,61 @@ impl ChatTemplate {
         rendered.map_err(|e| template_error(&e))?;
         let mut out =
             String::from_utf8(out.text).map_err(|e| TokenizeError::Template { line: None, message: e.to_string() })?;
-        if opts.continue_final_message {
-            truncate_after_final_message(&mut out, last.as_ref())?;
+        if let Some(text) = continued {
+            cut_at_final_message_end(&mut out, &text)?;
         }
         Ok(out)
     }
 }
 
-/// HF: with `continue_final_message`, the prompt ends right after the final
-/// message's content, so the model continues it.
-fn truncate_after_final_message(out: &mut String, last: Option<&Json>) -> Result<(), TokenizeError> {
-    // A list of parts continues its last text part.
-    let content = match last.and_then(|m| m.get("content")) {
-        Some(Json::Array(parts)) => parts.iter().rev().find_map(|p| p.get("text")).and_then(Json::as_str),
-        other => other.and_then(Json::as_str),
+/// What HF transformers 5 appends to the final message's text to find where
+/// it ends in the rendered prompt (`continue_final_message_tag`).
+const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+
+/// HF transformers 5 (vLLM 0.32's): with `continue_final_message`, the final
+/// message's text (its last text part, in a list of parts) gets
+/// [`CONTINUE_TAG`] appended; its original text is returned.
+fn mark_final_message(messages: &mut [Json]) -> Result<String, TokenizeError> {
+    let no_text = || TokenizeError::Template {
+        line: None,
+        message: "continue_final_message: the final message has no text to continue".into(),
     };
-    let Some(content) = content else {
+    let text = match messages.last_mut().and_then(|m| m.get_mut("content")) {
+        Some(Json::String(t)) => t,
+        Some(Json::Array(parts)) => {
+            let texts = parts.iter_mut().rev().filter_map(|p| p.get_mut("text"));
+            match texts.into_iter().next() {
+                Some(Json::String(t)) => t,
+                _ => return Err(no_text()),
+            }
+        }
+        _ => return Err(no_text()),
+    };
+    let original = text.clone();
+    text.push_str(CONTINUE_TAG);
+    Ok(original)
+}
+
+/// HF transformers 5: the prompt ends where the tag begins, so the model
+/// continues the final message, its trailing whitespace kept when the
+/// template kept the tag's; where the template trimmed the message, the
+/// whitespace before the tag goes too. (Transformers 4 cut after the
+/// message's trimmed text, dropping trailing whitespace and, for an empty
+/// message, keeping the whole render.)
+fn cut_at_final_message_end(out: &mut String, text: &str) -> Result<(), TokenizeError> {
+    let tag = CONTINUE_TAG.trim();
+    let Some(at) = out.rfind(tag).filter(|_| out.contains(text.trim())) else {
         return Err(TokenizeError::Template {
             line: None,
-            message: "continue_final_message: the final message has no text to continue".into(),
+            message: "continue_final_message: the final message's content is not in the rendered prompt".into(),
         });
     };
-    // Python's `rindex("")` is the text's end: an empty message continues
-    // the prompt as rendered.
-    let needle = content.trim();
-    match out.rfind(needle) {
-        Some(at) => {
-            out.truncate(at + needle.len());
-            Ok(())
-        }
-        None => Err(TokenizeError::Template {
-            line: None,
-            message: "continue_final_message: the final message's content is not in the rendered prompt".into(),
-        }),
+    let spaced = out[at..].starts_with(CONTINUE_TAG);
+    out.truncate(at);
+    if !spaced {
+        out.truncate(out.trim_end().len());
     }
+    Ok(())
 }
 
 /// Prints values as Jinja2 on Python does: `None`, `True`, `False`.
@@ -443,6 +464,32 @@ mod tests {
         )
         .unwrap();
         assert_eq!(out, "{\"lr\": 1e-06, \"n\": 3}");
+    }
+
+    /// `continue_final_message` ends the prompt where HF transformers 5 does:
+    /// at a tag appended to the final message, its trailing whitespace kept
+    /// (dropped where the template trims the message), and right after the
+    /// final message's header when it is empty. Transformers 4's cut (after
+    /// the trimmed text) dropped the whitespace, and kept an empty
+    /// message's whole render.
+    #[test]
+    fn a_continued_message_ends_where_transformers_5_cuts() {
+        let render = |template: &str, content: Json| {
+            let t = ChatTemplate::new(template.into(), Map::new()).unwrap();
+            let msgs: Vec<Map<String, Json>> = serde_json::from_value(serde_json::json!([
+                {"role": "user", "content": "hi"}, {"role": "assistant", "content": content}
+            ]))
+            .unwrap();
+            t.render(&msgs, &ChatOptions { continue_final_message: true, ..Default::default() }).unwrap()
+        };
+        let keeps = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}";
+        assert_eq!(render(keeps, Json::from("```json\n")), "<user>hi</s><assistant>```json\n");
+        assert_eq!(render(keeps, Json::from("")), "<user>hi</s><assistant>");
+        let parts = serde_json::json!([{"type": "text", "text": "a "}, {"type": "text", "text": "b "}]);
+        let joined = "{% for m in messages %}<{{ m.role }}>{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %}</s>{% endfor %}";
+        assert_eq!(render(joined, parts), "<user>hi</s><assistant>a b ", "the last text part is continued");
+        let trims = "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</s>{% endfor %}";
+        assert_eq!(render(trims, Json::from("Hello  ")), "<user>hi</s><assistant>Hello");
     }
 
     /// `chat_template_kwargs` set the template's other variables as vLLM
