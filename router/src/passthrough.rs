@@ -195,10 +195,6 @@ async fn run(
     Err(last.unwrap_or(RouterError::NoHealthyWorker { model }))
 }
 
-/// The model a body names: a JSON body's `model`, or a multipart form's
-/// `model` field (`/v1/audio/transcriptions` and `/translations` send the
-/// audio as a form). `None` for a body naming none, or of another kind (an
-/// urlencoded form is not read).
 /// What a passed-through body names: its model and its `request_id`.
 #[derive(Debug, Default, PartialEq)]
 struct Named {
@@ -206,6 +202,10 @@ struct Named {
     request_id: Option<String>,
 }
 
+/// What a body names: a JSON body's `model` and `request_id` (strings), or
+/// a multipart form's fields of those names (`/v1/audio/transcriptions` and
+/// `/translations` send the audio as a form). Nothing for a body of another
+/// kind (an urlencoded form is not read).
 fn named_in(headers: &HeaderMap, body: &Bytes) -> Named {
     #[derive(serde::Deserialize)]
     struct Json {
