@@ -143,6 +143,10 @@ struct Link {
     /// The router's last ack said it takes a sync's `model_aliases`
     /// (routers before the field refuse it).
     takes_aliases: bool,
+    /// The router epoch that refused a sync naming aliases: its acks are not
+    /// taken at their word (a load-balanced address mixing releases would
+    /// have the link swing between syncs with and without them).
+    aliases_refused_by: Option<String>,
 }
 
 impl Link {
@@ -162,6 +166,7 @@ impl Link {
             synced_models: Vec::new(),
             synced_aliases: ModelAliases::new(),
             takes_aliases: false,
+            aliases_refused_by: None,
         }
     }
 
@@ -207,7 +212,7 @@ impl Pusher {
                     .map_err(|e| (MessageKind::Eviction, e))?;
                 link.unreachable = false;
                 // A router back after an outage may be another release.
-                link.takes_aliases = ack.model_aliases;
+                link.takes_aliases = ack.model_aliases && link.aliases_refused_by.as_ref() != Some(&ack.router_epoch);
             }
             let aliases = if link.takes_aliases { self.engine.aliases() } else { ModelAliases::new() };
             let Some(content) = self.state.take_sync(&link.target) else {
@@ -295,7 +300,7 @@ impl Pusher {
         let restarted = link.router_epoch.as_ref().is_some_and(|e| *e != ack.router_epoch);
         link.router_epoch = Some(ack.router_epoch);
         link.router_clock = ack.clock;
-        link.takes_aliases = ack.model_aliases;
+        link.takes_aliases = ack.model_aliases && link.aliases_refused_by != link.router_epoch;
         if restarted && !link.v2() {
             // Restarted, perhaps upgraded: try the current protocol again.
             link.protocol = PROTOCOL_VERSION;
@@ -404,12 +409,11 @@ pub async fn run_target(pusher: Arc<Pusher>, target: RouterTarget, wake: Arc<Not
                     // back after an outage says so to the probe first): the
                     // next sync goes without them, without the pause of a
                     // refusal, and its ack says whether to send them again.
-                    let without_aliases = kind == MessageKind::Sync
-                        && e.refused()
-                        && link.takes_aliases
-                        && !pusher.engine.aliases().is_empty();
+                    let without_aliases =
+                        kind == MessageKind::Sync && link.takes_aliases && e.field_refused("model_aliases");
                     if without_aliases {
                         link.takes_aliases = false;
+                        link.aliases_refused_by = link.router_epoch.clone();
                     }
                     if link.v2() && kind == MessageKind::Eviction && link.failures == 1 {
                         // One lost delta: the next push repairs it (its keys

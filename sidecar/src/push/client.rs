@@ -82,6 +82,13 @@ impl PushError {
         matches!(self, PushError::Status { status, .. } if (400..500).contains(status) && !matches!(status, 408 | 413 | 429))
     }
 
+    /// The router refused a field the sync named (`unknown field
+    /// `model_aliases``: a release before it).
+    pub fn field_refused(&self, field: &str) -> bool {
+        matches!(self, PushError::Status { status: 400, detail, param, .. }
+            if detail.contains(field) || param.as_deref().is_some_and(|p| p.contains(field)))
+    }
+
     /// The router refused the protocol version the push named (an older
     /// router: the link falls back to version 1).
     pub fn protocol_refused(&self) -> bool {

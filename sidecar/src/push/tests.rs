@@ -534,6 +534,37 @@ async fn a_router_rolled_back_gets_syncs_without_aliases() {
     }
 }
 
+/// A router whose acks say it takes aliases but which refuses a sync naming
+/// them (a load-balanced address over two releases, a stricter check) has
+/// them turned off for its epoch: the link does not swing between syncs
+/// with and without them. Another refusal (a rotated token) is not taken
+/// for one of aliases.
+#[tokio::test(start_paused = true)]
+async fn a_router_that_refuses_aliases_it_says_it_takes_gets_none_again() {
+    let s = start();
+    s.engine.set_served(&[served("m"), served("m2")]);
+    advance(1).await;
+    advance(1_000).await;
+    *s.router.refuses_aliases.lock() = true;
+    s.state.require_sync(&RouterTarget("http://r".into()));
+    advance(20_000).await;
+    let attempts = *s.router.sync_attempts.lock();
+    assert!(attempts <= 4, "{attempts} sync attempts: swinging");
+    assert!(syncs(&s.router.sent()).last().is_some_and(|s| s.model_aliases.is_empty()));
+    s.cancel.cancel();
+
+    let s = start();
+    s.engine.set_served(&[served("m"), served("m2")]);
+    advance(1).await;
+    advance(1_000).await;
+    *s.router.refuse_with.lock() = Some(401);
+    s.state.require_sync(&RouterTarget("http://r".into()));
+    let before = *s.router.sync_attempts.lock();
+    advance(10_000).await;
+    assert_eq!(*s.router.sync_attempts.lock() - before, 1, "a 401 waits the refusal's pause");
+    s.cancel.cancel();
+}
+
 /// A failed delta to a router that takes aliases is repaired as any other:
 /// no full sync, no alias map dropped.
 #[tokio::test(start_paused = true)]
