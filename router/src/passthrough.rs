@@ -112,8 +112,8 @@ async fn run(
     let (body, _budget) = read_client_in_time(state, body, state.config.raw.max_body_bytes).await?;
     let permit = take_slot(state)?;
     let named = named_in(&headers, &body);
-    if let Some(id) = id {
-        id.adopt(named.request_id.as_deref(), &mut headers);
+    if let (Some(id), Some(body_id)) = (id, named.request_id.as_deref()) {
+        id.adopt(body_id, &mut headers);
     }
     let headers = &headers;
     // Naming none, it is for the served model, as a completion is.

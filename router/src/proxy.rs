@@ -368,7 +368,7 @@ async fn proxy_from(
     let headers = match (id, prepared.request_id.as_deref()) {
         (Some(id), Some(body_id)) => {
             let mut h = headers.clone();
-            id.adopt(Some(body_id), &mut h);
+            id.adopt(body_id, &mut h);
             adopted = h;
             &adopted
         }

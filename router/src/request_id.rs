@@ -60,9 +60,8 @@ impl RequestId {
     /// can carry (a space, non-ASCII, over [`MAX_LEN`] bytes) is left to
     /// the engine, which takes the body's when no header names one: the
     /// router sends and answers none.
-    pub fn adopt(&self, body_id: Option<&str>, headers: &mut HeaderMap) {
-        let Some(body_id) = body_id.filter(|b| !b.is_empty()) else { return };
-        if !self.made {
+    pub fn adopt(&self, body_id: &str, headers: &mut HeaderMap) {
+        if !self.made || body_id.is_empty() {
             return;
         }
         match HeaderValue::from_str(body_id).ok().filter(usable) {

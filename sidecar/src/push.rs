@@ -173,6 +173,18 @@ impl Link {
     fn v2(&self) -> bool {
         self.protocol >= 2
     }
+
+    /// What an ack from router `epoch` says of aliases: taken, unless that
+    /// router refused a sync naming them.
+    fn ack_aliases(&mut self, says: bool, epoch: &str) {
+        self.takes_aliases = says && self.aliases_refused_by.as_deref() != Some(epoch);
+    }
+
+    /// The aliases a sync on this link names: none to a router that does
+    /// not take them.
+    fn aliases(&self, engine: &EngineView) -> ModelAliases {
+        if self.takes_aliases { engine.aliases() } else { ModelAliases::new() }
+    }
 }
 
 impl Pusher {
@@ -182,7 +194,7 @@ impl Pusher {
         let models = self.engine.models();
         // A router that says it takes aliases gets them at once (the first
         // sync went before its ack said so).
-        let aliases = if link.takes_aliases { self.engine.aliases() } else { ModelAliases::new() };
+        let aliases = link.aliases(&self.engine);
         if link.last_sync.is_some_and(|t| t.elapsed() >= every)
             || (link.last_sync.is_some() && (models != link.synced_models || aliases != link.synced_aliases))
         {
@@ -212,9 +224,9 @@ impl Pusher {
                     .map_err(|e| (MessageKind::Eviction, e))?;
                 link.unreachable = false;
                 // A router back after an outage may be another release.
-                link.takes_aliases = ack.model_aliases && link.aliases_refused_by.as_ref() != Some(&ack.router_epoch);
+                link.ack_aliases(ack.model_aliases, &ack.router_epoch);
             }
-            let aliases = if link.takes_aliases { self.engine.aliases() } else { ModelAliases::new() };
+            let aliases = link.aliases(&self.engine);
             let Some(content) = self.state.take_sync(&link.target) else {
                 return Ok(Round::Idle);
             };
@@ -298,9 +310,9 @@ impl Pusher {
         };
         counted.get_or_create(&Self::labels(&link.target, kind)).inc();
         let restarted = link.router_epoch.as_ref().is_some_and(|e| *e != ack.router_epoch);
+        link.ack_aliases(ack.model_aliases, &ack.router_epoch);
         link.router_epoch = Some(ack.router_epoch);
         link.router_clock = ack.clock;
-        link.takes_aliases = ack.model_aliases && link.aliases_refused_by != link.router_epoch;
         if restarted && !link.v2() {
             // Restarted, perhaps upgraded: try the current protocol again.
             link.protocol = PROTOCOL_VERSION;

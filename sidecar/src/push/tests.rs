@@ -469,6 +469,16 @@ fn served(name: &str) -> ServedModel {
     ServedModel { name: ModelName::new(name), parent: None }
 }
 
+/// A pusher whose engine serves `m` also as `m2`, registered (its second
+/// sync, naming the alias, sent).
+async fn start_with_alias() -> Setup {
+    let s = start();
+    s.engine.set_served(&[served("m"), served("m2")]);
+    advance(1).await;
+    advance(1_000).await;
+    s
+}
+
 /// `--served-model-name m m2`: a router that says it takes aliases gets a
 /// sync naming them at once (the first went before its ack said so), and
 /// again when they change; one that does not say (an older release refuses
@@ -511,10 +521,7 @@ async fn aliases_are_synced_to_routers_that_take_them() {
 #[tokio::test(start_paused = true)]
 async fn a_router_rolled_back_gets_syncs_without_aliases() {
     for outage in [true, false] {
-        let s = start();
-        s.engine.set_served(&[served("m"), served("m2")]);
-        advance(1).await;
-        advance(1_000).await;
+        let s = start_with_alias().await;
         assert!(syncs(&s.router.sent()).last().is_some_and(|s| !s.model_aliases.is_empty()));
         *s.router.epoch.lock() = "r2".into();
         *s.router.takes_aliases.lock() = false;
@@ -541,10 +548,7 @@ async fn a_router_rolled_back_gets_syncs_without_aliases() {
 /// for one of aliases.
 #[tokio::test(start_paused = true)]
 async fn a_router_that_refuses_aliases_it_says_it_takes_gets_none_again() {
-    let s = start();
-    s.engine.set_served(&[served("m"), served("m2")]);
-    advance(1).await;
-    advance(1_000).await;
+    let s = start_with_alias().await;
     *s.router.refuses_aliases.lock() = true;
     s.state.require_sync(&RouterTarget("http://r".into()));
     advance(20_000).await;
@@ -553,10 +557,7 @@ async fn a_router_that_refuses_aliases_it_says_it_takes_gets_none_again() {
     assert!(syncs(&s.router.sent()).last().is_some_and(|s| s.model_aliases.is_empty()));
     s.cancel.cancel();
 
-    let s = start();
-    s.engine.set_served(&[served("m"), served("m2")]);
-    advance(1).await;
-    advance(1_000).await;
+    let s = start_with_alias().await;
     *s.router.refuse_with.lock() = Some(401);
     s.state.require_sync(&RouterTarget("http://r".into()));
     let before = *s.router.sync_attempts.lock();
@@ -569,10 +570,7 @@ async fn a_router_that_refuses_aliases_it_says_it_takes_gets_none_again() {
 /// no full sync, no alias map dropped.
 #[tokio::test(start_paused = true)]
 async fn a_failed_delta_with_aliases_is_repaired_without_a_sync() {
-    let s = start();
-    s.engine.set_served(&[served("m"), served("m2")]);
-    advance(1).await;
-    advance(1_000).await;
+    let s = start_with_alias().await;
     let synced = syncs(&s.router.sent()).len();
     *s.router.failures_left.lock() = 1;
     s.state.apply(Rank(0), &store(1, [1, 1, 1, 1]));
